@@ -1,0 +1,87 @@
+"""``usp_attention``: ulysses all-to-all, ring attention, all-to-all back."""
+
+from __future__ import annotations
+
+import torch
+
+from .comm import RingComm
+from .kernels import Kernel, get_kernel
+from .layout import SequenceLayout
+from .mesh import SPMesh
+from .ring import RingAttention
+from .ulysses import HeadToSeq, SeqToHead, _Axis, kv_head_index
+from .validate import check_heads
+
+RING_IMPLS = ("usp", "ring_flash_attn")
+
+
+def check_inputs(q, k, v, mesh: SPMesh, layout: SequenceLayout) -> None:
+    """Shape rules for one call; raises ValueError before any collective."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"usp_attention expects [B, L/P, H, d] tensors, got q{tuple(q.shape)} "
+            f"k{tuple(k.shape)} v{tuple(v.shape)}"
+        )
+    if k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"q{tuple(q.shape)}, k{tuple(k.shape)}, v{tuple(v.shape)} disagree: k and v must "
+            f"match, and share batch, local length and head dim with q"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if layout.mesh is not mesh:
+        raise ValueError("layout was built for a different SPMesh than the one passed")
+    if q.shape[1] != layout.local_len:
+        raise ValueError(
+            f"local sequence length {q.shape[1]} != seq_len/(ring*ulysses) = "
+            f"{layout.seq_len}/{mesh.sp_size} = {layout.local_len}; shard inputs with "
+            f"layout.shard(x, dim=1)"
+        )
+    check_heads(q.shape[2], k.shape[2], mesh.ulysses)
+
+
+def usp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mesh: SPMesh,
+    layout: SequenceLayout,
+    causal: bool = True,
+    kernel: str | Kernel = "torch",
+    scale: float | None = None,
+    ring_impl: str = "usp",
+) -> torch.Tensor:
+    """Exact attention over the whole sequence held across the SP group.
+
+    q [B, L/P, Hq, d], k/v [B, L/P, Hkv, d] (this rank's tokens, as ``layout.shard`` gives
+    them) -> out [B, L/P, Hq, d]. Differentiable. ``kernel`` is the local block kernel
+    (``torch``, ``flash_attn``, ``reference``); ``ring_impl="ring_flash_attn"`` swaps our
+    ring for the ring-flash-attn package's CUDA ring (optional extra).
+    """
+    check_inputs(q, k, v, mesh, layout)
+    if ring_impl not in RING_IMPLS:
+        raise ValueError(f"ring_impl must be one of {RING_IMPLS}, got {ring_impl!r}")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    kern = get_kernel(kernel)
+    u = mesh.ulysses
+    axis = None
+    if u > 1:
+        axis = _Axis(u, mesh.group("ulysses"), mesh.to_group_rank("ulysses"), mesh.comm)
+        # [B, L/P, H, d] -> [B, L/r, H/u, d]: all tokens of the ring segment, some heads
+        q, k, v = SeqToHead.apply(q, k, v, axis, kv_head_index(q.shape[2], k.shape[2], u))
+    if ring_impl == "ring_flash_attn":
+        from .kernels.ring_flash_attn import ring_flash_attn
+
+        out = ring_flash_attn(q, k, v, mesh, layout.balance, causal, scale)
+    else:
+        comm = None
+        if mesh.ring > 1:
+            prev_rank, next_rank = mesh.ring_neighbors()
+            comm = RingComm(prev_rank, next_rank, None, mesh.comm)
+        out = RingAttention.apply(
+            q, k, v, comm, mesh.ring_rank, mesh.ring, causal, layout.balance, kern, scale
+        )  # [B, L/r, H/u, d]
+    if axis is not None:
+        out = HeadToSeq.apply(out, axis)  # [B, L/r, H/u, d] -> [B, L/P, H, d]
+    return out
