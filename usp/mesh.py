@@ -77,11 +77,13 @@ class SPMesh:
         dp: int | None = None,
         placement: str = "ulysses_inner",
         ranks_per_node: int | None = None,
+        hosts: list[str] | None = None,
         device_type: str | None = None,
     ) -> "SPMesh":
         """Discover hosts, lay ranks out and create the DeviceMesh (collective: all ranks call).
 
-        ``ranks_per_node`` simulates nodes of that many consecutive ranks on one host.
+        Simulation, for tests and CPU runs: ``ranks_per_node`` makes nodes of that many
+        consecutive ranks; ``hosts`` gives the host name of every rank explicitly.
         Invalid degrees raise ``ValueError`` before any collective runs.
         """
         if not dist.is_initialized():
@@ -93,7 +95,9 @@ class SPMesh:
             raise ValueError(
                 f"ranks_per_node ({ranks_per_node}) must divide the world size ({world})"
             )
-        hosts = cls._discover_hosts(world, ranks_per_node)
+        if hosts is not None and len(hosts) != world:
+            raise ValueError(f"hosts lists {len(hosts)} ranks but the world size is {world}")
+        hosts = list(hosts) if hosts is not None else cls._discover_hosts(world, ranks_per_node)
         ranks = mesh_ranks(hosts, dp, ring, ulysses, placement)
         if device_type is None:
             device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -113,11 +117,12 @@ class SPMesh:
         return hosts
 
     def _warn_if_ulysses_spans_nodes(self) -> None:
-        bad = spanning_groups(self.ranks, self.hosts, axis=2) if self.ulysses > 1 else []
-        if bad and dist.get_rank() == bad[0][0]:
+        group = self.axis_ranks("ulysses")
+        spans = sorted({self.hosts[r] for r in group})
+        if len(spans) > 1 and self.rank == group[0]:  # one warning per crossing group
             per_node = len(node_order(self.hosts)[0])
             warnings.warn(
-                f"ulysses group {bad[0]} spans nodes {sorted({self.hosts[r] for r in bad[0]})}: "
+                f"ulysses group {group} spans nodes {spans}: "
                 f"its all-to-all moves activations every layer over the inter-node link, "
                 f"typically ~10x slower than NVLink. Keep ulysses_degree <= ranks per node "
                 f"({per_node}) with placement='ulysses_inner' and put the rest on ring.",

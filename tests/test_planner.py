@@ -1,0 +1,398 @@
+"""Planner without a process group: cluster specs, cost model, feasibility rules, ranking,
+the monotonic trends the physics implies, and the mesh picture."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import yaml
+
+from usp.config import ModelConfig
+from usp.planner import (
+    ClusterSpec,
+    draw_mesh,
+    estimate,
+    group_span,
+    load_cluster,
+    plan,
+    rank_grid,
+)
+from usp.planner.cluster import GiB, cluster_dir
+from usp.validate import check_heads, check_seq_len
+
+LLAMA3_8B = ModelConfig(
+    vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+    rope_theta=500000, tie_embeddings=False,
+)
+M = 1 << 20
+
+
+def llama_like(n_kv_heads: int) -> ModelConfig:
+    """A Llama-2-7B-shaped model with a chosen number of KV heads."""
+    return ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32,
+                       n_kv_heads=n_kv_heads, ffn_dim=11008, tie_embeddings=False)
+
+
+@pytest.fixture
+def h100() -> ClusterSpec:
+    return load_cluster("h100_ib")
+
+
+@pytest.fixture
+def l40s() -> ClusterSpec:
+    return load_cluster("l40s_roce")
+
+
+# ---- cluster specs -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, intra, inter, flops, mem",
+    [
+        ("h100_ib", 450e9, 50e9, 989e12, 80 * GiB),
+        ("a100_ib", 300e9, 25e9, 312e12, 80 * GiB),
+        ("l40s_roce", 25e9, 12.5e9, 362e12, 48 * GiB),
+    ],
+)
+def test_cluster_yaml_values(name, intra, inter, flops, mem):
+    c = load_cluster(name)
+    assert (c.name, c.gpus_per_node) == (name, 8)
+    assert (c.intra_bw, c.inter_bw, c.peak_flops, c.mem_bytes) == (intra, inter, flops, mem)
+    assert 1e-6 <= c.intra_latency_s <= c.inter_latency_s <= 50e-6
+
+
+def test_cluster_yaml_keys_are_the_dataclass_fields():
+    fields = [f.name for f in dataclasses.fields(ClusterSpec)]
+    files = sorted(cluster_dir().glob("*.yaml"))
+    assert {p.stem for p in files} >= {"h100_ib", "a100_ib", "l40s_roce", "cpu_local"}
+    for p in files:
+        assert list(yaml.safe_load(p.read_text())) == fields, p
+
+
+def test_cluster_yaml_validates_against_structured_schema():
+    from omegaconf import OmegaConf  # what the CLI will do with a ConfigStore schema
+
+    for p in sorted(cluster_dir().glob("*.yaml")):
+        cfg = OmegaConf.merge(OmegaConf.structured(ClusterSpec), OmegaConf.load(p))
+        assert ClusterSpec(**OmegaConf.to_container(cfg)) == load_cluster(p)
+
+
+def test_cpu_local_is_one_small_node():
+    c = load_cluster("cpu_local")
+    assert (c.nodes, c.gpus_per_node) == (1, 2)
+    assert c.peak_flops < 1e12 and c.intra_bw < 10e9 and c.intra_latency_s >= 10e-6
+
+
+def test_load_cluster_rejects_bad_files(tmp_path):
+    good = yaml.safe_load((cluster_dir() / "h100_ib.yaml").read_text())
+    (tmp_path / "extra.yaml").write_text(yaml.safe_dump({**good, "nvlink": 1}))
+    with pytest.raises(ValueError, match=r"unknown keys \['nvlink'\]"):
+        load_cluster(tmp_path / "extra.yaml")
+    del good["mfu"]
+    (tmp_path / "short.yaml").write_text(yaml.safe_dump(good))
+    with pytest.raises(ValueError, match=r"missing keys \['mfu'\]"):
+        load_cluster(tmp_path / "short.yaml")
+    with pytest.raises(ValueError, match="known clusters: .*h100_ib"):
+        load_cluster("tpu_pod")
+
+
+@pytest.mark.parametrize("field, value", [("inter_bw", 0.0), ("gpus_per_node", -8), ("mfu", 1.5)])
+def test_cluster_spec_rejects_nonsense(field, value):
+    with pytest.raises(ValueError, match=field):
+        ClusterSpec(**{field: value})
+
+
+# ---- where ranks sit -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dp, ring, uly", [(1, 4, 8), (2, 2, 4), (1, 2, 16)])
+def test_rank_grid_matches_mesh_convention(dp, ring, uly):
+    world = dp * ring * uly
+    inner = torch.arange(world).reshape(dp, ring, uly).tolist()
+    outer = torch.arange(world).reshape(dp, uly, ring).transpose(1, 2).tolist()
+    assert rank_grid(dp, ring, uly, 8, "ulysses_inner") == inner
+    assert rank_grid(dp, ring, uly, 8, "ring_inner") == outer
+
+
+def test_group_span():
+    # ulysses 8 fills a node; its ring of 4 joins local rank j of each of the 4 nodes
+    assert group_span(1, 4, 8, 8, "ulysses", "ulysses_inner").remote_peers == 0
+    ring = group_span(1, 4, 8, 8, "ring", "ulysses_inner")
+    assert (ring.nodes, ring.crosses) == (4, True)
+    # ulysses 16 on 8-GPU nodes: 7 peers on the node, 8 on the other one
+    u16 = group_span(1, 2, 16, 8, "ulysses", "ulysses_inner")
+    assert (u16.local_peers, u16.remote_peers, u16.nodes) == (7, 8, 2)
+    # one node: ring 2 x ulysses 4 stays inside it
+    assert group_span(1, 2, 4, 8, "ring", "ulysses_inner").crosses is False
+    # ring_inner puts the ring inside the node and spreads ulysses over nodes
+    assert group_span(1, 4, 8, 8, "ring", "ring_inner").crosses is False
+    assert group_span(1, 4, 8, 8, "ulysses", "ring_inner").remote_peers == 6
+
+
+# ---- cost model ------------------------------------------------------------------------------
+
+
+def test_a2a_volume_matches_gqa_formula(h100):
+    L, d, b = M, LLAMA3_8B.head_dim, 2
+    for u, r in [(4, 8), (8, 4), (16, 2)]:
+        T = L / (u * r)
+        kv = check_heads(32, 8, u)  # 2, 1, 1 (replicated)
+        qkv_in = (u - 1) * T * (32 / u + 2 * kv) * d
+        out = (u - 1) * T * (32 / u) * d
+        c = estimate(LLAMA3_8B, h100, L, 1, r, u)
+        assert c.kv_per_rank == kv
+        assert c.a2a_bytes == pytest.approx(2 * (qkv_in + out) * b)  # fwd + bwd mirror
+
+
+def test_no_comm_without_the_axis(h100):
+    only_ring = estimate(LLAMA3_8B, h100, M, 1, 32, 1)
+    only_uly = estimate(LLAMA3_8B, h100, M, 1, 1, 32)
+    assert only_ring.a2a_s == only_ring.a2a_bytes == 0 and only_ring.a2a_link == "-"
+    assert only_uly.ring_comm_s == only_uly.ring_bytes == only_uly.merge_s == 0
+    assert only_uly.ring_link == "-"
+
+
+def test_attention_flops_causal_half_and_zigzag_balance(h100):
+    full = estimate(LLAMA3_8B, h100, 1 << 16, 1, 1, 8, causal=False)
+    causal = estimate(LLAMA3_8B, h100, 1 << 16, 1, 1, 8, causal=True)
+    assert causal.attn_s == pytest.approx(full.attn_s / 2)
+    # ring r: zigzag does r half blocks; contiguous waits for the last rank's full blocks
+    r = 4
+    zig = estimate(LLAMA3_8B, h100, 1 << 16, 1, r, 8, balance="zigzag")
+    con = estimate(LLAMA3_8B, h100, 1 << 16, 1, r, 8, balance="contiguous")
+    assert zig.attn_s == pytest.approx(causal.attn_s / r)  # balanced: 1/r of the work each
+    assert con.attn_s / zig.attn_s == pytest.approx((0.5 + (r - 1)) / (0.5 * r))
+
+
+def test_activation_memory_scales_with_sequence_share(h100):
+    # same ulysses, ring doubled: every activation buffer holds half the tokens
+    a = estimate(LLAMA3_8B, h100, 1 << 18, 1, 2, 4)
+    b = estimate(LLAMA3_8B, h100, 1 << 18, 1, 4, 4)
+    assert a.mem_act_bytes / b.mem_act_bytes == pytest.approx(2.0)
+
+
+def test_fsdp_shards_state_over_dp_times_sp(h100):
+    n = LLAMA3_8B.num_params()
+    rep = estimate(LLAMA3_8B, h100, 1 << 16, 2, 4, 4, global_batch=2, fsdp=False)
+    sh = estimate(LLAMA3_8B, h100, 1 << 16, 2, 4, 4, global_batch=2, fsdp=True)
+    assert rep.mem_state_bytes == 16 * n  # bf16 param + grad, fp32 master + Adam m, v
+    assert sh.mem_state_bytes < 16 * n / 32 + 2 * 0.25e9 * 2  # + two gathered layers
+    assert sh.mem_state_bytes > 16 * n / 32
+
+
+def test_step_breakdown_is_consistent(h100):
+    c = estimate(LLAMA3_8B, h100, M, 1, 4, 8)
+    assert c.step_s == pytest.approx(
+        c.compute_s + c.a2a_s + c.ring_exposed_s + c.merge_s + c.grad_exposed_s
+    )
+    assert 0 <= c.ring_exposed_s <= c.ring_comm_s and 0 < c.grad_exposed_s <= c.grad_s
+    assert 0 < c.comm_share < 0.05  # 1M tokens: attention compute dominates
+
+
+def test_ulysses_across_nodes_pays_the_inter_node_link(h100):
+    inside = estimate(LLAMA3_8B, h100, M, 1, 2, 16)
+    flat = estimate(LLAMA3_8B, h100.replace(inter_bw=h100.intra_bw), M, 1, 2, 16)
+    assert inside.a2a_link == "inter"
+    # 8 of 15 peers are remote: the a2a runs at inter_bw instead of intra_bw (9x slower)
+    assert inside.a2a_s / flat.a2a_s > 5
+
+
+def test_ring_exposure_follows_block_compute_vs_transfer(l40s):
+    """Per ring step, attention is ~blk^2 and K/V transfer ~blk (blk = L/r tokens), so the
+    transfer hides once blk > blk*. Backward is the binding side: 2.5 x 2 blk^2 (Hq/u) d
+    FLOPs against K,V (bf16) + dK,dV (fp32) = blk * 2 kv d (2 + 4) bytes."""
+    m, u, r, bw = llama_like(4), 4, 4, 3e9
+    cl = l40s.replace(inter_bw=bw)
+    rate = cl.peak_flops * cl.mfu
+    hq_u, kv = 32 / u, check_heads(32, 4, u)
+    blk_star = (2 * kv * (2 + 4)) * rate / (2.5 * 2 * hq_u * bw)  # tokens, ~16k here
+    assert 10_000 < blk_star < 20_000
+    share = []
+    for L in [1 << 14, 1 << 15, 1 << 16, 1 << 17, 1 << 18]:
+        c = estimate(m, cl, L, 1, r, u)
+        share.append(c.ring_exposed_s / c.ring_comm_s)
+        if L / r < blk_star / 2:
+            assert c.ring_exposed_s > 0, L
+        if L / r > 2 * blk_star:
+            assert c.ring_exposed_s == 0, L
+    assert share == sorted(share, reverse=True) and share[0] > 0.3 and share[-1] == 0
+
+
+# ---- plan: rules ------------------------------------------------------------------------------
+
+
+def _reason(fn, *args) -> str:
+    with pytest.raises(ValueError) as e:
+        fn(*args)
+    return str(e.value)
+
+
+def test_plan_enumerates_every_layout_once(h100):
+    p = plan(llama_like(32), h100, 1 << 17, global_batch=32)
+    seen = [c.degrees for c in p.candidates] + [(x.dp, x.ring, x.ulysses) for x in p.dropped]
+    expected = {(32 // (u * r), r, u) for u in [1, 2, 4, 8, 16, 32] for r in [1, 2, 4, 8, 16, 32]
+                if 32 % (u * r) == 0}
+    assert sorted(seen) == sorted(expected)
+    steps = [c.cost.step_s for c in p.candidates]
+    assert steps == sorted(steps)
+
+
+def test_heads_rule_drops_with_check_heads_message(h100):
+    m = ModelConfig(dim=1536, n_heads=12, n_kv_heads=6, ffn_dim=4096, n_layers=4)
+    p = plan(m, h100, 1 << 15, nodes=1)
+    dropped = {x.ulysses: x.reason for x in p.dropped}
+    assert dropped[4] == _reason(check_heads, 12, 6, 4)  # KV 6 vs ulysses 4
+    assert dropped[8] == _reason(check_heads, 12, 6, 8)  # 12 query heads over 8
+    assert {c.ulysses for c in p.candidates} == {1, 2}
+
+
+def test_kv_replication_is_a_note_not_a_drop(h100):
+    p = plan(llama_like(4), h100, 1 << 18, nodes=1)
+    c8 = next(c for c in p.candidates if c.ulysses == 8)
+    assert c8.cost.kv_per_rank == 1
+    assert "KV heads replicated x2 (ulysses 8 > 4 KV heads)" in c8.notes
+    assert not any("replicated" in n for c in p.candidates if c.ulysses <= 4 for n in c.notes)
+
+
+def test_seq_len_rule_drops_with_check_seq_len_message(h100):
+    # 48 tokens: zigzag needs 2 x ring x ulysses | 48, so sp 16 fails while sp 8 works
+    m = ModelConfig(n_heads=16, n_kv_heads=16, dim=256)
+    p = plan(m, h100, 48, nodes=2, global_batch=2)
+    sp16 = [x for x in p.dropped if x.dp == 1]
+    assert len(sp16) == 5  # every (ring, ulysses) with ring x ulysses = 16
+    for x in sp16:
+        assert x.reason == _reason(check_seq_len, 48, x.ulysses, x.ring, "zigzag")
+    assert p.candidates and all(c.dp == 2 for c in p.candidates)
+    # contiguous only needs ring x ulysses | 48, which 16 divides
+    q = plan(m, h100, 48, nodes=2, global_batch=2, balance="contiguous")
+    assert any(c.dp == 1 for c in q.candidates)
+
+
+def test_batch_rule(h100):
+    p = plan(LLAMA3_8B, h100, 1 << 17, global_batch=2)
+    assert {c.dp for c in p.candidates} <= {1, 2}
+    d4 = [x for x in p.dropped if x.dp == 4]
+    assert d4 and "global batch 2 sequences does not split over dp 4" in d4[0].reason
+
+
+def test_memory_rule_drops_what_does_not_fit(h100):
+    # ~43.3 GiB per rank at 1M on 32 ranks; ulysses 16/32 hold more K/V (replicated) heads
+    p = plan(LLAMA3_8B, h100.replace(mem_bytes=48.5 * GiB), M)
+    over = {(x.ring, x.ulysses): x.reason for x in p.dropped if "GiB per rank" in x.reason}
+    assert set(over) == {(2, 16), (1, 32)}
+    assert "> 43.6 GiB (90% of 48 GiB); try more nodes, a shorter sequence" in over[(2, 16)]
+    assert all(c.cost.mem_bytes <= 0.9 * 48.5 * GiB for c in p.candidates)
+    assert p.best.degrees == (1, 4, 8)
+    with pytest.raises(ValueError, match=r"(?s)no feasible layout .*GiB per rank"):
+        plan(LLAMA3_8B, h100.replace(mem_bytes=40 * GiB), M)
+    # replicated (no FSDP) Llama-8B state alone is 16 B/param = 120 GiB
+    with pytest.raises(ValueError, match=r"state 119\.\d.*try smaller dp than 32, fsdp=True"):
+        plan(LLAMA3_8B, h100, 1 << 15, fsdp=False, global_batch=32)
+
+
+def test_ulysses_spanning_nodes_is_a_warning_not_a_drop(h100):
+    p = plan(LLAMA3_8B, h100, M)
+    c16 = p.find(1, 2, 16)
+    assert c16 is not None and c16.cost.a2a_link == "inter"
+    assert any(n.startswith("WARNING ulysses spans 2 nodes") for n in c16.notes)
+    assert not any("WARNING" in n for n in p.find(1, 4, 8).notes)
+
+
+def test_fixed_degrees(h100):
+    p = plan(LLAMA3_8B, h100, M, ulysses=4)
+    assert [c.degrees for c in p.candidates] == [(1, 8, 4)]
+    q = plan(LLAMA3_8B, h100, 1 << 17, ring=2, global_batch=4)
+    assert {c.ring for c in q.candidates} == {2}
+    assert {c.degrees for c in q.candidates} == {(4, 2, 4), (2, 2, 8), (1, 2, 16)}
+    with pytest.raises(ValueError, match="does not divide world 32"):
+        plan(LLAMA3_8B, h100, M, ulysses=3)
+    with pytest.raises(ValueError, match=r"ulysses \(8\) x ring \(8\) = 64 does not divide"):
+        plan(LLAMA3_8B, h100, M, ulysses=8, ring=8)
+
+
+def test_world_and_nodes(h100):
+    assert plan(LLAMA3_8B, h100, 1 << 17, nodes=1).world == 8
+    assert plan(LLAMA3_8B, h100, 1 << 17, world=16).cluster.nodes == 2
+    with pytest.raises(ValueError, match="whole number of 8-GPU nodes"):
+        plan(LLAMA3_8B, h100, 1 << 17, world=12)
+
+
+# ---- plan: the answers ---------------------------------------------------------------------
+
+
+def test_llama3_8b_1m_on_4x8_h100_is_ulysses8_ring4(h100):
+    p = plan(LLAMA3_8B, h100, M, global_batch=1, fsdp=True)
+    assert p.best.degrees == (1, 4, 8)
+    assert p.reason.startswith("ulysses 8 x ring 4 x dp 1: ulysses capped at 8 = KV heads")
+    assert "ring 4 across nodes, K/V transfer hidden behind attention" in p.reason
+    assert p.best.cost.ring_exposed_s == 0 and p.best.cost.mem_bytes < 0.9 * 80 * GiB
+    # the neighbours lose for the stated reasons: more ring steps to merge, or a2a over IB
+    u4, u16 = p.find(1, 8, 4).cost, p.find(1, 2, 16).cost
+    assert u4.merge_s > p.best.cost.merge_s and u16.a2a_s > 5 * p.best.cost.a2a_s
+    table = p.format_table()
+    assert table.splitlines()[2].split()[:4] == ["1", "1", "4", "8"]
+    assert "reason: ulysses 8 x ring 4" in table
+
+
+def test_four_kv_heads_on_8_gpu_nodes_explains_replication_or_ring(h100):
+    m = dataclasses.replace(LLAMA3_8B, n_kv_heads=4)
+    p = plan(m, h100, 1 << 18)
+    b = p.best
+    if b.ulysses > 4:  # KV replication: say so, and against which ring
+        assert "ulysses 8 = GPUs per node > 4 KV heads: KV heads replicated x2" in p.reason
+        assert "replication beats ring 8 with ulysses 4" in p.reason
+        assert p.find(1, 8, 4).cost.step_s > b.cost.step_s
+    else:  # a larger ring instead: say replication was the alternative
+        assert b.ring >= 8 and "needs KV replication x2" in p.reason
+
+
+def test_slower_inter_node_link_pushes_toward_larger_ulysses(l40s):
+    uly = [plan(llama_like(4), l40s.replace(inter_bw=bw), 1 << 16, nodes=2).best.ulysses
+           for bw in [12.5e9, 6e9, 3e9, 1.5e9, 0.75e9]]
+    assert uly == sorted(uly) and uly[0] < uly[-1]
+    assert max(uly) <= 8  # it grows inside the node, not across it
+
+
+def test_fewer_kv_heads_push_toward_ring(l40s):
+    rings = [plan(llama_like(h), l40s, 1 << 16, nodes=2).best.ring for h in [32, 16, 8, 4, 2, 1]]
+    assert rings == sorted(rings) and rings[0] < rings[-1]
+
+
+def test_longer_sequences_shift_toward_ring(l40s):
+    cl = l40s.replace(inter_bw=3e9)
+    rings = [plan(llama_like(4), cl, 1 << k, nodes=2).best.ring for k in range(13, 20)]
+    assert rings == sorted(rings) and rings[0] < rings[-1]
+
+
+def test_format_table_lists_dropped_with_reasons(h100):
+    p = plan(LLAMA3_8B, h100, M)
+    lines = p.format_table().splitlines()
+    assert lines[0] == "plan: world 32 (4 x 8 on h100_ib), seq_len 1048576"
+    assert "dropped:" in lines
+    assert sum("does not split over dp" in ln for ln in lines) == len(p.dropped) == 15
+    assert "dropped:" not in p.format_table(show_dropped=False)
+
+
+# ---- picture ----------------------------------------------------------------------------------
+
+
+def test_draw_mesh_text():
+    text = str(draw_mesh(1, 4, 8, 8))
+    lines = text.splitlines()
+    assert lines[1].split()[:3] == ["node", "0:", "0:U0/R0"]
+    assert lines[2].split()[2:4] == ["8:U1/R0", "9:U1/R1"]
+    assert "R0 = 0 -> 8 -> 16 -> 24 -> 0 on nodes [0, 1, 2, 3], 4 of 4 hops cross nodes" in text
+    assert "U0 = [0, 1, 2, 3, 4, 5, 6, 7] on node 0" in text and "span nodes" not in text
+    wide = str(draw_mesh(1, 2, 16, 8))
+    assert "2 span nodes (all-to-all over the inter-node link)" in wide
+    inner = str(draw_mesh(2, 2, 4, 8, "ring_inner"))
+    assert "R0 = 0 -> 1 -> 0 on node 0, 0 of 2 hops cross nodes" in inner
+    assert "U0 = [0, 2, 4, 6] on node 0" in inner and "dp groups: 8 x 2 ranks" in inner
+
+
+def test_draw_mesh_png(tmp_path):
+    path = draw_mesh(1, 4, 8, 8).save_png(tmp_path / "mesh.png")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000

@@ -1,0 +1,30 @@
+"""Planner: choose ``dp x ring x ulysses`` from the model shape and the cluster.
+
+Pure functions and dataclasses, no process group: ``plan()`` ranks layouts with the cost
+model in ``cost``, ``detect_topology()`` fills a ``ClusterSpec`` from the launcher and the
+machine, ``draw_mesh()`` pictures a layout.
+"""
+
+from .cluster import ClusterSpec, GroupSpan, group_span, load_cluster, rank_grid
+from .cost import StepCost, estimate
+from .detect import DetectReport, detect_topology
+from .draw import MeshDrawing, draw_mesh
+from .plan import Candidate, Dropped, Plan, plan
+
+__all__ = [
+    "Candidate",
+    "ClusterSpec",
+    "DetectReport",
+    "Dropped",
+    "GroupSpan",
+    "MeshDrawing",
+    "Plan",
+    "StepCost",
+    "detect_topology",
+    "draw_mesh",
+    "estimate",
+    "group_span",
+    "load_cluster",
+    "plan",
+    "rank_grid",
+]

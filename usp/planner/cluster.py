@@ -1,0 +1,157 @@
+"""What the planner knows about the hardware: one ``ClusterSpec`` and where ranks sit on it.
+
+Units everywhere: bytes, seconds, bytes/s, FLOP/s. Bandwidths are *unidirectional, per
+GPU*: ``intra_bw`` is what one GPU can push to its node peers (NVLink or PCIe),
+``inter_bw`` what one GPU can push off the node through its own rail NIC.
+
+The YAML files in ``configs/cluster/`` use exactly the field names below, so a Hydra
+structured-config schema built from this dataclass validates them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from ..mesh import mesh_ranks
+from ..validate import check_degrees, check_placement
+
+GiB = 1024**3
+
+
+@dataclass
+class ClusterSpec:
+    """A homogeneous cluster of ``nodes`` x ``gpus_per_node`` accelerators.
+
+    Defaults describe an unknown PCIe box on a 100G network; they are what detection falls
+    back to when no spec is given, and every such value is reported as assumed.
+    """
+
+    name: str = "unknown"
+    gpus_per_node: int = 1
+    nodes: int = 1
+    intra_bw: float = 25.0e9  # bytes/s per GPU per direction inside a node
+    intra_latency_s: float = 10.0e-6  # one intra-node collective/P2P start-up
+    inter_bw: float = 12.5e9  # bytes/s per GPU rail per direction between nodes
+    inter_latency_s: float = 10.0e-6  # one inter-node message start-up
+    peak_flops: float = 100.0e12  # dense bf16 FLOP/s per GPU
+    mem_bytes: float = 16.0 * GiB  # device memory per GPU
+    mfu: float = 0.4  # achievable fraction of peak_flops for attention and matmuls
+    hbm_bw: float = 1.0e12  # device memory bytes/s (memory-bound work: ring out/LSE merges)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if f.name == "name":
+                continue
+            val = getattr(self, f.name)
+            if not isinstance(val, (int, float)) or isinstance(val, bool) or val <= 0:
+                raise ValueError(
+                    f"cluster {self.name!r}: {f.name} must be a positive number, got {val!r}"
+                )
+        if not 0 < self.mfu <= 1:
+            raise ValueError(f"cluster {self.name!r}: mfu must be in (0, 1], got {self.mfu}")
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    def replace(self, **changes) -> "ClusterSpec":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def cluster_dir() -> Path:
+    """``configs/cluster`` of this checkout."""
+    return Path(__file__).resolve().parents[2] / "configs" / "cluster"
+
+
+def load_cluster(name_or_path: str | Path, search_dir: str | Path | None = None) -> ClusterSpec:
+    """Read a cluster YAML: a path, or a name looked up in ``search_dir`` (default
+    ``configs/cluster``). Unknown or missing keys raise ``ValueError``."""
+    path = Path(name_or_path)
+    if path.suffix not in (".yaml", ".yml"):
+        path = Path(search_dir or cluster_dir()) / f"{name_or_path}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in path.parent.glob("*.yaml")) if path.parent.is_dir() else []
+        raise ValueError(f"cluster config {path} not found; known clusters: {known}")
+    raw = yaml.safe_load(path.read_text()) or {}
+    fields = {f.name: f for f in dataclasses.fields(ClusterSpec)}
+    unknown = sorted(set(raw) - set(fields))
+    missing = sorted(set(fields) - set(raw))
+    if unknown or missing:
+        raise ValueError(
+            f"cluster config {path}: unknown keys {unknown}, missing keys {missing}; "
+            f"keys must be the ClusterSpec fields {list(fields)}"
+        )
+    kinds = {"str": str, "int": int, "float": float}
+    try:  # YAML 1.1 reads '450e9' as a string: coerce to the field's type
+        vals = {k: kinds[fields[k].type](v) for k, v in raw.items()}
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"cluster config {path}: {e}") from e
+    return ClusterSpec(**vals)
+
+
+# ---- where ranks sit -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GroupSpan:
+    """How one rank's ulysses or ring group lies on the nodes.
+
+    ``local_peers``/``remote_peers``: other members on the same / on other nodes (what an
+    all-to-all sends over each link); ``nodes``: distinct nodes in the group;
+    ``crosses``: some ring hop (member i -> i+1) leaves the node.
+    """
+
+    size: int
+    nodes: int
+    local_peers: int
+    remote_peers: int
+    crosses: bool
+
+
+def rank_grid(
+    dp: int, ring: int, ulysses: int, gpus_per_node: int, placement: str = "ulysses_inner"
+) -> list[list[list[int]]]:
+    """Global ranks as a nested [dp][ring][ulysses] list, ranks node-major
+    (node n holds ranks n*K .. n*K+K-1 for K = gpus_per_node)."""
+    check_placement(placement)
+    world = dp * ring * ulysses
+    check_degrees(world, ulysses, ring, dp)
+    if world % gpus_per_node and gpus_per_node < world:
+        raise ValueError(
+            f"world size {world} is not a whole number of nodes of {gpus_per_node} GPUs"
+        )
+    hosts = [f"node{r // gpus_per_node}" for r in range(world)]
+    return mesh_ranks(hosts, dp, ring, ulysses, placement).tolist()
+
+
+def group_span(
+    dp: int, ring: int, ulysses: int, gpus_per_node: int, axis: str, placement: str
+) -> GroupSpan:
+    """Worst-placed group along ``axis`` ('ulysses' or 'ring'): most remote peers."""
+    grid = rank_grid(dp, ring, ulysses, gpus_per_node, placement)
+    if axis == "ulysses":
+        groups = [row for plane in grid for row in plane]
+    elif axis == "ring":
+        groups = [[plane[i][j] for i in range(ring)] for plane in grid for j in range(ulysses)]
+    else:
+        raise ValueError(f"axis must be 'ulysses' or 'ring', got {axis!r}")
+    worst = None
+    for g in groups:
+        node = [r // gpus_per_node for r in g]
+        for m, n in enumerate(node):
+            local = sum(1 for x in node if x == n) - 1
+            span = GroupSpan(
+                size=len(g),
+                nodes=len(set(node)),
+                local_peers=local,
+                remote_peers=len(g) - 1 - local,
+                crosses=any(node[i] != node[(i + 1) % len(g)] for i in range(len(g))),
+            )
+            if worst is None or span.remote_peers > worst.remote_peers:
+                worst = span
+    return worst

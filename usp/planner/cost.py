@@ -1,0 +1,231 @@
+"""Analytic step-time and memory model for one ``(dp, ring, ulysses)`` layout.
+
+Per rank, per layer, per sequence (``T = L/P`` tokens, ``P = ring * ulysses``):
+
+- token-wise matmuls: ``2 N_layer`` FLOPs per token forward, ``4 N_layer`` backward (and a
+  second forward under activation checkpointing);
+- ulysses: two blocking all-to-alls forward (q/k/v in, out back) and their mirrors in
+  backward. The in-a2a sends ``(u-1) T (Hq/u + 2 kv) d`` elements, ``kv = max(Hkv/u, 1)``
+  (from ``check_heads``), the out-a2a ``(u-1) T (Hq/u) d``. Peers on the same node go over
+  ``intra_bw``, peers on other nodes over ``inter_bw``, in parallel;
+- ring: ``r`` steps over query block ``L/r`` x key block ``L/r`` with ``Hq/u`` heads. Step
+  ``i`` computes block ``i`` while block ``i+1``'s K/V travel (backward: K/V plus fp32
+  dK/dV), so a step costs ``max(compute + merge, transfer)``; what a transfer adds beyond
+  the compute it hides behind is *exposed*. Each step after the first merges its partial
+  output into an fp32 accumulator (forward: out/LSE; backward: dQ, dK, dV), a memory-bound
+  pass over HBM. Causal attention with zigzag balance does half a block per step; with
+  contiguous balance the last ring rank does full blocks, so each step waits for it;
+- gradients: FSDP all-gathers parameters forward and backward and reduce-scatters
+  gradients over all ``dp x sp`` ranks, overlapped with compute except the last layer;
+  replicated data parallel all-reduces once.
+
+The model is a ranking tool: absolute times are optimistic by the usual kernel and NCCL
+inefficiencies folded into ``mfu`` and line-rate bandwidths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import ModelConfig
+from ..validate import check_heads
+from .cluster import ClusterSpec, group_span
+
+FP32 = 4  # bytes: LSE, merge accumulators, dK/dV in flight, logits for the loss
+OPTIM_BYTES = 12  # bytes/param: fp32 master weights + Adam m and v
+FLASH_BWD = 2.5  # flash-attention backward FLOPs / forward FLOPs (recomputes P)
+
+
+@dataclass
+class StepCost:
+    """Predicted cost of one optimizer step on one rank. Times in seconds, sizes in bytes."""
+
+    dp: int
+    ring: int
+    ulysses: int
+    kv_per_rank: int  # KV heads each ulysses rank attends with (1 when replicated)
+    compute_s: float  # attention + matmul FLOPs / (peak * mfu), recompute included
+    attn_s: float  # the attention part of compute_s
+    a2a_s: float  # ulysses all-to-alls (blocking, fully exposed)
+    ring_comm_s: float  # K/V (and dK/dV) transfer time, hidden or not
+    ring_exposed_s: float  # the part of ring_comm_s not hidden behind block compute
+    merge_s: float  # ring out/LSE and gradient accumulation (HBM-bound)
+    grad_s: float  # gradient reduction / FSDP gathers, total transfer time
+    grad_exposed_s: float  # the part of grad_s not overlapped with compute
+    step_s: float  # predicted step time
+    a2a_bytes: float  # per rank per layer per sequence, fwd+bwd (no recompute)
+    ring_bytes: float  # per rank per layer per sequence, fwd+bwd (no recompute)
+    mem_bytes: float  # peak memory per rank
+    mem_state_bytes: float  # params + grads + optimizer (+ gathered FSDP layers)
+    mem_act_bytes: float  # activations, attention buffers, logits
+    a2a_link: str  # "intra", "inter" or "-" (ulysses 1)
+    ring_link: str  # "intra", "inter" or "-" (ring 1)
+
+    @property
+    def comm_share(self) -> float:
+        """Share of the step spent waiting on communication."""
+        waits = self.a2a_s + self.ring_exposed_s + self.grad_exposed_s
+        return waits / self.step_s if self.step_s > 0 else 0.0
+
+
+def layer_matmul_params(model: ModelConfig) -> int:
+    """Weights one token multiplies through in a layer (q, k, v, o, gate, up, down)."""
+    d, hd = model.dim, model.head_dim
+    return 2 * d * model.n_heads * hd + 2 * d * model.n_kv_heads * hd + 3 * d * model.ffn_dim
+
+
+def act_bytes_per_token_layer(model: ModelConfig, dtype_bytes: int) -> float:
+    """Activations one layer saves for backward per token (flash attention, SwiGLU):
+    norm in/out x2, q, out, o-proj out (7D), k, v, gate/up/act/down-in (4F), fp32 LSE."""
+    kv = 2 * model.n_kv_heads * model.head_dim
+    return (7 * model.dim + kv + 4 * model.ffn_dim) * dtype_bytes + model.n_heads * FP32
+
+
+def _link(cluster: ClusterSpec, remote: bool) -> tuple[float, float]:
+    """(bytes/s, latency s) of the link a transfer uses."""
+    if remote:
+        return cluster.inter_bw, cluster.inter_latency_s
+    return cluster.intra_bw, cluster.intra_latency_s
+
+
+def estimate(
+    model: ModelConfig,
+    cluster: ClusterSpec,
+    seq_len: int,
+    dp: int,
+    ring: int,
+    ulysses: int,
+    *,
+    global_batch: int = 1,
+    dtype_bytes: int = 2,
+    causal: bool = True,
+    fsdp: bool = True,
+    balance: str = "zigzag",
+    placement: str = "ulysses_inner",
+    act_checkpoint: bool = True,
+) -> StepCost:
+    """Predict one step of ``global_batch`` sequences of ``seq_len`` tokens.
+
+    Each dp rank runs ``global_batch / dp`` sequences one after another (one sequence per
+    micro-batch); memory is for one micro-batch. Raises ``ValueError`` when the heads do
+    not split over ``ulysses`` (see ``usp.validate.check_heads``).
+    """
+    L, r, u, P = seq_len, ring, ulysses, ring * ulysses
+    world = dp * P
+    hq, hkv, hd, D = model.n_heads, model.n_kv_heads, model.head_dim, model.dim
+    kv = check_heads(hq, hkv, u)
+    seqs = global_batch / dp  # micro-batches of one sequence per dp rank
+    T = L / P  # tokens per rank
+    rate = cluster.peak_flops * cluster.mfu  # FLOP/s
+    n_fwd = 2 if act_checkpoint else 1  # forward passes per layer (recompute)
+
+    # ---- token-wise compute, per layer per sequence -----------------------------------
+    lin_s = (2 * n_fwd + 4) * layer_matmul_params(model) * T / rate
+    head_s = 6 * D * model.vocab_size * T / rate  # LM head fwd+bwd, once per sequence
+
+    # ---- ulysses all-to-alls: [B, L/P, H, d] <-> [B, L/r, H/u, d] ---------------------
+    a2a_s_layer, a2a_bytes, a2a_link = 0.0, 0.0, "-"
+    if u > 1:
+        us = group_span(dp, r, u, cluster.gpus_per_node, "ulysses", placement)
+        a2a_link = "inter" if us.remote_peers else "intra"
+
+        def a2a_time(heads: float) -> float:  # one all-to-all moving `heads` heads per token
+            chunk = T * heads * hd * dtype_bytes  # bytes to each peer
+            local = us.local_peers * chunk / cluster.intra_bw
+            remote = us.remote_peers * chunk / cluster.inter_bw
+            lat = cluster.inter_latency_s if us.remote_peers else cluster.intra_latency_s
+            return lat + max(local, remote)
+
+        t_in, t_out = a2a_time(hq / u + 2 * kv), a2a_time(hq / u)
+        a2a_s_layer = (n_fwd + 1) * (t_in + t_out)  # fwd (x recompute) + bwd mirrors
+        a2a_bytes = 2 * (u - 1) * T * (hq / u + 2 * kv + hq / u) * hd * dtype_bytes
+
+    # ---- ring pass: r steps of [L/r queries x L/r keys x Hq/u heads] -----------------
+    blk = L / r  # tokens per ring segment
+    blk_flops = 4 * blk * blk * (hq / u) * hd  # QK^T and PV, one full block
+    full = blk_flops / rate
+    first = full / 2 if causal else full  # the diagonal block
+    later = full / 2 if causal and balance == "zigzag" else full  # slowest rank's block
+    attn_fwd = first + (r - 1) * later
+    kv_bytes = 2 * blk * kv * hd * dtype_bytes  # one K/V block in flight
+    q_elems, kv_elems = blk * (hq / u) * hd, blk * kv * hd
+    merge_f = 3 * FP32 * q_elems / cluster.hbm_bw  # read acc + block, write acc
+    merge_b = 3 * FP32 * (q_elems + 2 * kv_elems) / cluster.hbm_bw  # dQ, dK, dV
+    ring_comm_layer = ring_exp_layer = merge_layer = 0.0
+    ring_link = "-"
+    if r > 1:
+        rs = group_span(dp, r, u, cluster.gpus_per_node, "ring", placement)
+        ring_link = "inter" if rs.crosses else "intra"
+        bw, lat = _link(cluster, rs.crosses)
+        send_f = lat + kv_bytes / bw
+        send_b = 2 * lat + kv_bytes * (1 + FP32 / dtype_bytes) / bw  # K,V + fp32 dK,dV
+        exp_f = (r - 1) * max(0.0, send_f - later - merge_f)
+        exp_b = (r - 1) * max(0.0, send_b - FLASH_BWD * later - merge_b)
+        ring_comm_layer = (r - 1) * (n_fwd * send_f + send_b)
+        ring_exp_layer = n_fwd * exp_f + exp_b
+        merge_layer = (r - 1) * (n_fwd * merge_f + merge_b)
+    attn_layer = (n_fwd + FLASH_BWD) * attn_fwd
+
+    # ---- one step ------------------------------------------------------------------------
+    nl = model.n_layers
+    per_seq = nl * (lin_s + attn_layer + a2a_s_layer + ring_exp_layer + merge_layer) + head_s
+    compute_s = seqs * (nl * (lin_s + attn_layer) + head_s)
+
+    # gradients over all dp x sp ranks: the slowest link the collective touches
+    n_params = model.num_params()
+    spans_nodes = world > cluster.gpus_per_node
+    gbw = cluster.inter_bw if spans_nodes else cluster.intra_bw
+    glat = cluster.inter_latency_s if spans_nodes else cluster.intra_latency_s
+    frac = (world - 1) / world
+    if world == 1:
+        grad_s = 0.0
+    elif fsdp:  # all-gather fwd + bwd per micro-batch, reduce-scatter once per step
+        grad_s = (2 * seqs + 1) * (frac * n_params * dtype_bytes / gbw + nl * glat)
+    else:  # one all-reduce (reduce-scatter + all-gather) of the gradients
+        grad_s = 2 * frac * n_params * dtype_bytes / gbw + nl * glat
+    grad_exposed = max(grad_s / nl, grad_s - compute_s) if grad_s else 0.0
+    step_s = seqs * per_seq + grad_exposed
+
+    # ---- memory per rank, one micro-batch -----------------------------------------------
+    layer_params = layer_matmul_params(model) + 2 * D
+    state_per_param = 2 * dtype_bytes + OPTIM_BYTES  # param + grad + fp32 optimizer
+    if fsdp:  # sharded over every rank, plus the current and the prefetched layer gathered
+        mem_state = state_per_param * n_params / world + 2 * layer_params * dtype_bytes
+    else:
+        mem_state = state_per_param * n_params
+    per_tok_layer = act_bytes_per_token_layer(model, dtype_bytes)
+    if act_checkpoint:  # layer inputs kept, one layer's activations rebuilt at a time
+        acts = nl * T * D * dtype_bytes + T * per_tok_layer
+    else:
+        acts = nl * T * per_tok_layer
+    attn_buf = blk * hd * (
+        (2 * hq / u + 2 * kv) * dtype_bytes  # q, out, k, v in head layout
+        + 2 * 2 * kv * dtype_bytes  # next K/V block (double buffer)
+        + (hq / u) * FP32  # fp32 output accumulator
+        + 2 * 2 * kv * FP32  # fp32 dK/dV accumulator and the one in flight
+    )
+    logits = T * model.vocab_size * (dtype_bytes + FP32)  # logits and fp32 loss copy
+    mem_act = acts + attn_buf + logits
+
+    return StepCost(
+        dp=dp,
+        ring=r,
+        ulysses=u,
+        kv_per_rank=kv,
+        compute_s=compute_s,
+        attn_s=seqs * nl * attn_layer,
+        a2a_s=seqs * nl * a2a_s_layer,
+        ring_comm_s=seqs * nl * ring_comm_layer,
+        ring_exposed_s=seqs * nl * ring_exp_layer,
+        merge_s=seqs * nl * merge_layer,
+        grad_s=grad_s,
+        grad_exposed_s=grad_exposed,
+        step_s=step_s,
+        a2a_bytes=a2a_bytes,
+        ring_bytes=(r - 1) * kv_bytes * (2 + FP32 / dtype_bytes) if r > 1 else 0.0,
+        mem_bytes=mem_state + mem_act,
+        mem_state_bytes=mem_state,
+        mem_act_bytes=mem_act,
+        a2a_link=a2a_link,
+        ring_link=ring_link,
+    )

@@ -1,0 +1,247 @@
+"""Choose ``(dp, ring, ulysses)``: enumerate every layout of the world, drop the infeasible
+ones with the rule that refused them, rank the rest by predicted step time.
+
+Rules, in order (each a ``ValueError`` text kept in ``Plan.dropped``):
+degrees multiply to the world (``check_degrees``); the global batch splits over dp; query
+and KV heads split over ulysses (``check_heads``; KV replication when ulysses > KV heads
+is allowed and noted); the sequence splits over ``2 x ring x ulysses`` for zigzag
+(``check_seq_len``); the predicted memory fits. A ulysses group that spans nodes stays
+feasible but is noted, and pays for its all-to-all on the inter-node link in the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..config import ModelConfig
+from ..validate import check_degrees, check_heads, check_placement, check_seq_len
+from .cluster import GiB, ClusterSpec, group_span
+from .cost import StepCost, estimate
+
+
+@dataclass
+class Candidate:
+    """A feasible layout with its predicted cost and notes (replication, spans)."""
+
+    dp: int
+    ring: int
+    ulysses: int
+    cost: StepCost
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def degrees(self) -> tuple[int, int, int]:
+        return self.dp, self.ring, self.ulysses
+
+    def label(self) -> str:
+        return f"ulysses {self.ulysses} x ring {self.ring} x dp {self.dp}"
+
+
+@dataclass
+class Dropped:
+    """An infeasible layout and the rule's message."""
+
+    dp: int
+    ring: int
+    ulysses: int
+    reason: str
+
+
+@dataclass
+class Plan:
+    """Ranked feasible layouts (fastest first), dropped ones, and a one-line reason."""
+
+    world: int
+    seq_len: int
+    cluster: ClusterSpec
+    model: ModelConfig
+    candidates: list[Candidate]
+    dropped: list[Dropped]
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[0]
+
+    def find(self, dp: int, ring: int, ulysses: int) -> Candidate | None:
+        return next((c for c in self.candidates if c.degrees == (dp, ring, ulysses)), None)
+
+    @property
+    def reason(self) -> str:
+        """Why the best layout won, in one line."""
+        b, m, K = self.best, self.model, self.cluster.gpus_per_node
+        hkv = m.n_kv_heads
+        u, r = b.ulysses, b.ring
+        parts = []
+        node = " = GPUs per node" if u == K else ""
+        if u > hkv:
+            why = f"ulysses {u}{node} > {hkv} KV heads: KV heads replicated x{u // hkv}"
+        elif u == hkv:
+            why = f"ulysses capped at {u} = KV heads{node}"
+        else:
+            why = f"ulysses {u}{node}"
+        bigger = [c for c in self.candidates if c.dp == b.dp and c.ulysses > u]
+        if bigger:
+            c = min(bigger, key=lambda c: c.ulysses)
+            blame = []
+            if c.cost.a2a_link == "inter":
+                blame.append("crosses nodes")
+            if c.ulysses > hkv >= u:
+                blame.append(f"needs KV replication x{c.ulysses // hkv}")
+            why += f" (ulysses {c.ulysses} {' and '.join(blame) or 'moves more'}: {self._vs(c)})"
+        parts.append(why)
+        if r == 1:
+            parts.append("no ring")
+        else:
+            where = "across nodes" if b.cost.ring_link == "inter" else "inside a node"
+            exp = b.cost.ring_exposed_s / b.cost.ring_comm_s if b.cost.ring_comm_s else 0.0
+            hide = "K/V transfer hidden behind attention" if exp == 0 else f"{exp:.0%} exposed"
+            parts.append(f"ring {r} {where}, {hide}")
+            smaller = [c for c in self.candidates if c.dp == b.dp and c.ulysses < u]
+            if smaller:
+                c = max(smaller, key=lambda c: c.ulysses)
+                lead = "replication beats " if u > hkv >= c.ulysses else ""
+                parts.append(f"{lead}ring {c.ring} with ulysses {c.ulysses}: {self._vs(c)}")
+        if b.dp > 1:
+            parts.append(f"dp {b.dp}")
+        return f"{b.label()}: " + "; ".join(parts)
+
+    def _vs(self, c: Candidate) -> str:
+        return f"{c.cost.step_s / self.best.cost.step_s - 1:+.1%} step time"
+
+    def format_table(self, show_dropped: bool = True) -> str:
+        """Ranked table of feasible layouts, then the dropped ones with their reason."""
+        c0 = self.cluster
+        head = (
+            f"plan: world {self.world} ({c0.nodes} x {c0.gpus_per_node} on {c0.name}), "
+            f"seq_len {self.seq_len}"
+        )
+        rows = [head, f"{'#':>2} {'dp':>3} {'ring':>4} {'ulysses':>7} {'step_s':>9} "
+                f"{'vs best':>8} {'comm':>6} {'mem/rank':>9}  notes"]
+        t0 = self.best.cost.step_s
+        for i, c in enumerate(self.candidates, 1):
+            k = c.cost
+            rows.append(
+                f"{i:>2} {c.dp:>3} {c.ring:>4} {c.ulysses:>7} {k.step_s:>9.3f} "
+                f"{k.step_s / t0 - 1:>+8.1%} {k.comm_share:>6.1%} "
+                f"{k.mem_bytes / GiB:>5.1f} GiB  {'; '.join(c.notes)}"
+            )
+        if show_dropped and self.dropped:
+            rows.append("dropped:")
+            rows += [f"   {d.dp:>3} {d.ring:>4} {d.ulysses:>7}  {d.reason}" for d in self.dropped]
+        rows.append(f"reason: {self.reason}")
+        return "\n".join(rows)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plan(
+    model: ModelConfig,
+    cluster: ClusterSpec,
+    seq_len: int,
+    nodes: int | None = None,
+    world: int | None = None,
+    balance: str = "zigzag",
+    *,
+    ulysses: int | None = None,
+    ring: int | None = None,
+    dp: int | None = None,
+    global_batch: int = 1,
+    dtype_bytes: int = 2,
+    causal: bool = True,
+    fsdp: bool = True,
+    placement: str = "ulysses_inner",
+    act_checkpoint: bool = True,
+    mem_fraction: float = 0.9,
+) -> Plan:
+    """Rank every ``dp x ring x ulysses = world`` layout for ``global_batch`` sequences of
+    ``seq_len`` tokens on ``cluster`` (``nodes`` of it, or ``world`` ranks; default the
+    whole cluster). Fix any degree by passing it; the others are searched.
+
+    A layout fits when its predicted memory is at most ``mem_fraction`` of ``mem_bytes``.
+    Raises ``ValueError`` listing every reason when no layout is feasible.
+    """
+    check_placement(placement)
+    K = cluster.gpus_per_node
+    if world is None:
+        world = (nodes or cluster.nodes) * K
+    elif nodes is not None and nodes * K != world:
+        raise ValueError(f"world {world} != nodes {nodes} x gpus_per_node {K}; pass one of them")
+    if world > K and world % K:
+        raise ValueError(f"world {world} is not a whole number of {K}-GPU nodes")
+    cluster = cluster.replace(nodes=max(1, world // K))
+    budget = mem_fraction * cluster.mem_bytes
+
+    fixed = {k: v for k, v in (("dp", dp), ("ring", ring), ("ulysses", ulysses)) if v is not None}
+    for k, v in fixed.items():
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{k} degree must be a positive integer or None (auto), got {v!r}")
+    if ulysses is not None and ring is not None:
+        check_degrees(world, ulysses, ring, dp)  # raises, naming the degrees and a fix
+    prod = (dp or 1) * (ring or 1) * (ulysses or 1)
+    if world % prod:
+        raise ValueError(
+            f"fixed degrees {fixed} multiply to {prod}, which does not divide world {world}; "
+            f"fix degrees whose product divides {world} or leave them unset"
+        )
+
+    candidates: list[Candidate] = []
+    dropped: list[Dropped] = []
+    for u in [ulysses] if ulysses is not None else _divisors(world):
+        for r in [ring] if ring is not None else _divisors(world // u):
+            d = world // (u * r)
+            if dp is not None and d != dp:
+                continue  # not a layout with the fixed dp
+            try:
+                check_degrees(world, u, r, d)
+                if global_batch % d:
+                    raise ValueError(
+                        f"global batch {global_batch} sequences does not split over dp {d}; "
+                        f"use a batch that is a multiple of {d} or a larger sequence-parallel group"
+                    )
+                check_heads(model.n_heads, model.n_kv_heads, u)
+                check_seq_len(seq_len, u, r, balance)
+                cost = estimate(
+                    model, cluster, seq_len, d, r, u, global_batch=global_batch,
+                    dtype_bytes=dtype_bytes, causal=causal, fsdp=fsdp, balance=balance,
+                    placement=placement, act_checkpoint=act_checkpoint,
+                )
+                if cost.mem_bytes > budget:
+                    fixes = [f"smaller dp than {d}"] if d > 1 else []
+                    fixes += [] if fsdp else ["fsdp=True"]
+                    fixes += [] if act_checkpoint else ["act_checkpoint=True"]
+                    fixes += ["more nodes", "a shorter sequence"]
+                    raise ValueError(
+                        f"needs {cost.mem_bytes / GiB:.1f} GiB per rank "
+                        f"(state {cost.mem_state_bytes / GiB:.1f}, activations "
+                        f"{cost.mem_act_bytes / GiB:.1f}) > {budget / GiB:.1f} GiB "
+                        f"({mem_fraction:.0%} of {cluster.mem_bytes / GiB:.0f} GiB); "
+                        f"try {', '.join(fixes)}"
+                    )
+            except ValueError as e:
+                dropped.append(Dropped(d, r, u, str(e)))
+                continue
+            candidates.append(Candidate(d, r, u, cost, _notes(model, cluster, cost, placement)))
+    if not candidates:
+        why = "\n".join(f"  dp {x.dp} ring {x.ring} ulysses {x.ulysses}: {x.reason}"
+                        for x in dropped)
+        raise ValueError(f"no feasible layout for world {world}, seq_len {seq_len}:\n{why}")
+    candidates.sort(key=lambda c: (c.cost.step_s, -c.ulysses))
+    return Plan(world, seq_len, cluster, model, candidates, dropped)
+
+
+def _notes(model: ModelConfig, cluster: ClusterSpec, cost: StepCost, placement: str) -> list[str]:
+    notes = []
+    u, r = cost.ulysses, cost.ring
+    if u > model.n_kv_heads:
+        notes.append(f"KV heads replicated x{u // model.n_kv_heads} (ulysses {u} > "
+                     f"{model.n_kv_heads} KV heads)")
+    if cost.a2a_link == "inter":
+        span = group_span(cost.dp, r, u, cluster.gpus_per_node, "ulysses", placement)
+        notes.append(f"WARNING ulysses spans {span.nodes} nodes: all-to-all on inter-node link")
+    if r > 1:
+        notes.append(f"ring {'across nodes' if cost.ring_link == 'inter' else 'in node'}")
+        if cost.ring_exposed_s > 0:
+            notes.append(f"ring comm {cost.ring_exposed_s / cost.ring_comm_s:.0%} exposed")
+    return notes
