@@ -11,10 +11,12 @@ Per rank, per layer, per sequence (``T = L/P`` tokens, ``P = ring * ulysses``):
 - ring: ``r`` steps over query block ``L/r`` x key block ``L/r`` with ``Hq/u`` heads. Step
   ``i`` computes block ``i`` while block ``i+1``'s K/V travel (backward: K/V plus fp32
   dK/dV), so a step costs ``max(compute + merge, transfer)``; what a transfer adds beyond
-  the compute it hides behind is *exposed*. Each step after the first merges its partial
-  output into an fp32 accumulator (forward: out/LSE; backward: dQ, dK, dV), a memory-bound
-  pass over HBM. Causal attention with zigzag balance does half a block per step; with
-  contiguous balance the last ring rank does full blocks, so each step waits for it;
+  the compute it hides behind is *exposed*, and so is the last hop that carries the
+  accumulated fp32 dK/dV home after the final backward step. Each step after the first
+  merges its partial output into an fp32 accumulator (forward: out/LSE; backward: dQ, dK,
+  dV), a memory-bound pass over HBM. Causal attention with zigzag balance does half a
+  block per step; with contiguous balance the last ring rank does full blocks, so each
+  step waits for it;
 - gradients: FSDP all-gathers parameters forward and backward and reduce-scatters
   gradients over all ``dp x sp`` ranks, overlapped with compute except the last layer;
   replicated data parallel all-reduces once.
@@ -49,6 +51,7 @@ class StepCost:
     a2a_s: float  # ulysses all-to-alls (blocking, fully exposed)
     ring_comm_s: float  # K/V (and dK/dV) transfer time, hidden or not
     ring_exposed_s: float  # the part of ring_comm_s not hidden behind block compute
+    ring_tail_s: float  # of which: the final dK/dV hop home, which nothing can hide
     merge_s: float  # ring out/LSE and gradient accumulation (HBM-bound)
     grad_s: float  # gradient reduction / FSDP gathers, total transfer time
     grad_exposed_s: float  # the part of grad_s not overlapped with compute
@@ -151,7 +154,7 @@ def estimate(
     q_elems, kv_elems = blk * (hq / u) * hd, blk * kv * hd
     merge_f = 3 * FP32 * q_elems / cluster.hbm_bw  # read acc + block, write acc
     merge_b = 3 * FP32 * (q_elems + 2 * kv_elems) / cluster.hbm_bw  # dQ, dK, dV
-    ring_comm_layer = ring_exp_layer = merge_layer = 0.0
+    ring_comm_layer = ring_exp_layer = merge_layer = dkv_home = 0.0
     ring_link = "-"
     if r > 1:
         rs = group_span(dp, r, u, cluster.gpus_per_node, "ring", placement)
@@ -160,8 +163,9 @@ def estimate(
         send_f = lat + kv_bytes / bw
         send_b = 2 * lat + kv_bytes * (1 + FP32 / dtype_bytes) / bw  # K,V + fp32 dK,dV
         exp_f = (r - 1) * max(0.0, send_f - later - merge_f)
-        exp_b = (r - 1) * max(0.0, send_b - FLASH_BWD * later - merge_b)
-        ring_comm_layer = (r - 1) * (n_fwd * send_f + send_b)
+        dkv_home = lat + kv_bytes * FP32 / dtype_bytes / bw  # last dK/dV hop, not hidden
+        exp_b = (r - 1) * max(0.0, send_b - FLASH_BWD * later - merge_b) + dkv_home
+        ring_comm_layer = (r - 1) * (n_fwd * send_f + send_b) + dkv_home
         ring_exp_layer = n_fwd * exp_f + exp_b
         merge_layer = (r - 1) * (n_fwd * merge_f + merge_b)
     attn_layer = (n_fwd + FLASH_BWD) * attn_fwd
@@ -217,12 +221,14 @@ def estimate(
         a2a_s=seqs * nl * a2a_s_layer,
         ring_comm_s=seqs * nl * ring_comm_layer,
         ring_exposed_s=seqs * nl * ring_exp_layer,
+        ring_tail_s=seqs * nl * dkv_home,
         merge_s=seqs * nl * merge_layer,
         grad_s=grad_s,
         grad_exposed_s=grad_exposed,
         step_s=step_s,
         a2a_bytes=a2a_bytes,
-        ring_bytes=(r - 1) * kv_bytes * (2 + FP32 / dtype_bytes) if r > 1 else 0.0,
+        ring_bytes=((r - 1) * (2 + FP32 / dtype_bytes) + FP32 / dtype_bytes) * kv_bytes
+        if r > 1 else 0.0,
         mem_bytes=mem_state + mem_act,
         mem_state_bytes=mem_state,
         mem_act_bytes=mem_act,

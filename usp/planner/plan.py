@@ -57,6 +57,8 @@ class Plan:
     model: ModelConfig
     candidates: list[Candidate]
     dropped: list[Dropped]
+    global_batch: int = 1
+    balance: str = "zigzag"
 
     @property
     def best(self) -> Candidate:
@@ -93,8 +95,10 @@ class Plan:
             parts.append("no ring")
         else:
             where = "across nodes" if b.cost.ring_link == "inter" else "inside a node"
-            exp = b.cost.ring_exposed_s / b.cost.ring_comm_s if b.cost.ring_comm_s else 0.0
-            hide = "K/V transfer hidden behind attention" if exp == 0 else f"{exp:.0%} exposed"
+            k = b.cost
+            waits = (k.ring_exposed_s - k.ring_tail_s) / k.ring_comm_s
+            hide = ("K/V transfer hidden behind attention except the last dK/dV hop"
+                    if waits == 0 else f"{waits:.0%} of ring transfer exposed")
             parts.append(f"ring {r} {where}, {hide}")
             smaller = [c for c in self.candidates if c.dp == b.dp and c.ulysses < u]
             if smaller:
@@ -113,7 +117,7 @@ class Plan:
         c0 = self.cluster
         head = (
             f"plan: world {self.world} ({c0.nodes} x {c0.gpus_per_node} on {c0.name}), "
-            f"seq_len {self.seq_len}"
+            f"seq_len {self.seq_len}, global batch {self.global_batch}, {self.balance}"
         )
         rows = [head, f"{'#':>2} {'dp':>3} {'ring':>4} {'ulysses':>7} {'step_s':>9} "
                 f"{'vs best':>8} {'comm':>6} {'mem/rank':>9}  notes"]
@@ -123,13 +127,17 @@ class Plan:
             rows.append(
                 f"{i:>2} {c.dp:>3} {c.ring:>4} {c.ulysses:>7} {k.step_s:>9.3f} "
                 f"{k.step_s / t0 - 1:>+8.1%} {k.comm_share:>6.1%} "
-                f"{k.mem_bytes / GiB:>5.1f} GiB  {'; '.join(c.notes)}"
+                f"{_size(k.mem_bytes):>9}  {'; '.join(c.notes)}"
             )
         if show_dropped and self.dropped:
             rows.append("dropped:")
             rows += [f"   {d.dp:>3} {d.ring:>4} {d.ulysses:>7}  {d.reason}" for d in self.dropped]
         rows.append(f"reason: {self.reason}")
         return "\n".join(rows)
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GiB:.1f} GiB" if nbytes >= GiB else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _divisors(n: int) -> list[int]:
@@ -228,7 +236,7 @@ def plan(
                         for x in dropped)
         raise ValueError(f"no feasible layout for world {world}, seq_len {seq_len}:\n{why}")
     candidates.sort(key=lambda c: (c.cost.step_s, -c.ulysses))
-    return Plan(world, seq_len, cluster, model, candidates, dropped)
+    return Plan(world, seq_len, cluster, model, candidates, dropped, global_batch, balance)
 
 
 def _notes(model: ModelConfig, cluster: ClusterSpec, cost: StepCost, placement: str) -> list[str]:
@@ -242,6 +250,7 @@ def _notes(model: ModelConfig, cluster: ClusterSpec, cost: StepCost, placement: 
         notes.append(f"WARNING ulysses spans {span.nodes} nodes: all-to-all on inter-node link")
     if r > 1:
         notes.append(f"ring {'across nodes' if cost.ring_link == 'inter' else 'in node'}")
-        if cost.ring_exposed_s > 0:
-            notes.append(f"ring comm {cost.ring_exposed_s / cost.ring_comm_s:.0%} exposed")
+        waits = cost.ring_exposed_s - cost.ring_tail_s  # beyond the unavoidable last hop
+        if waits > 0:
+            notes.append(f"ring comm {waits / cost.ring_comm_s:.0%} exposed")
     return notes
