@@ -66,6 +66,7 @@ class SPMesh:
     ranks: torch.Tensor  # [dp, ring, ulysses] global ranks
     hosts: list[str]  # host of each global rank
     device_mesh: DeviceMesh | None = None
+    flat_meshes: dict[str, DeviceMesh] = field(default_factory=dict)  # sp, dp_sp
     comm: CommStats = field(default_factory=CommStats)
 
     # ---- construction -------------------------------------------------------------
@@ -102,9 +103,8 @@ class SPMesh:
         if device_type is None:
             device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         dm = DeviceMesh(device_type, ranks, mesh_dim_names=AXES)
-        dm[("ring", "ulysses")]._flatten("sp")
-        dm._flatten("dp_sp")
-        mesh = cls(ulysses, ring, dp, placement, ranks, hosts, dm)
+        flat = {"sp": dm[("ring", "ulysses")]._flatten("sp"), "dp_sp": dm._flatten("dp_sp")}
+        mesh = cls(ulysses, ring, dp, placement, ranks, hosts, dm, flat)
         mesh._warn_if_ulysses_spans_nodes()
         return mesh
 
@@ -161,9 +161,15 @@ class SPMesh:
         return self.ring_rank * self.ulysses + self.ulysses_rank
 
     # ---- groups -----------------------------------------------------------------------
+    def submesh(self, axis: str) -> DeviceMesh:
+        """1-D DeviceMesh of ``axis``: dp, ring, ulysses, sp (= ring x ulysses) or dp_sp."""
+        if axis in self.flat_meshes:
+            return self.flat_meshes[axis]
+        return self.device_mesh[axis]
+
     def group(self, axis: str) -> dist.ProcessGroup:
         """Process group of ``axis``: dp, ring, ulysses, sp (= ring x ulysses) or dp_sp."""
-        return self.device_mesh.get_group(axis)
+        return self.submesh(axis).get_group()
 
     def axis_ranks(self, axis: str) -> list[int]:
         """Global ranks of this rank's group on ``axis``, in mesh-coordinate order."""
