@@ -57,11 +57,16 @@ def block_plan(src: int, rank: int, seg_len: int, causal: bool, balance: str):
 def ring_forward(q, k, v, comm: RingComm | None, rank: int, size: int, causal: bool,
                  balance: str, kernel: Kernel, scale: float):
     """q [B, S, Hq, d], k/v [B, S, Hkv, d] -> out [B, S, Hq, d] (q.dtype), lse [B, Hq, S] fp32."""
-    b, s, h, d = q.shape
-    out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
-    lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
+    if size == 1:  # no ring: the local kernel is the whole answer
+        return kernel.forward(q, k, v, causal, scale)
+    s = q.shape[1]
     kv = torch.stack([k, v])  # [2, B, S, Hkv, d]: one message per step
-    for step in range(size):
+    pending = comm.start(kv, tag=0)  # the next block travels while we compute ours
+    # step 0 is always the diagonal block (src == rank): it initialises out and lse
+    out, lse = kernel.forward(q, k, v, causal, scale)
+    out = out.float()  # fp32 accumulator
+    kv = pending.wait()
+    for step in range(1, size):
         pending = comm.start(kv, tag=0) if step + 1 < size else None  # overlaps the compute
         plan = block_plan((rank - step) % size, rank, s, causal, balance)
         if plan is not None:
@@ -76,6 +81,8 @@ def ring_forward(q, k, v, comm: RingComm | None, rank: int, size: int, causal: b
 def ring_backward(dout, q, k, v, out, lse, comm: RingComm | None, rank: int, size: int,
                   causal: bool, balance: str, kernel: Kernel, scale: float):
     """Exact grads of ``ring_forward``: returns dq, dk, dv in the input dtypes."""
+    if size == 1:
+        return kernel.backward(dout, q, k, v, out, lse, causal, scale)
     s = q.shape[1]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = torch.stack([k, v])  # [2, B, S, Hkv, d]
