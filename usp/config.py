@@ -6,6 +6,7 @@ Only the CLI touches Hydra/OmegaConf; it turns YAML into these dataclasses.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Optional
 
 
 @dataclass
@@ -44,3 +45,63 @@ class ModelConfig:
         per_layer = attn + mlp + 2 * d
         emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return self.n_layers * per_layer + emb + d
+
+
+@dataclass
+class ParallelConfig:
+    """The sequence-parallel layout. Degrees are ints or ``"auto"`` (chosen by the planner)."""
+
+    ulysses_degree: Any = 2
+    ring_degree: Any = 2
+    dp_degree: Any = None  # None: world / (ulysses * ring)
+    placement: str = "ulysses_inner"
+    balance: str = "zigzag"
+    kernel: str = "torch"
+    ring_impl: str = "usp"
+    simulate_ranks_per_node: Optional[int] = None  # CPU runs: pretend nodes of N ranks
+
+
+@dataclass
+class DataConfig:
+    kind: str = "recall"  # recall (synthetic long-range task) | memmap
+    seq_len: int = 1024
+    batch_size: int = 4  # sequences per dp rank per step
+    path: Optional[str] = None  # memmap: prefix of {path}.bin / {path}.json
+    n_pairs: int = 16
+    n_queries: int = 16
+    seed: int = 1234
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 200
+    seed: int = 0
+    dtype: str = "fp32"  # fp32 | bf16 (autocast compute, fp32 master weights)
+    activation_checkpointing: bool = False
+    log_every: int = 10
+    ckpt_every: int = 0  # 0: only at the end
+    run_dir: Optional[str] = None  # None: the CLI uses the Hydra run directory
+    resume: bool = True  # continue from run_dir's latest checkpoint when there is one
+    nprocs: int = 4  # ranks to spawn when launched without torchrun/Slurm
+    device: str = "auto"  # auto | cpu | cuda
+    stop_after: Optional[int] = None  # stop early at this step (tests: simulate a crash)
+
+
+@dataclass
+class LoggingConfig:
+    wandb: str = "offline"  # offline | online | disabled
+    project: str = "usp"
+    jsonl: bool = True
+    plot: bool = True
+    progress: bool = True

@@ -48,3 +48,43 @@ def spawn_local(fn, world_size: int, *args, threads: int | None = None) -> None:
         join=True,
         start_method="spawn",
     )
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """'gpu[012-015,020],cpu01' -> 'gpu012' (the first host of a Slurm node list)."""
+    head = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else nodelist
+    if "[" not in head:
+        return head
+    prefix, rest = head.split("[", 1)
+    first = rest.split(",")[0].split("-")[0].rstrip("]")
+    return prefix + first
+
+
+def launcher_env(env=None) -> dict | None:
+    """Rank/world/master from torchrun or Slurm variables, or None for a plain local launch."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun (also sets MASTER_ADDR/PORT)
+        return {"kind": "torchrun", "rank": int(env["RANK"]), "world": int(env["WORLD_SIZE"]),
+                "local_rank": int(env.get("LOCAL_RANK", 0)),
+                "master_addr": env.get("MASTER_ADDR", "127.0.0.1"),
+                "master_port": int(env.get("MASTER_PORT", 29500))}
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:  # srun / submitit
+        nodelist = env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "127.0.0.1"))
+        return {"kind": "slurm", "rank": int(env["SLURM_PROCID"]),
+                "world": int(env["SLURM_NTASKS"]), "local_rank": int(env.get("SLURM_LOCALID", 0)),
+                "master_addr": env.get("MASTER_ADDR", _first_slurm_host(nodelist)),
+                "master_port": int(env.get("MASTER_PORT", 29500))}
+    return None
+
+
+def init_from_env(info: dict, device: str = "auto") -> torch.device:
+    """Join the process group described by ``launcher_env``; NCCL + CUDA when available."""
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        torch.cuda.set_device(info["local_rank"])
+    dist.init_process_group(
+        "nccl" if use_cuda else "gloo",
+        init_method=f"tcp://{info['master_addr']}:{info['master_port']}",
+        rank=info["rank"], world_size=info["world"], timeout=timedelta(seconds=600),
+    )
+    return torch.device("cuda", info["local_rank"]) if use_cuda else torch.device("cpu")

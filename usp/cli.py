@@ -1,0 +1,124 @@
+"""Command-line entry points: ``usp-train`` and ``usp-plan`` (Hydra).
+
+The only module that touches Hydra/OmegaConf: it composes ``configs/`` (+ ``recipes/``),
+validates against the structured schemas below, and hands typed dataclasses to the library.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from .config import DataConfig, LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainerConfig
+from .planner import ClusterSpec
+from .train.trainer import RunConfig
+
+CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
+
+
+@dataclass
+class PlanConfig:
+    """``usp-plan``: the same groups as training, plus the cluster size and outputs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cluster: ClusterSpec = field(default_factory=ClusterSpec)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    nodes: Optional[int] = None  # overrides cluster.nodes
+    png: Optional[str] = None  # also draw the mesh to this PNG
+
+
+def register_schemas() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=RunConfig)
+    cs.store(name="plan_schema", node=PlanConfig)
+
+
+register_schemas()
+
+
+def _check_config_dir() -> None:
+    if not Path(CONFIG_DIR, "train.yaml").exists():
+        raise SystemExit(
+            f"usp: config directory {CONFIG_DIR} not found; install usp from its source "
+            f"checkout with `pip install -e .`"
+        )
+
+
+def run_training(cfg: RunConfig) -> None:
+    """Launch: torchrun/Slurm environment if present, else spawn ``trainer.nprocs`` local ranks."""
+    import torch.distributed as dist
+
+    from .launch import init_from_env, launcher_env, spawn_local
+    from .train.setup import preflight
+    from .train.trainer import train
+
+    info = launcher_env()
+    if info is None:
+        preflight(cfg, cfg.trainer.nprocs)  # refuse bad layouts/data before spawning
+        spawn_local(_local_worker, cfg.trainer.nprocs, cfg)
+        return
+    preflight(cfg, info["world"])
+    init_from_env(info, cfg.trainer.device)
+    try:
+        train(cfg)
+    finally:
+        dist.destroy_process_group()
+
+
+def _local_worker(cfg: RunConfig) -> None:
+    from .train.trainer import train
+
+    train(cfg)
+
+
+@hydra.main(config_path=CONFIG_DIR, config_name="train", version_base="1.3")
+def _train_main(dcfg) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    cfg: RunConfig = OmegaConf.to_object(dcfg)
+    if cfg.trainer.run_dir is None:
+        cfg.trainer.run_dir = HydraConfig.get().runtime.output_dir
+    run_training(cfg)
+
+
+def train_main() -> None:
+    _check_config_dir()
+    _train_main()
+
+
+@hydra.main(config_path=CONFIG_DIR, config_name="plan", version_base="1.3")
+def _plan_main(dcfg) -> None:
+    from .planner import draw_mesh, plan
+
+    cfg: PlanConfig = OmegaConf.to_object(dcfg)
+    spec = cfg.cluster if cfg.nodes is None else cfg.cluster.replace(nodes=cfg.nodes)
+    pc = cfg.parallel
+
+    def fixed(v):
+        return None if v in (None, "auto") else int(v)
+
+    p = plan(cfg.model, spec, cfg.data.seq_len, world=spec.world, balance=pc.balance,
+             ulysses=fixed(pc.ulysses_degree), ring=fixed(pc.ring_degree), dp=fixed(pc.dp_degree),
+             global_batch=cfg.data.batch_size, placement=pc.placement)
+    best = p.best
+    print(p.format_table())
+    print(f"choice: dp {best.dp} x ring {best.ring} x ulysses {best.ulysses}")
+    drawing = draw_mesh(best.dp, best.ring, best.ulysses, spec.gpus_per_node, pc.placement)
+    print(drawing)
+    if cfg.png:
+        drawing.save_png(cfg.png)
+        print(f"mesh picture: {Path(cfg.png).resolve()}")
+
+
+def plan_main() -> None:
+    _check_config_dir()
+    _plan_main()

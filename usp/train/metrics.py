@@ -1,0 +1,100 @@
+"""Run metrics on rank 0: console, a JSONL file, wandb (offline unless asked), a PNG plot."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ..config import LoggingConfig
+
+
+class MetricsLogger:
+    """Writes one record per step. Construct on every rank; only rank 0 writes."""
+
+    def __init__(self, cfg: LoggingConfig, run_dir: Path, rank: int, run_config: dict,
+                 resume_step: int = 0):
+        self.cfg, self.run_dir, self.active = cfg, Path(run_dir), rank == 0
+        self.jsonl_path = self.run_dir / "metrics.jsonl"
+        self._wandb = None
+        if not self.active:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.jsonl:
+            self._drop_records_after(resume_step)
+        if cfg.wandb not in ("offline", "online", "disabled"):
+            raise ValueError(f"logging.wandb must be offline, online or disabled, got {cfg.wandb!r}")
+        if cfg.wandb != "disabled":
+            import wandb
+
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self._wandb = wandb.init(
+                project=cfg.project, mode=cfg.wandb, dir=str(self.run_dir),
+                config=run_config, resume="allow", id=self._wandb_id(),
+            )
+
+    def _wandb_id(self) -> str:
+        """A stable id per run directory, so a resumed run continues the same wandb run."""
+        path = self.run_dir / "wandb_id.txt"
+        if not path.exists():
+            import uuid
+
+            path.write_text(uuid.uuid4().hex[:12])
+        return path.read_text().strip()
+
+    def _drop_records_after(self, step: int) -> None:
+        """On resume, forget records of steps past the checkpoint (they will be redone)."""
+        if not self.jsonl_path.exists():
+            return
+        keep = [ln for ln in self.jsonl_path.read_text().splitlines()
+                if ln.strip() and json.loads(ln).get("step", 0) <= step]
+        self.jsonl_path.write_text("".join(k + "\n" for k in keep))
+
+    def log(self, record: dict) -> None:
+        if not self.active:
+            return
+        if self.cfg.jsonl:
+            with open(self.jsonl_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def records(self) -> list[dict]:
+        if not self.jsonl_path.exists():
+            return []
+        return [json.loads(ln) for ln in self.jsonl_path.read_text().splitlines() if ln.strip()]
+
+    def plot(self) -> Path | None:
+        """Loss and answer accuracy against step, as ``run_dir/curves.png``."""
+        if not (self.active and self.cfg.plot):
+            return None
+        recs = self.records()
+        if not recs:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        steps = [r["step"] for r in recs]
+        fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
+        ax[0].plot(steps, [r["loss"] for r in recs])
+        ax[0].set(xlabel="step", ylabel="loss (answer tokens)" if "acc" in recs[0] else "loss",
+                  yscale="log", title="training loss")
+        if "acc" in recs[0]:
+            ax[1].plot(steps, [r["acc"] for r in recs])
+            ax[1].set(xlabel="step", ylabel="answer accuracy", ylim=(0, 1.02),
+                      title="long-range answer accuracy")
+        else:
+            ax[1].plot(steps, [r["tokens_per_s"] for r in recs])
+            ax[1].set(xlabel="step", ylabel="tokens/s", title="throughput")
+        fig.tight_layout()
+        path = self.run_dir / "curves.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+    def close(self) -> None:
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None

@@ -1,0 +1,184 @@
+"""The training loop, top to bottom. Runs on every rank of an initialised process group."""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+
+from ..attention import usp_attention
+from ..config import DataConfig, LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainerConfig
+from ..layout import SequenceLayout
+from ..mesh import SPMesh
+from ..model import Transformer
+from ..planner import ClusterSpec
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .metrics import MetricsLogger
+from .setup import build_dataset, resolve_degrees
+
+
+@dataclass
+class RunConfig:
+    """Everything a training run needs; the CLI builds it from the Hydra config."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cluster: ClusterSpec = field(default_factory=ClusterSpec)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def lr_lambda(cfg: OptimConfig, steps: int):
+    """Linear warmup to ``lr``, then cosine down to ``min_lr`` at the last step."""
+
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        t = (step - cfg.warmup_steps) / max(1, steps - cfg.warmup_steps)
+        floor = cfg.min_lr / cfg.lr
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+    return f
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak RSS, Linux KiB
+
+
+def train(cfg: RunConfig) -> dict:
+    """Train ``cfg.trainer.steps`` steps; returns the summary of the last step (every rank)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+        else torch.device("cpu")
+    tc, pc = cfg.trainer, cfg.parallel
+    ulysses, ring, plan_table = resolve_degrees(cfg, world)
+    if rank == 0 and plan_table:
+        print(plan_table, flush=True)
+    mesh = SPMesh.build(ulysses=ulysses, ring=ring, dp=pc.dp_degree, placement=pc.placement,
+                        ranks_per_node=pc.simulate_ranks_per_node)
+    layout = SequenceLayout(mesh, seq_len=cfg.data.seq_len, balance=pc.balance)
+    positions = layout.positions(device)  # global ids of this rank's tokens (RoPE, data)
+    if rank == 0:
+        print(mesh.describe(), flush=True)
+
+    # Model: identical init on every rank, then sharded (FSDP2) over the flattened dp x sp
+    # axes. FSDP averages gradients over those ranks; the loss below is normalised by the
+    # global token count and scaled by the rank count, so the average is the exact sum.
+    attn = partial(usp_attention, mesh=mesh, layout=layout, causal=True, kernel=pc.kernel,
+                   ring_impl=pc.ring_impl)
+    model = Transformer(cfg.model, attn, checkpoint_activations=tc.activation_checkpointing)
+    model.init_weights(tc.seed)
+    model.to(device)
+    shard_mesh = mesh.submesh("dp_sp")
+    for block in model.layers:
+        fully_shard(block, mesh=shard_mesh)
+    fully_shard(model, mesh=shard_mesh)
+    n_shard = shard_mesh.size()
+    oc = cfg.optim
+    opt = torch.optim.AdamW(model.parameters(), lr=oc.lr, betas=(oc.beta1, oc.beta2),
+                            weight_decay=oc.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(oc, tc.steps))
+    data = build_dataset(cfg.data, cfg.model)
+
+    start = 0
+    ckpt = latest_checkpoint(tc.run_dir) if tc.resume else None
+    if ckpt is not None:
+        extra = load_checkpoint(ckpt, model, opt, sched)
+        start = extra["step"]
+        if not extra["rng_restored"]:
+            torch.manual_seed(tc.seed + 1000 * start + rank)
+        if rank == 0:
+            print(f"resumed from {ckpt} at step {start}", flush=True)
+    run_dir = Path(tc.run_dir)
+    logger = MetricsLogger(cfg.logging, run_dir, rank, asdict(cfg), resume_step=start)
+    dp_sp = mesh.group("dp_sp")
+    tokens_per_step = cfg.data.batch_size * mesh.dp * cfg.data.seq_len
+    flops_per_token = model.flops_per_token(cfg.data.seq_len)
+    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=tc.dtype == "bf16")
+    if tc.dtype not in ("fp32", "bf16"):
+        raise ValueError(f"trainer.dtype must be fp32 or bf16, got {tc.dtype!r}")
+    bar = None
+    if rank == 0 and cfg.logging.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=tc.steps, initial=start, desc="train", dynamic_ncols=True)
+
+    summary: dict = {}
+    for step in range(start, tc.steps):
+        t0 = time.perf_counter()
+        comm0 = mesh.comm.total_seconds()
+        # Data: this rank's tokens only; labels were shifted on the global sequence.
+        tokens, labels = data.batch(step, cfg.data.batch_size, mesh.dp_rank, mesh.dp,
+                                    positions=positions.cpu())
+        tokens, labels = tokens.to(device), labels.to(device)  # [B, L/P]
+        # Sync: the number of target tokens over dp x sp normalises the loss.
+        counts = torch.tensor([(labels != -100).sum().item()], dtype=torch.float64, device=device)
+        dist.all_reduce(counts, group=dp_sp)
+        with amp:
+            logits = model(tokens, positions)  # [B, L/P, V]
+        logits = logits.float()
+        loss_sum = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                                   reduction="sum")
+        # grad of sum_r(loss_sum_r) / N: FSDP's mean over the n_shard ranks undoes the scale
+        (loss_sum * (n_shard / counts[0])).backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), oc.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+
+        # Metrics: global loss and answer accuracy (one all-reduce), throughput.
+        with torch.no_grad():
+            correct, answers = data.answer_accuracy(logits, labels)
+        stats = torch.tensor([loss_sum.item(), correct, answers], dtype=torch.float64, device=device)
+        dist.all_reduce(stats, group=dp_sp)
+        dt = time.perf_counter() - t0
+        comm = mesh.comm.total_seconds() - comm0
+        gn = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        summary = {
+            "step": step + 1,
+            "loss": stats[0].item() / counts[0].item(),
+            "lr": sched.get_last_lr()[0],
+            "grad_norm": float(gn),
+            "tokens_per_s": tokens_per_step / dt,
+            "mfu": flops_per_token * tokens_per_step / dt / (cfg.cluster.peak_flops * world),
+            "peak_mem_mb": _peak_memory_mb(device),
+            "attn_comm_share": comm / dt,
+            "step_s": dt,
+        }
+        if data.has_answers:
+            summary["acc"] = stats[1].item() / max(1.0, stats[2].item())
+        logger.log(summary)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{summary['loss']:.3f}",
+                            **({"acc": f"{summary['acc']:.2f}"} if "acc" in summary else {}))
+            if (step + 1) % tc.log_every == 0:
+                bar.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                   for k, v in summary.items()))
+        done = step + 1 == tc.steps or (tc.stop_after is not None and step + 1 == tc.stop_after)
+        if (tc.ckpt_every and (step + 1) % tc.ckpt_every == 0) or done:
+            save_checkpoint(run_dir, step + 1, model, opt, sched, extra={"data_step": step + 1})
+        if tc.stop_after is not None and step + 1 == tc.stop_after:
+            break
+    if bar is not None:
+        bar.close()
+    plot = logger.plot()
+    logger.close()
+    if rank == 0:
+        tail = f", accuracy {summary['acc']:.3f}" if "acc" in summary else ""
+        print(f"done: step {summary.get('step', start)}, loss {summary.get('loss', float('nan')):.4f}"
+              f"{tail}; run directory {run_dir.resolve()}"
+              + (f" (plot {plot.name})" if plot else ""), flush=True)
+    return summary
