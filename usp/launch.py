@@ -28,6 +28,7 @@ def _worker(rank, world, port, threads, fn, args):
     )
     try:
         fn(*args)
+        dist.barrier()  # nobody tears down gloo while a peer still talks to it
     finally:
         dist.destroy_process_group()
 

@@ -68,6 +68,7 @@ class SPMesh:
     device_mesh: DeviceMesh | None = None
     flat_meshes: dict[str, DeviceMesh] = field(default_factory=dict)  # sp, dp_sp
     comm: CommStats = field(default_factory=CommStats)
+    _cache: dict = field(default_factory=dict, repr=False)
 
     # ---- construction -------------------------------------------------------------
     @classmethod
@@ -137,8 +138,10 @@ class SPMesh:
     @property
     def coord(self) -> tuple[int, int, int]:
         """(dp, ring, ulysses) coordinate of this rank."""
-        idx = (self.ranks == self.rank).nonzero()[0].tolist()
-        return idx[0], idx[1], idx[2]
+        if "coord" not in self._cache:
+            idx = (self.ranks == self.rank).nonzero()[0].tolist()
+            self._cache["coord"] = (idx[0], idx[1], idx[2])
+        return self._cache["coord"]
 
     @property
     def dp_rank(self) -> int:
@@ -186,10 +189,12 @@ class SPMesh:
 
     def to_group_rank(self, axis: str) -> list[int] | None:
         """Map mesh coordinate -> rank inside the process group, or None when equal."""
-        coord_ranks = self.axis_ranks(axis)
-        group_ranks = dist.get_process_group_ranks(self.group(axis))
-        perm = [group_ranks.index(r) for r in coord_ranks]
-        return None if perm == list(range(len(perm))) else perm
+        if axis not in self._cache:  # asked on every attention call: computed once
+            coord_ranks = self.axis_ranks(axis)
+            group_ranks = dist.get_process_group_ranks(self.group(axis))
+            perm = [group_ranks.index(r) for r in coord_ranks]
+            self._cache[axis] = None if perm == list(range(len(perm))) else perm
+        return self._cache[axis]
 
     def ring_neighbors(self) -> tuple[int, int]:
         """Global ranks (previous, next) on this rank's ring."""

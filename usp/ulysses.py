@@ -3,6 +3,9 @@
 Forward of attention uses ``SeqToHead`` (q, k, v in ONE fused all-to-all) and
 ``HeadToSeq`` (the output back). Each is the other's backward.
 
+Send buffers are packed per destination as contiguous blocks ([u, q-block | k-block |
+v-block]), so every pack and unpack is one dense copy per tensor.
+
 GQA: ulysses rank j computes query heads [j*Hq/u, (j+1)*Hq/u) and receives exactly the KV
 heads those use. When u <= Hkv each rank gets Hkv/u distinct KV heads; when u > Hkv each
 KV head goes to the u/Hkv ranks whose query heads share it (replicated only that far),
@@ -31,19 +34,49 @@ class _Axis:
     def __init__(self, size, group, to_group_rank, stats: CommStats):
         self.size, self.group, self.to_group_rank, self.stats = size, group, to_group_rank, stats
 
-    def seq_to_head(self, send: torch.Tensor) -> torch.Tensor:
-        """[u, B, L/P, h, d] (head group j for rank j) -> [B, L/r, h, d] (this rank's heads)."""
-        u, b, n, h, d = send.shape
-        recv = all_to_all(send, self.group, self.to_group_rank, self.stats)  # [u(src), B, L/P, h, d]
-        return recv.transpose(0, 1).reshape(b, u * n, h, d)  # [B, L/r, h, d]
+    def exchange(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Send block j of every part to rank j; returns the parts received, same shapes.
 
-    def head_to_seq(self, y: torch.Tensor) -> torch.Tensor:
-        """[B, L/r, h, d] -> [B, L/P, u, h, d] (head group j came from rank j)."""
-        b, s, h, d = y.shape
+        parts: tensors [u, ...] (any strides) indexed by destination; returned tensors are
+        [u, ...] views into the receive buffer, indexed by source.
+        """
         u = self.size
-        send = y.view(b, u, s // u, h, d).transpose(0, 1)  # [u, B, L/P, h, d]
-        recv = all_to_all(send, self.group, self.to_group_rank, self.stats)  # [u(src), B, L/P, h, d]
-        return recv.permute(1, 2, 0, 3, 4)  # [B, L/P, u, h, d]
+        sizes = [p[0].numel() for p in parts]
+        send = parts[0].new_empty(u, sum(sizes))  # [u, q-block | k-block | v-block]
+        off = 0
+        for p, n in zip(parts, sizes):
+            send[:, off : off + n].view(p.shape).copy_(p)
+            off += n
+        recv = all_to_all(send, self.group, self.to_group_rank, self.stats)  # [u(src), ...]
+        out, off = [], 0
+        for p, n in zip(parts, sizes):
+            out.append(recv[:, off : off + n].view(p.shape))
+            off += n
+        return out
+
+
+def _by_dest(x: torch.Tensor, u: int) -> torch.Tensor:
+    """[B, L/P, u*h, d] -> [u, B, L/P, h, d]: head group j is destined for rank j (a view)."""
+    b, n, hh, d = x.shape
+    return x.reshape(b, n, u, hh // u, d).permute(2, 0, 1, 3, 4)
+
+
+def _by_seq_chunk(y: torch.Tensor, u: int) -> torch.Tensor:
+    """[B, L/r, h, d] -> [u, B, L/P, h, d]: sequence chunk j is destined for rank j (a view)."""
+    b, s, h, d = y.shape
+    return y.view(b, u, s // u, h, d).transpose(0, 1)
+
+
+def _join_seq(x: torch.Tensor) -> torch.Tensor:
+    """[u(src), B, L/P, h, d] -> [B, L/r, h, d] (contiguous copy)."""
+    u, b, n, h, d = x.shape
+    return x.transpose(0, 1).reshape(b, u * n, h, d)
+
+
+def _join_heads(x: torch.Tensor) -> torch.Tensor:
+    """[u(src), B, L/P, h, d] -> [B, L/P, u*h, d] (contiguous copy)."""
+    u, b, n, h, d = x.shape
+    return x.permute(1, 2, 0, 3, 4).reshape(b, n, u * h, d)
 
 
 class SeqToHead(torch.autograd.Function):
@@ -51,35 +84,27 @@ class SeqToHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, axis: _Axis, kv_index: torch.Tensor):
-        b, n, hq, d = q.shape
-        u, nkv = kv_index.shape
-        hl = hq // u
+        u, hkv = axis.size, k.shape[2]
         flat = kv_index.reshape(-1).to(q.device)
-        replicated = flat.numel() != k.shape[2]
-
-        def by_dest(x, heads):  # [B, L/P, u*heads, d] -> [u, B, L/P, heads, d] (a view)
-            return x.reshape(b, n, u, heads, d).permute(2, 0, 1, 3, 4)
-
-        # one send buffer [u, B, L/P, Hq/u + 2n, d]: per destination its q heads, then K, V
-        send = q.new_empty(u, b, n, hl + 2 * nkv, d)
-        send[..., :hl, :] = by_dest(q, hl)
-        send[..., hl : hl + nkv, :] = by_dest(k.index_select(2, flat) if replicated else k, nkv)
-        send[..., hl + nkv :, :] = by_dest(v.index_select(2, flat) if replicated else v, nkv)
-        y = axis.seq_to_head(send)  # [B, L/r, Hq/u + 2n, d]
-        ctx.axis, ctx.kv_index, ctx.hkv = axis, flat, k.shape[2]
-        return y[:, :, :hl], y[:, :, hl : hl + nkv], y[:, :, hl + nkv :]
+        replicated = flat.numel() != hkv
+        if replicated:  # [B, L/P, Hkv, d] -> [B, L/P, u*n, d]: the heads each rank needs
+            k, v = k.index_select(2, flat), v.index_select(2, flat)
+        parts = axis.exchange([_by_dest(q, u), _by_dest(k, u), _by_dest(v, u)])
+        ctx.axis, ctx.kv_index, ctx.hkv, ctx.replicated = axis, flat, hkv, replicated
+        return tuple(_join_seq(p) for p in parts)  # each [B, L/r, heads, d]
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
-        hl, nkv = dq.shape[2], dk.shape[2]
-        g = ctx.axis.head_to_seq(torch.cat([dq, dk, dv], dim=2))  # [B, L/P, u, hl + 2n, d]
-        b, n, u, _, d = g.shape
-        dq_full = g[:, :, :, :hl].reshape(b, n, u * hl, d)  # [B, L/P, Hq, d]
-        dk_full = g.new_zeros(b, n, ctx.hkv, d)
-        dv_full = g.new_zeros(b, n, ctx.hkv, d)
-        # sum replicated KV heads' grads back into their source head
-        dk_full.index_add_(2, ctx.kv_index, g[:, :, :, hl : hl + nkv].reshape(b, n, u * nkv, d))
-        dv_full.index_add_(2, ctx.kv_index, g[:, :, :, hl + nkv :].reshape(b, n, u * nkv, d))
+        u = ctx.axis.size
+        gq, gk, gv = ctx.axis.exchange(
+            [_by_seq_chunk(g.contiguous(), u) for g in (dq, dk, dv)]
+        )  # each [u(head group), B, L/P, h, d]
+        dq_full, dk_full, dv_full = _join_heads(gq), _join_heads(gk), _join_heads(gv)
+        if ctx.replicated:  # sum the grads of a KV head's replicas back into it
+            b, n, _, d = dk_full.shape
+            dk_sum = dk_full.new_zeros(b, n, ctx.hkv, d).index_add_(2, ctx.kv_index, dk_full)
+            dv_sum = dv_full.new_zeros(b, n, ctx.hkv, d).index_add_(2, ctx.kv_index, dv_full)
+            dk_full, dv_full = dk_sum, dv_sum
         return dq_full, dk_full, dv_full, None, None
 
 
@@ -89,13 +114,10 @@ class HeadToSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, axis: _Axis):
         ctx.axis = axis
-        y = axis.head_to_seq(out)  # [B, L/P, u, Hq/u, d]
-        b, n, u, h, d = y.shape
-        return y.reshape(b, n, u * h, d)
+        (y,) = axis.exchange([_by_seq_chunk(out.contiguous(), axis.size)])
+        return _join_heads(y)  # [u(head group), B, L/P, h, d] -> [B, L/P, Hq, d]
 
     @staticmethod
     def backward(ctx, grad):
-        b, n, hq, d = grad.shape
-        u = ctx.axis.size
-        send = grad.reshape(b, n, u, hq // u, d).permute(2, 0, 1, 3, 4)  # [u, B, L/P, Hq/u, d]
-        return ctx.axis.seq_to_head(send), None
+        (g,) = ctx.axis.exchange([_by_dest(grad, ctx.axis.size)])
+        return _join_seq(g), None  # [B, L/r, Hq/u, d]
