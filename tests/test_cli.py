@@ -101,7 +101,7 @@ def test_cli_end_to_end_with_overrides(tmp_path):
 @pytest.mark.parametrize("overrides,needle", [
     (["parallel.ulysses_degree=3"], "ulysses (3) x ring (2) = 6 does not divide world size 4"),
     (["data.seq_len=1012"], "sequence length 1012 is not divisible by 2 x ring x ulysses = 8"),
-    (["data=memmap", "data.path=/nonexistent/tokens"], "/nonexistent/tokens"),
+    (["data=memmap", "data.path=/nonexistent/tokens"], "token file /nonexistent/tokens.bin not found"),
 ])
 def test_cli_refuses_bad_input_before_launch(tmp_path, overrides, needle):
     res = _cli(*overrides, f"hydra.run.dir={tmp_path}", timeout=120)

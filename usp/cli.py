@@ -87,7 +87,10 @@ def _train_main(dcfg) -> None:
     cfg: RunConfig = OmegaConf.to_object(dcfg)
     if cfg.trainer.run_dir is None:
         cfg.trainer.run_dir = HydraConfig.get().runtime.output_dir
-    run_training(cfg)
+    try:
+        run_training(cfg)
+    except (ValueError, FileNotFoundError) as e:  # refused before launch: no traceback
+        raise SystemExit(f"usp-train: error: {e}") from None
 
 
 def train_main() -> None:

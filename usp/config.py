@@ -64,19 +64,20 @@ class ParallelConfig:
 @dataclass
 class DataConfig:
     kind: str = "recall"  # recall (synthetic long-range task) | memmap
-    seq_len: int = 1024
-    batch_size: int = 4  # sequences per dp rank per step
+    seq_len: int = 512
+    batch_size: int = 8  # sequences per dp rank per step
     path: Optional[str] = None  # memmap: prefix of {path}.bin / {path}.json
-    n_pairs: int = 16
-    n_queries: int = 16
+    n_pairs: int = 8  # recall: distinct key->value pairs per sequence
+    n_queries: int = 8  # recall: questions at the end of each sequence
     seed: int = 1234
+    eval_batches: int = 4  # held-out batches scored at the end of a run (recall)
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 20
+    lr: float = 2e-3
+    min_lr: float = 2e-4
+    warmup_steps: int = 30
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -85,7 +86,7 @@ class OptimConfig:
 
 @dataclass
 class TrainerConfig:
-    steps: int = 200
+    steps: int = 500
     seed: int = 0
     dtype: str = "fp32"  # fp32 | bf16 (autocast compute, fp32 master weights)
     activation_checkpointing: bool = False

@@ -59,6 +59,14 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
 
+    def finish(self, summary: dict) -> None:
+        """Final figures of the run: ``run_dir/summary.json`` and the wandb run summary."""
+        if not self.active:
+            return
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if self._wandb is not None:
+            self._wandb.summary.update(summary)
+
     def records(self) -> list[dict]:
         if not self.jsonl_path.exists():
             return []

@@ -57,6 +57,23 @@ def _peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak RSS, Linux KiB
 
 
+@torch.no_grad()
+def evaluate(model, data, cfg: RunConfig, mesh: SPMesh, positions, device, amp) -> float:
+    """Answer accuracy on ``eval_batches`` batches no training step has drawn (held out)."""
+    model.eval()
+    hits = torch.zeros(2, dtype=torch.float64, device=device)
+    for i in range(cfg.data.eval_batches):
+        tokens, labels = data.batch(10**6 + i, cfg.data.batch_size, mesh.dp_rank, mesh.dp,
+                                    positions=positions.cpu())
+        with amp:
+            logits = model(tokens.to(device), positions)
+        correct, answers = data.answer_accuracy(logits.float(), labels.to(device))
+        hits += torch.tensor([correct, answers], dtype=torch.float64, device=device)
+    dist.all_reduce(hits, group=mesh.group("dp_sp"))
+    model.train()
+    return (hits[0] / hits[1].clamp(min=1)).item()
+
+
 def train(cfg: RunConfig) -> dict:
     """Train ``cfg.trainer.steps`` steps; returns the summary of the last step (every rank)."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -164,9 +181,10 @@ def train(cfg: RunConfig) -> dict:
             bar.update(1)
             bar.set_postfix(loss=f"{summary['loss']:.3f}",
                             **({"acc": f"{summary['acc']:.2f}"} if "acc" in summary else {}))
-            if (step + 1) % tc.log_every == 0:
-                bar.write(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                   for k, v in summary.items()))
+        if rank == 0 and tc.log_every and (step + 1) % tc.log_every == 0:
+            line = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                            for k, v in summary.items())
+            bar.write(line) if bar is not None else print(line, flush=True)
         done = step + 1 == tc.steps or (tc.stop_after is not None and step + 1 == tc.stop_after)
         if (tc.ckpt_every and (step + 1) % tc.ckpt_every == 0) or done:
             save_checkpoint(run_dir, step + 1, model, opt, sched, extra={"data_step": step + 1})
@@ -174,10 +192,16 @@ def train(cfg: RunConfig) -> dict:
             break
     if bar is not None:
         bar.close()
+    if data.has_answers and cfg.data.eval_batches > 0:
+        summary["eval_acc"] = evaluate(model, data, cfg, mesh, positions, device, amp)
+    logger.finish(summary)
     plot = logger.plot()
     logger.close()
     if rank == 0:
-        tail = f", accuracy {summary['acc']:.3f}" if "acc" in summary else ""
+        tail = f", train accuracy {summary['acc']:.3f}" if "acc" in summary else ""
+        if "eval_acc" in summary:
+            n = cfg.data.eval_batches * cfg.data.batch_size * mesh.dp * cfg.data.n_queries
+            tail += f", held-out answer accuracy {summary['eval_acc']:.3f} ({n} answers)"
         print(f"done: step {summary.get('step', start)}, loss {summary.get('loss', float('nan')):.4f}"
               f"{tail}; run directory {run_dir.resolve()}"
               + (f" (plot {plot.name})" if plot else ""), flush=True)

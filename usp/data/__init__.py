@@ -1,0 +1,19 @@
+"""Training batches: a synthetic long-range recall task and memory-mapped token files.
+
+Both give ``batch(step, batch_size, dp_rank, dp_size, positions=None) -> (tokens, labels)``,
+long tensors [B, L] (or [B, len(positions)]), labels already shifted on the global
+sequence (-100 = ignored), drawn deterministically from (seed, global sample index) so the
+global batch does not depend on the dp split or the SP layout.
+"""
+
+from .memmap import MemmapTokens, TokenWriter, data_paths
+from .synthetic import IGNORE_INDEX, RecallTask, answer_accuracy
+
+__all__ = [
+    "IGNORE_INDEX",
+    "MemmapTokens",
+    "RecallTask",
+    "TokenWriter",
+    "answer_accuracy",
+    "data_paths",
+]

@@ -1,0 +1,204 @@
+"""Memory-mapped token files: ``{prefix}.bin`` (raw uint16/uint32) + ``{prefix}.json`` (metadata).
+
+Metadata keys: ``dtype`` ("uint16" | "uint32"), ``num_tokens``, ``vocab_size``,
+``tokenizer``, ``source``, and optionally ``max_token`` and ``eos_id``. Files are written
+by ``TokenWriter`` (used by ``tools/prepare_data.py``) atomically: both go to ``*.tmp``
+first and are renamed when complete, the ``.json`` last.
+
+Training windows are drawn at random (with replacement) from the whole file; each sample
+reads ``seq_len + 1`` tokens so the label of the last position is the token after the
+window. With ``positions`` a rank reads only the tokens it owns (and their successors).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+REQUIRED_KEYS = ("dtype", "num_tokens", "vocab_size", "tokenizer", "source")
+_PREPARE = "python tools/prepare_data.py --src DIR --glob '**/*.txt' --out {prefix}"
+_SCAN_CHUNK = 1 << 24  # tokens per chunk when verifying ids
+
+
+def data_paths(path: str | os.PathLike) -> tuple[Path, Path]:
+    """``data/x``, ``data/x.bin`` or ``data/x.json`` -> (``data/x.bin``, ``data/x.json``)."""
+    p = Path(path)
+    prefix = p.with_suffix("") if p.suffix in (".bin", ".json") else p
+    return prefix.with_name(prefix.name + ".bin"), prefix.with_name(prefix.name + ".json")
+
+
+class TokenWriter:
+    """Stream token arrays into ``{prefix}.bin`` + ``{prefix}.json``; atomic on ``close()``.
+
+    Use as a context manager; on an exception the temporary files are removed and nothing
+    at ``prefix`` changes. dtype is uint16 when ``vocab_size <= 65536``, else uint32.
+    """
+
+    def __init__(self, prefix: str | os.PathLike, vocab_size: int, tokenizer: str, source):
+        self.bin_path, self.json_path = data_paths(prefix)
+        self.bin_path.parent.mkdir(parents=True, exist_ok=True)
+        self.dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
+        self.meta = {"vocab_size": vocab_size, "tokenizer": tokenizer, "source": source}
+        self.num_tokens, self.max_token = 0, -1
+        self._tmp = self.bin_path.with_name(self.bin_path.name + ".tmp")
+        self._f = open(self._tmp, "wb")
+
+    def write(self, tokens) -> None:
+        """Append a 1-D array of token ids (each < vocab_size)."""
+        arr = np.asarray(tokens)
+        if arr.size == 0:
+            return
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= self.meta["vocab_size"]:
+            raise ValueError(
+                f"token ids must lie in [0, {self.meta['vocab_size']}), got [{lo}, {hi}]"
+            )
+        self._f.write(arr.astype(DTYPES[self.dtype]).tobytes())
+        self.num_tokens += arr.size
+        self.max_token = max(self.max_token, hi)
+
+    def close(self, **extra) -> dict:
+        """Finish: fsync, write metadata (plus ``extra`` keys), rename into place."""
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        meta = {"dtype": self.dtype, "num_tokens": self.num_tokens, **self.meta}
+        meta.update(max_token=self.max_token, **extra)
+        json_tmp = self.json_path.with_name(self.json_path.name + ".tmp")
+        json_tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        os.replace(self._tmp, self.bin_path)
+        os.replace(json_tmp, self.json_path)  # last: a .json means a complete .bin
+        return meta
+
+    def abort(self) -> None:
+        self._f.close()
+        self._tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> "TokenWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif not self._f.closed:
+            self.close()
+
+
+def _read_meta(json_path: Path, prefix: Path) -> dict:
+    if not json_path.is_file():
+        raise FileNotFoundError(
+            f"token metadata {json_path} not found (the .bin needs its .json); recreate "
+            f"both with: {_PREPARE.format(prefix=prefix)}"
+        )
+    try:
+        meta = json.loads(json_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"token metadata {json_path} is not valid JSON ({e}); recreate it "
+                         f"with: {_PREPARE.format(prefix=prefix)}") from e
+    missing = [k for k in REQUIRED_KEYS if not isinstance(meta, dict) or k not in meta]
+    if missing:
+        raise ValueError(f"token metadata {json_path} lacks keys {missing} (needs "
+                         f"{list(REQUIRED_KEYS)}); recreate it with: "
+                         f"{_PREPARE.format(prefix=prefix)}")
+    if meta["dtype"] not in DTYPES:
+        raise ValueError(f"token metadata {json_path}: dtype {meta['dtype']!r} is not one of "
+                         f"{sorted(DTYPES)}")
+    return meta
+
+
+class MemmapTokens:
+    """Random ``seq_len`` windows from a token file, labels shifted on the global sequence.
+
+    ``path`` is the prefix (``data/x`` for ``data/x.bin`` + ``data/x.json``) or either file.
+    ``verify`` scans the whole file once for ids >= vocab_size (chunked; pass False for
+    huge corpora, every batch is still checked). Raises FileNotFoundError for a missing
+    file and ValueError for bad metadata, a size mismatch, a file shorter than
+    ``seq_len + 1`` tokens, or out-of-range ids; every message names the file and numbers.
+    """
+
+    def __init__(self, path: str | os.PathLike, seq_len: int, seed: int = 0, verify: bool = True):
+        self.bin_path, self.json_path = data_paths(path)
+        prefix = self.bin_path.with_suffix("")
+        if not self.bin_path.is_file():
+            raise FileNotFoundError(
+                f"token file {self.bin_path} not found; create it with: "
+                f"{_PREPARE.format(prefix=prefix)}"
+            )
+        self.meta = _read_meta(self.json_path, prefix)
+        self.seq_len, self.seed = seq_len, seed
+        self.vocab_size = int(self.meta["vocab_size"])
+        self.num_tokens = int(self.meta["num_tokens"])
+        dtype = np.dtype(DTYPES[self.meta["dtype"]])
+        expected, actual = self.num_tokens * dtype.itemsize, self.bin_path.stat().st_size
+        if actual != expected:
+            raise ValueError(
+                f"{self.bin_path} has {actual} bytes but {self.json_path} says num_tokens="
+                f"{self.num_tokens} x {dtype.itemsize} bytes ({self.meta['dtype']}) = {expected}: "
+                f"truncated or corrupt; recreate with: {_PREPARE.format(prefix=prefix)}"
+            )
+        if self.num_tokens < seq_len + 1:
+            raise ValueError(
+                f"{self.bin_path} holds {self.num_tokens} tokens, fewer than seq_len + 1 = "
+                f"{seq_len + 1} needed for one window; use more data or a shorter seq_len"
+            )
+        if int(self.meta.get("max_token", -1)) >= self.vocab_size:
+            raise ValueError(f"{self.json_path}: max_token {self.meta['max_token']} >= "
+                             f"vocab_size {self.vocab_size}")
+        self.tokens = np.memmap(self.bin_path, dtype=dtype, mode="r", shape=(self.num_tokens,))
+        if verify:
+            for lo in range(0, self.num_tokens, _SCAN_CHUNK):
+                self._check(self.tokens[lo : lo + _SCAN_CHUNK], lo)
+
+    def _check(self, ids: np.ndarray, offsets) -> None:
+        # offsets: an int (ids is a contiguous run from there) or an array shaped like ids
+        bad = np.flatnonzero(ids.ravel() >= self.vocab_size)
+        if bad.size:
+            i = int(bad[0])
+            at = offsets + i if isinstance(offsets, int) else int(np.ravel(offsets)[i])
+            raise ValueError(
+                f"{self.bin_path}: token id {int(ids.ravel()[i])} at offset {at} is >= "
+                f"vocab_size {self.vocab_size} from {self.json_path}; the file does not match "
+                f"its metadata (recreate it, or fix vocab_size)"
+            )
+
+    def window_start(self, index: int) -> int:
+        """First token of global sample ``index``: uniform in [0, num_tokens - seq_len - 1]."""
+        rng = np.random.default_rng([self.seed, index])
+        return int(rng.integers(0, self.num_tokens - self.seq_len))
+
+    def batch(
+        self,
+        step: int,
+        batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        positions: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, labels) long, each [B, L] or, with ``positions`` [n], [B, n].
+
+        ``batch_size`` is per dp rank; sample i is global sample
+        ``(step * dp_size + dp_rank) * batch_size + i``, whose window start depends only on
+        (seed, that index). ``labels[:, j]`` is the token after ``tokens[:, j]`` in the
+        file (shifted before sharding, so no label is lost at a shard boundary).
+        ``positions`` (global ids, e.g. ``layout.positions()``) selects columns; only
+        those tokens and their successors are read from disk.
+        """
+        if positions is None:
+            cols = np.arange(self.seq_len)
+        else:
+            cols = positions.cpu().numpy().astype(np.int64)
+            if cols.size and (cols.min() < 0 or cols.max() >= self.seq_len):
+                raise ValueError(f"positions must lie in [0, {self.seq_len}), got "
+                                 f"[{cols.min()}, {cols.max()}]")
+        first = (step * dp_size + dp_rank) * batch_size
+        starts = np.array([self.window_start(first + i) for i in range(batch_size)])
+        idx = starts[:, None] + cols[None, :]  # [B, n] absolute offsets into the file
+        offsets = np.stack([idx, idx + 1])  # [2, B, n]: each token and the one after it
+        ids = np.asarray(self.tokens[offsets]).astype(np.int64)  # reads only these entries
+        self._check(ids, offsets)
+        return torch.from_numpy(ids[0]), torch.from_numpy(ids[1])  # tokens, labels [B, n]

@@ -1,0 +1,176 @@
+"""Long-range associative recall: a task only attention across the whole sequence solves.
+
+Vocabulary (ids in this order; K keys, V values)::
+
+    0                 BOS
+    1                 SEP           marks the start of the query section
+    [2, 2+V)          value tokens  val(v)
+    [.., +K)          query tokens  q(k)
+    [.., +K*V)        pair tokens   pair(k, v): one token carrying key k and value v
+    [.., vocab_size)  filler tokens (at least one)
+
+A sequence of length L (positions)::
+
+    0                 BOS
+    [1, L/4)          random filler
+    [L/4, L/2)        the "dictionary": n_pairs pairs with distinct keys and random values,
+                      each at least once, in random slots; a fraction ``pair_density`` of
+                      the region holds pair tokens (repeats of the same pairs), the rest filler
+    [L/2, L-2Q-1)     random filler
+    [L-2Q-1, L)       SEP q(k1) val(v1) q(k2) val(v2) ...   (Q = n_queries distinct keys)
+
+Only answers are scored: the label at the position of ``q(k)`` is ``val(v)`` for the pair
+``pair(k, v)`` of this sequence; every other label is -100. One attention hop solves it
+(the query token matches the pair tokens with its key by content and copies out the
+value); nothing local does: the pairs sit at least ``L/2 - 2Q`` tokens back. With ring >= 2
+and ``2Q+1 <= L/(2*ring)`` the dictionary and the queries are in different ring segments
+for both the contiguous and the zigzag layout, so without the ring pass the accuracy is
+chance. Repeating the pairs across the region (density 1 by default) keeps the fraction
+of context that holds the right pair at ``1/(4*n_pairs)`` whatever L is; with each pair
+only once (density 0) the signal shrinks like 1/L and training sits on a plateau.
+
+Measured on CPU (2 layers, dim 128, 8/2 heads, vocab 256, AdamW lr 3e-3 with 20 warmup
+steps, batch 8, n_pairs = n_queries = 8, K = V = 8, chance 12.5%): answer accuracy
+94% after ~180 steps at L=512 and after 300 steps at L=1024. Batch 4 or n_pairs = 16
+are much slower (56% / chance after 300 steps at L=1024).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100
+BOS, SEP = 0, 1
+N_SPECIAL = 2
+
+
+class RecallTask:
+    """Batches of the recall task, identical whatever the dp split or SP layout.
+
+    K (``n_keys``) defaults to ``n_pairs`` (every key appears, each sequence with new
+    values); V (``n_values``) defaults to the largest value <= 8 that fits the vocabulary.
+    Small K*V keeps the number of pair-token embeddings to learn small. Raises ValueError,
+    naming the numbers, when the vocabulary or the sequence is too small.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        seq_len: int,
+        n_pairs: int = 8,
+        n_queries: int = 8,
+        seed: int = 0,
+        n_keys: int | None = None,
+        n_values: int | None = None,
+        pair_density: float = 1.0,
+    ):
+        K = n_pairs if n_keys is None else n_keys
+        V = min(8, (vocab_size - N_SPECIAL - K - 1) // (K + 1)) if n_values is None else n_values
+        self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
+        self.n_pairs, self.n_queries, self.n_keys, self.n_values = n_pairs, n_queries, K, V
+        self.pair_density = pair_density
+        self.value_base = N_SPECIAL
+        self.query_base = self.value_base + V
+        self.pair_base = self.query_base + K
+        self.filler_base = self.pair_base + K * V
+        self.n_filler = vocab_size - self.filler_base
+        if not 1 <= n_queries <= n_pairs <= K:
+            raise ValueError(
+                f"need 1 <= n_queries ({n_queries}) <= n_pairs ({n_pairs}) <= n_keys ({K})"
+            )
+        if V < 2 or self.n_filler < 1:
+            raise ValueError(
+                f"vocab_size {vocab_size} too small for the recall task: {N_SPECIAL} specials "
+                f"+ V={V} values + K={K} queries + K*V={K * V} pair tokens + >= 1 filler "
+                f"(and V >= 2) needs {N_SPECIAL + max(V, 2) * (K + 1) + K + 1}; raise "
+                f"vocab_size or lower n_pairs/n_keys/n_values"
+            )
+        if not 0.0 <= pair_density <= 1.0:
+            raise ValueError(f"pair_density must be in [0, 1], got {pair_density}")
+        self.pair_lo, self.pair_hi = seq_len // 4, seq_len // 2  # the dictionary region
+        if self.pair_hi - self.pair_lo < n_pairs:
+            raise ValueError(
+                f"{n_pairs} pairs do not fit in positions [{self.pair_lo}, {self.pair_hi}) of "
+                f"seq_len {seq_len}; raise seq_len or lower n_pairs"
+            )
+        if 2 * n_queries + 1 > seq_len // 4:
+            raise ValueError(
+                f"query section (2*n_queries+1 = {2 * n_queries + 1} tokens) must fit in the "
+                f"last quarter of seq_len {seq_len} ({seq_len // 4} tokens); raise seq_len "
+                f"or lower n_queries"
+            )
+        self.query_start = seq_len - 2 * n_queries - 1  # position of SEP
+        region = self.pair_hi - self.pair_lo
+        self.n_pair_slots = max(n_pairs, int(round(pair_density * region)))
+
+    @property
+    def min_distance(self) -> int:
+        """Smallest gap in tokens between a query and any pair token: (L-2Q) - (L/2-1)."""
+        return (self.query_start + 1) - (self.pair_hi - 1)
+
+    @property
+    def chance_accuracy(self) -> float:
+        """Accuracy of guessing a value uniformly: 1 / n_values."""
+        return 1.0 / self.n_values
+
+    def sample(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """Global sample ``index`` -> (tokens [L], labels [L]) int64, from (seed, index) only."""
+        rng = np.random.default_rng([self.seed, index])
+        L, V, P = self.seq_len, self.n_values, self.n_pairs
+        tokens = self.filler_base + rng.integers(0, self.n_filler, size=L)
+        labels = np.full(L, IGNORE_INDEX, dtype=np.int64)
+        tokens[0] = BOS
+        keys = rng.permutation(self.n_keys)[:P]  # distinct keys
+        values = rng.integers(0, V, size=P)
+        slots = self.pair_lo + rng.permutation(self.pair_hi - self.pair_lo)[: self.n_pair_slots]
+        # every pair at least once, the other slots repeat random pairs
+        which = np.concatenate([np.arange(P), rng.integers(0, P, self.n_pair_slots - P)])
+        tokens[slots] = self.pair_base + keys[which] * V + values[which]
+        asked = rng.permutation(P)[: self.n_queries]  # distinct keys: no local shortcut
+        qpos = self.query_start + 1 + 2 * np.arange(self.n_queries)  # query token positions
+        tokens[self.query_start] = SEP
+        tokens[qpos] = self.query_base + keys[asked]
+        tokens[qpos + 1] = self.value_base + values[asked]
+        labels[qpos] = self.value_base + values[asked]  # next-token label, already shifted
+        return tokens.astype(np.int64), labels
+
+    def batch(
+        self,
+        step: int,
+        batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        positions: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, labels), each [B, L] long (or [B, len(positions)] with ``positions``).
+
+        ``batch_size`` is per dp rank. Sample ``i`` of this rank is global sample
+        ``(step * dp_size + dp_rank) * batch_size + i``, drawn from (seed, that index): the
+        global batch is the same for any dp split of it, and independent of the SP layout.
+        ``labels[t]`` is the target for the prediction made at token t (already shifted
+        on the global sequence), -100 except at query tokens. ``positions`` (global ids,
+        e.g. ``layout.positions()``) selects this rank's columns.
+        """
+        first = (step * dp_size + dp_rank) * batch_size
+        pairs = [self.sample(first + i) for i in range(batch_size)]
+        tokens = torch.from_numpy(np.stack([t for t, _ in pairs]))  # [B, L]
+        labels = torch.from_numpy(np.stack([lab for _, lab in pairs]))  # [B, L]
+        if positions is not None:
+            idx = positions.cpu()
+            tokens, labels = tokens[:, idx], labels[:, idx]  # [B, L] -> [B, L/P]
+        return tokens, labels
+
+
+def answer_accuracy(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, n, V], labels [B, n] -> (correct, answers): 0-dim long tensors on logits' device.
+
+    Argmax over the full vocabulary at every labelled position; works on a rank's shard,
+    so the trainer all-reduces both counts and divides.
+    """
+    mask = labels != ignore_index  # [B, n]
+    pred = logits.argmax(dim=-1)  # [B, n, V] -> [B, n]
+    correct = ((pred == labels) & mask).sum()
+    return correct, mask.sum()

@@ -1,0 +1,219 @@
+"""A Llama-style GQA decoder whose attention is a pluggable function.
+
+RMSNorm, RoPE, SwiGLU, no biases, tied or untied embeddings. Attention is whatever
+``attn_fn(q, k, v) -> out`` the caller passes (q [B, n, Hq, hd], k/v [B, n, Hkv, hd],
+out [B, n, Hq, hd]), e.g.
+
+- one process: ``functools.partial(usp.kernels.local_attention, causal=True)``;
+- sequence parallel: ``functools.partial(usp_attention, mesh=mesh, layout=layout,
+  causal=True, kernel="torch")``, with ``tokens = layout.shard(global_tokens)`` and
+  ``positions = layout.positions()``.
+
+Everything except attention is token-wise, so under sequence parallelism the model sees
+only this rank's ``n = L/P`` tokens; RoPE rotates them by their *global* positions (not
+contiguous under zigzag), which is why ``forward`` takes ``positions``.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .config import ModelConfig
+
+AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    """x [..., D] -> x / rms(x) * weight, computed in fp32, returned in x.dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [n] long (global ids) -> (cos, sin), each [n, head_dim/2] fp32.
+
+    Frequency i is ``theta ** (-2i / head_dim)``; the angle depends only on the position
+    value, so any order or subset of positions gives the same rotation per token.
+    """
+    if head_dim % 2 != 0:
+        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+    inv_freq = theta ** (
+        -torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim
+    )  # [hd/2]
+    # fp64 outer product: exact angles even at positions in the millions
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [n, hd/2]
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, n, H, hd] by (cos, sin) [n, hd/2] ("rotate half" pairing: i with i+hd/2)."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]  # [B, n, H, hd/2] each
+    c, s = cos[None, :, None, :], sin[None, :, None, :]  # [n, hd/2] -> [1, n, 1, hd/2]
+    out = torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)  # [B, n, H, hd]
+    return out.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """GQA self-attention projections around ``attn_fn``: x [B, n, D] -> [B, n, D]."""
+
+    def __init__(self, cfg: ModelConfig, attn_fn: AttnFn):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.attn_fn = attn_fn
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q = self.wq(x).view(b, n, self.n_heads, self.head_dim)  # [B, n, D] -> [B, n, Hq, hd]
+        k = self.wk(x).view(b, n, self.n_kv_heads, self.head_dim)  # -> [B, n, Hkv, hd]
+        v = self.wv(x).view(b, n, self.n_kv_heads, self.head_dim)  # -> [B, n, Hkv, hd]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.attn_fn(q, k, v)  # [B, n, Hq, hd]
+        return self.wo(out.reshape(b, n, self.n_heads * self.head_dim))  # -> [B, n, D]
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: x [B, n, D] -> w2(silu(w1 x) * w3 x) [B, n, D]."""
+
+    def __init__(self, dim: int, ffn_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(dim, ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(ffn_dim, dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre-norm decoder block: h + attn(norm(h)), then + ffn(norm(.)); [B, n, D] -> [B, n, D]."""
+
+    def __init__(self, cfg: ModelConfig, attn_fn: AttnFn):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg, attn_fn)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = h + self.attention(self.attention_norm(h), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM: ``forward(tokens [B, n], positions [n]) -> logits [B, n, V]``.
+
+    ``self.layers`` is an ``nn.ModuleList`` of ``Block`` so a trainer can wrap each block
+    (FSDP2 ``fully_shard``); with ``checkpoint_activations`` every block's activations are
+    recomputed in backward (``torch.utils.checkpoint``, non-reentrant). The weights are
+    initialised by ``init_weights(0)`` at construction; call ``init_weights(seed)`` again
+    (before sharding) for another seed.
+    """
+
+    def __init__(
+        self, cfg: ModelConfig, attn_fn: AttnFn, checkpoint_activations: bool = False
+    ):
+        super().__init__()
+        self.cfg = cfg
+        self.checkpoint_activations = checkpoint_activations
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg, attn_fn) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.init_weights(0)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic init that depends only on ``seed`` and each parameter's name.
+
+        Each parameter draws from its own CPU generator seeded by (seed, crc32(name)), so
+        the result does not depend on device, parameter order or the parallel layout.
+        Matrices ~ N(0, 0.02); the projections that write into the residual stream
+        (``attention.wo``, ``feed_forward.w2``) ~ N(0, 0.02 / sqrt(2 * n_layers));
+        RMSNorm weights = 1.
+        """
+        out_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
+            std = out_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """tokens [B, n] long, positions [n] long (global ids of these tokens) -> logits [B, n, V].
+
+        Logits come in the parameter dtype; call ``.float()`` before the loss in low precision.
+        """
+        if tokens.dim() != 2 or positions.dim() != 1 or positions.shape[0] != tokens.shape[1]:
+            raise ValueError(
+                f"expected tokens [B, n] and positions [n], got tokens {tuple(tokens.shape)} "
+                f"and positions {tuple(positions.shape)}"
+            )
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)  # [n, hd/2]
+        h = self.tok_embeddings(tokens)  # [B, n] -> [B, n, D]
+        for layer in self.layers:
+            if self.checkpoint_activations and torch.is_grad_enabled():
+                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin)
+        h = self.norm(h)
+        if self.output is None:
+            return F.linear(h, self.tok_embeddings.weight)  # [B, n, D] -> [B, n, V]
+        return self.output(h)  # [B, n, D] -> [B, n, V]
+
+    def num_params(self) -> int:
+        """Parameters actually held (tied embeddings counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_token(self, seq_len: int, causal: bool = True) -> float:
+        """Training FLOPs per token at ``seq_len`` (see module-level ``flops_per_token``)."""
+        return flops_per_token(self.cfg, seq_len, causal)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> float:
+    """Model training FLOPs per token (forward + backward = 3 x forward), for MFU.
+
+    - Matmuls with weights: 2 FLOPs per multiply-add, so ``6 * N_mm`` per token, where
+      ``N_mm`` = per layer ``D*Hq*hd + 2*D*Hkv*hd + Hq*hd*D + 3*D*F`` plus the output
+      projection ``V*D`` (counted whether or not it is tied; the embedding lookup,
+      RMSNorm, RoPE, SiLU and softmax are elementwise and left out).
+    - Attention scores and mixing: QK^T and PV cost ``2 * Hq*hd`` FLOPs each per
+      (query, key) pair, i.e. ``4*Hq*hd`` forward, ``12*Hq*hd`` for training. Non-causal,
+      every query sees ``seq_len`` keys; causal, query t sees t+1 keys, averaging
+      ``(seq_len + 1) / 2`` (the causal halving). So per layer ``12*Hq*hd*seq_len``
+      (non-causal) or ``6*Hq*hd*(seq_len + 1)`` (causal).
+
+    Recomputation (activation checkpointing, flash backward) is not counted: this is
+    "model FLOPs", the numerator of MFU.
+    """
+    d, hd = cfg.dim, cfg.head_dim
+    per_layer = d * cfg.n_heads * hd + 2 * d * cfg.n_kv_heads * hd + cfg.n_heads * hd * d
+    per_layer += 3 * d * cfg.ffn_dim
+    n_mm = cfg.n_layers * per_layer + cfg.vocab_size * d
+    keys_per_query = (seq_len + 1) / 2 if causal else float(seq_len)
+    attn = cfg.n_layers * 12 * cfg.n_heads * hd * keys_per_query
+    return 6.0 * n_mm + attn
