@@ -69,6 +69,10 @@ def run_training(cfg: RunConfig) -> None:
     preflight(cfg, info["world"])
     init_from_env(info, cfg.trainer.device)
     try:
+        # every rank composed its own config; rank 0's run directory is the run's
+        run_dir = [cfg.trainer.run_dir]
+        dist.broadcast_object_list(run_dir, src=0)
+        cfg.trainer.run_dir = run_dir[0]
         train(cfg)
     finally:
         dist.destroy_process_group()
@@ -125,3 +129,7 @@ def _plan_main(dcfg) -> None:
 def plan_main() -> None:
     _check_config_dir()
     _plan_main()
+
+
+if __name__ == "__main__":  # torchrun -m usp.cli ...
+    train_main()

@@ -86,7 +86,7 @@ class OptimConfig:
 
 @dataclass
 class TrainerConfig:
-    steps: int = 500
+    steps: int = 600
     seed: int = 0
     dtype: str = "fp32"  # fp32 | bf16 (autocast compute, fp32 master weights)
     activation_checkpointing: bool = False
