@@ -6,7 +6,7 @@ validates against the structured schemas below, and hands typed dataclasses to t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -14,24 +14,15 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from .config import DataConfig, LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainerConfig
-from .planner import ClusterSpec
 from .train.trainer import RunConfig
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 
 
 @dataclass
-class PlanConfig:
+class PlanConfig(RunConfig):
     """``usp-plan``: the same groups as training, plus the cluster size and outputs."""
 
-    model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    cluster: ClusterSpec = field(default_factory=ClusterSpec)
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
     nodes: Optional[int] = None  # overrides cluster.nodes
     png: Optional[str] = None  # also draw the mesh to this PNG
 
