@@ -69,6 +69,16 @@ def test_every_group_option_composes(group):
         assert getattr(cfg, group) is not None
 
 
+def test_slurm_launcher_config_composes():
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    with initialize_config_dir(config_dir=cli.CONFIG_DIR, version_base="1.3"):
+        c = compose("train", overrides=["hydra/launcher=slurm", "recipe=llama3_8b_128k_h100x16"],
+                    return_hydra_config=True)
+    launcher = c.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 8, 8)
+
+
 def test_typos_and_bad_values_are_errors():
     from hydra.errors import ConfigCompositionException
 
