@@ -115,3 +115,13 @@ def test_memmap_text_trains_and_loss_falls(tmp_path):
     first = sum(hist[s]["loss"] for s in (1, 2, 3)) / 3
     last = sum(hist[s]["loss"] for s in (28, 29, 30)) / 3
     assert last < 0.7 * first, (first, last)
+
+
+def test_activation_checkpointing_and_bf16(tmp_path):
+    base = _run(small_cfg(tmp_path / "base", steps=3))
+    ckpt = _run(small_cfg(tmp_path / "ckpt", steps=3, activation_checkpointing=True))
+    for s in (1, 2, 3):  # recomputation changes nothing
+        assert abs(base[s]["loss"] - ckpt[s]["loss"]) <= 1e-6 * base[s]["loss"], s
+    bf16 = _run(small_cfg(tmp_path / "bf16", steps=3, dtype="bf16"))
+    for s in (1, 2, 3):  # autocast bf16 follows fp32 closely for a few steps
+        assert abs(base[s]["loss"] - bf16[s]["loss"]) <= 0.05 * base[s]["loss"], s
