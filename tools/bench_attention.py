@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from usp import SPMesh, SequenceLayout, usp_attention  # noqa: E402
 from usp.kernels import local_attention  # noqa: E402
-from usp.launch import spawn_local  # noqa: E402
+from usp.launch import init_from_env, launcher_env, spawn_local  # noqa: E402
 from usp.validate import check_degrees, check_heads, seq_multiple  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
@@ -377,8 +377,21 @@ def report(args: argparse.Namespace, rows: list[Row], skip: str | None) -> None:
 
 
 def main(argv=None) -> None:
-    args = parse_args(argv)
-    spawn_local(run_rank, args.nprocs, args, threads=args.threads)
+    info = launcher_env()
+    if info is None:
+        args = parse_args(argv)
+        spawn_local(run_rank, args.nprocs, args, threads=args.threads)
+        return
+    # under torchrun (e.g. through tools/simcluster.py): this process is one rank
+    args = parse_args([*(argv if argv is not None else sys.argv[1:]),
+                       "--nprocs", str(info["world"])])
+    torch.set_num_threads(args.threads)
+    init_from_env(info, "cpu")
+    try:
+        run_rank(args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
