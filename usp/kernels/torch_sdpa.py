@@ -69,9 +69,12 @@ class TorchKernel:
             )
         else:
             zero = torch.zeros((), dtype=torch.int64, device=q.device)
+            # the efficient kernel's LSE is padded to a multiple of 32 rows; give it back so
+            pad = (-sq) % 32
+            lse_in = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
             dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
                 _bhsd(dout), _bhsd(q), _bhsd(ke), _bhsd(ve), None, _bhsd(out),
-                lse.contiguous(), zero, zero, 0.0, [True, True, True, False], causal,
+                lse_in.contiguous(), zero, zero, 0.0, [True, True, True, False], causal,
                 scale=scale,
             )
         return _bhsd(dq), _fold(_bhsd(dk), g), _fold(_bhsd(dv), g)
