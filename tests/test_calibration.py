@@ -149,7 +149,7 @@ def test_proposed_model_reduces_to_estimate(cal, cluster, nodes, u, r, balance):
     base = cal.predict_attention(spec, shape, u, r, balance)["fwd_bwd"]
     assert cal.proposed_attention(spec, shape, u, r, balance) == pytest.approx(base, rel=1e-12)
     # the two changes only add time: less hiding, more diagonal work
-    assert cal.proposed_attention(spec, shape, u, r, balance, overlap=0.2) >= base
+    assert cal.proposed_attention(spec, shape, u, r, balance, overlap=0.0) >= base
     assert cal.proposed_attention(spec, shape, u, r, balance, causal_tile=512) > base
 
 

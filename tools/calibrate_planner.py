@@ -116,14 +116,16 @@ def predict_attention(spec: ClusterSpec, shape: Shape, ulysses: int, ring: int,
 
 
 def proposed_attention(spec: ClusterSpec, shape: Shape, ulysses: int, ring: int,
-                       balance: str = "zigzag", overlap: float = 1.0,
+                       balance: str = "zigzag", overlap: float | None = None,
                        causal_tile: float = 0.0) -> float:
     """PROTOTYPE of a revised attention model, forward+backward seconds per rank.
 
     Same terms as ``usp.planner.cost.estimate`` (act_checkpoint off, dp 1) except:
     a ring transfer hides only ``overlap`` of the compute it runs beside
-    (exposed = send - overlap * min(send, compute); the model has overlap = 1), and the
+    (exposed = send - overlap * min(send, compute); default: the spec's own ``overlap``,
+    which the model uses too), and the
     diagonal (causal) block costs ``1 + causal_tile / block`` times its half-square FLOPs."""
+    overlap = spec.overlap if overlap is None else overlap
     L, u, r, B = shape.seq_len, ulysses, ring, shape.batch
     hq, hd, eb = shape.heads, shape.head_dim, shape.dtype_bytes
     kv = check_heads(hq, shape.kv_heads, u)

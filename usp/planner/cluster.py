@@ -41,16 +41,21 @@ class ClusterSpec:
     mem_bytes: float = 16.0 * GiB  # device memory per GPU
     mfu: float = 0.4  # achievable fraction of peak_flops for attention and matmuls
     hbm_bw: float = 1.0e12  # device memory bytes/s (memory-bound work: ring out/LSE merges)
+    overlap: float = 1.0  # share of a ring transfer that can hide behind block compute
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            if f.name == "name":
+            if f.name in ("name", "overlap"):
                 continue
             val = getattr(self, f.name)
             if not isinstance(val, (int, float)) or isinstance(val, bool) or val <= 0:
                 raise ValueError(
                     f"cluster {self.name!r}: {f.name} must be a positive number, got {val!r}"
                 )
+        if not 0 <= self.overlap <= 1:
+            raise ValueError(
+                f"cluster {self.name!r}: overlap must be in [0, 1], got {self.overlap}"
+            )
         if not 0 < self.mfu <= 1:
             raise ValueError(f"cluster {self.name!r}: mfu must be in (0, 1], got {self.mfu}")
 

@@ -162,9 +162,14 @@ def estimate(
         bw, lat = _link(cluster, rs.crosses)
         send_f = lat + kv_bytes / bw
         send_b = 2 * lat + kv_bytes * (1 + FP32 / dtype_bytes) / bw  # K,V + fp32 dK,dV
-        exp_f = (r - 1) * max(0.0, send_f - later - merge_f)
+        ov = cluster.overlap  # how much of a transfer the concurrent compute can hide
+
+        def exposed(send: float, compute: float) -> float:
+            return send - ov * min(send, compute)
+
+        exp_f = (r - 1) * exposed(send_f, later + merge_f)
         dkv_home = lat + kv_bytes * FP32 / dtype_bytes / bw  # last dK/dV hop, not hidden
-        exp_b = (r - 1) * max(0.0, send_b - FLASH_BWD * later - merge_b) + dkv_home
+        exp_b = (r - 1) * exposed(send_b, FLASH_BWD * later + merge_b) + dkv_home
         ring_comm_layer = (r - 1) * (n_fwd * send_f + send_b) + dkv_home
         ring_exp_layer = n_fwd * exp_f + exp_b
         merge_layer = (r - 1) * (n_fwd * merge_f + merge_b)
