@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .indexing import sample_indices
+
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 REQUIRED_KEYS = ("dtype", "num_tokens", "vocab_size", "tokenizer", "source")
 _PREPARE = "python tools/prepare_data.py --src DIR --glob '**/*.txt' --out {prefix}"
@@ -195,8 +197,8 @@ class MemmapTokens:
             if cols.size and (cols.min() < 0 or cols.max() >= self.seq_len):
                 raise ValueError(f"positions must lie in [0, {self.seq_len}), got "
                                  f"[{cols.min()}, {cols.max()}]")
-        first = (step * dp_size + dp_rank) * batch_size
-        starts = np.array([self.window_start(first + i) for i in range(batch_size)])
+        starts = np.array([self.window_start(i)
+                           for i in sample_indices(step, batch_size, dp_rank, dp_size)])
         idx = starts[:, None] + cols[None, :]  # [B, n] absolute offsets into the file
         offsets = np.stack([idx, idx + 1])  # [2, B, n]: each token and the one after it
         ids = np.asarray(self.tokens[offsets]).astype(np.int64)  # reads only these entries

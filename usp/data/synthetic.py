@@ -40,6 +40,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .indexing import sample_indices
+
 IGNORE_INDEX = -100
 BOS, SEP = 0, 1
 N_SPECIAL = 2
@@ -152,8 +154,7 @@ class RecallTask:
         on the global sequence), -100 except at query tokens. ``positions`` (global ids,
         e.g. ``layout.positions()``) selects this rank's columns.
         """
-        first = (step * dp_size + dp_rank) * batch_size
-        pairs = [self.sample(first + i) for i in range(batch_size)]
+        pairs = [self.sample(i) for i in sample_indices(step, batch_size, dp_rank, dp_size)]
         tokens = torch.from_numpy(np.stack([t for t, _ in pairs]))  # [B, L]
         labels = torch.from_numpy(np.stack([lab for _, lab in pairs]))  # [B, L]
         if positions is not None:
