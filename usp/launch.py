@@ -53,12 +53,11 @@ def spawn_local(fn, world_size: int, *args, threads: int | None = None) -> None:
 
 def _first_slurm_host(nodelist: str) -> str:
     """'gpu[012-015,020],cpu01' -> 'gpu012' (the first host of a Slurm node list)."""
-    head = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else nodelist
-    if "[" not in head:
-        return head
-    prefix, rest = head.split("[", 1)
-    first = rest.split(",")[0].split("-")[0].rstrip("]")
-    return prefix + first
+    first = nodelist.split(",")[0]  # 'gpu[012-015' or 'cpu01'
+    if "[" not in first:
+        return first
+    prefix, ranges = first.split("[", 1)
+    return prefix + ranges.split("-")[0].rstrip("]")
 
 
 def launcher_env(env=None) -> dict | None:

@@ -64,7 +64,7 @@ def evaluate(model, data, cfg: RunConfig, mesh: SPMesh, positions, device, amp) 
     hits = torch.zeros(2, dtype=torch.float64, device=device)
     for i in range(cfg.data.eval_batches):
         tokens, labels = data.batch(10**6 + i, cfg.data.batch_size, mesh.dp_rank, mesh.dp,
-                                    positions=positions.cpu())
+                                    positions=positions)
         with amp:
             logits = model(tokens.to(device), positions)
         correct, answers = data.answer_accuracy(logits.float(), labels.to(device))
@@ -80,6 +80,8 @@ def train(cfg: RunConfig) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
         else torch.device("cpu")
     tc, pc = cfg.trainer, cfg.parallel
+    if tc.dtype not in ("fp32", "bf16"):
+        raise ValueError(f"trainer.dtype must be fp32 or bf16, got {tc.dtype!r}")
     ulysses, ring, plan_table = resolve_degrees(cfg, world)
     if rank == 0 and plan_table:
         print(plan_table, flush=True)
@@ -124,8 +126,6 @@ def train(cfg: RunConfig) -> dict:
     tokens_per_step = cfg.data.batch_size * mesh.dp * cfg.data.seq_len
     flops_per_token = model.flops_per_token(cfg.data.seq_len)
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=tc.dtype == "bf16")
-    if tc.dtype not in ("fp32", "bf16"):
-        raise ValueError(f"trainer.dtype must be fp32 or bf16, got {tc.dtype!r}")
     bar = None
     if rank == 0 and cfg.logging.progress:
         from tqdm import tqdm
@@ -138,7 +138,7 @@ def train(cfg: RunConfig) -> dict:
         comm0 = mesh.comm.total_seconds()
         # Data: this rank's tokens only; labels were shifted on the global sequence.
         tokens, labels = data.batch(step, cfg.data.batch_size, mesh.dp_rank, mesh.dp,
-                                    positions=positions.cpu())
+                                    positions=positions)
         tokens, labels = tokens.to(device), labels.to(device)  # [B, L/P]
         # Sync: the number of target tokens over dp x sp normalises the loss.
         counts = torch.tensor([(labels != -100).sum().item()], dtype=torch.float64, device=device)
@@ -185,10 +185,10 @@ def train(cfg: RunConfig) -> dict:
             line = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                             for k, v in summary.items())
             bar.write(line) if bar is not None else print(line, flush=True)
-        done = step + 1 == tc.steps or (tc.stop_after is not None and step + 1 == tc.stop_after)
-        if (tc.ckpt_every and (step + 1) % tc.ckpt_every == 0) or done:
-            save_checkpoint(run_dir, step + 1, model, opt, sched, extra={"data_step": step + 1})
-        if tc.stop_after is not None and step + 1 == tc.stop_after:
+        stopping = tc.stop_after is not None and step + 1 == tc.stop_after
+        if (tc.ckpt_every and (step + 1) % tc.ckpt_every == 0) or step + 1 == tc.steps or stopping:
+            save_checkpoint(run_dir, step + 1, model, opt, sched)  # the step is the data position
+        if stopping:
             break
     if bar is not None:
         bar.close()
