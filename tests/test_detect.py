@@ -157,14 +157,16 @@ def test_h100_node_detected(tmp_path):
     assert report.warnings == ["8 ranks per node but 4 GPUs"]  # the fake topo lists 4
     assert spec.intra_bw == pytest.approx(450e9)
     assert spec.inter_bw == pytest.approx(50e9)  # top 8 NICs = one 400G rail per GPU
+    assert spec.gpus_per_nic == 1
     assert spec.mem_bytes == 81559 * 2**20 and spec.peak_flops == 989e12
     assert set(report.detected) == {"gpus_per_node", "nodes", "intra_bw", "inter_bw",
-                                    "mem_bytes"}
+                                    "gpus_per_nic", "mem_bytes"}
     assert set(report.assumed) == {"intra_latency_s", "inter_latency_s", "peak_flops",
                                    "mfu", "hbm_bw"}
     line = report.line()
     assert "intra_bw=450 GB/s (nvidia-smi nvlink -s: 18 links)" in line
-    assert "inter_bw=50.0 GB/s (sysfs: 9 active IB/RoCE ports, top 8 x 400-400 Gb/s" in line
+    assert "inter_bw=50.0 GB/s per NIC (sysfs: 9 active IB/RoCE ports, top 8 x 400-400 Gb/s" \
+        in line
     assert "assumed from h100_ib: intra_latency_s=5e-06" in line and "\n" not in line
 
 
@@ -184,7 +186,9 @@ def test_pcie_node_with_roce(tmp_path):
     env = {"SLURM_NNODES": "2", "SLURM_NTASKS_PER_NODE": "8"}
     spec, report = detect_topology(env, load_cluster("h100_ib"), sysfs_root=root, run=smi)
     assert spec.intra_bw == pytest.approx(25.2e9, rel=0.01)
-    assert spec.inter_bw == pytest.approx(2 * 12.5e9 / 8)  # 2 NICs shared by 8 GPUs
+    assert spec.inter_bw == pytest.approx(12.5e9)  # per NIC; 2 NICs shared by 8 GPUs
+    assert spec.gpus_per_nic == 4 and isinstance(spec.gpus_per_nic, int)
+    assert report.detected["gpus_per_nic"] == "4 (2 NICs for 8 GPUs)"
     assert "nvlink -s" not in smi.calls  # PCIe: no NVLink to ask about
     assert "PCIe, PCIe Gen4 x16" in report.detected["intra_bw"]
     assert "RoCE" in report.detected["inter_bw"]

@@ -98,7 +98,8 @@ def test_load_cluster_rejects_bad_files(tmp_path):
         load_cluster("tpu_pod")
 
 
-@pytest.mark.parametrize("field, value", [("inter_bw", 0.0), ("gpus_per_node", -8), ("mfu", 1.5)])
+@pytest.mark.parametrize("field, value", [("inter_bw", 0.0), ("gpus_per_node", -8), ("mfu", 1.5),
+                                          ("gpus_per_nic", 0), ("gpus_per_intra_link", 1.5)])
 def test_cluster_spec_rejects_nonsense(field, value):
     with pytest.raises(ValueError, match=field):
         ClusterSpec(**{field: value})
@@ -129,6 +130,55 @@ def test_group_span():
     # ring_inner puts the ring inside the node and spreads ulysses over nodes
     assert group_span(1, 4, 8, 8, "ring", "ring_inner").crosses is False
     assert group_span(1, 4, 8, 8, "ulysses", "ring_inner").remote_peers == 6
+
+
+@pytest.mark.parametrize("u, r, placement, uly, ring", [
+    # (intra_senders, inter_senders) of the busiest node, 2 nodes x 2 GPUs
+    (2, 2, "ulysses_inner", (2, 0), (0, 2)),  # both rings leave every node at once
+    (2, 2, "ring_inner", (0, 2), (2, 0)),
+    (1, 4, "ulysses_inner", (0, 0), (1, 1)),  # 0->1 stays, 1->2 leaves node 0
+    (4, 1, "ulysses_inner", (2, 2), (0, 0)),
+])
+def test_group_span_counts_concurrent_senders(u, r, placement, uly, ring):
+    us = group_span(1, r, u, 2, "ulysses", placement)
+    rs = group_span(1, r, u, 2, "ring", placement)
+    assert (us.intra_senders, us.inter_senders) == uly
+    assert (rs.intra_senders, rs.inter_senders) == ring
+
+
+def test_link_bw_splits_a_shared_link_only():
+    rail = ClusterSpec(gpus_per_node=8, inter_bw=50e9, intra_bw=400e9)
+    assert rail.link_bw(True, 8) == rail.link_bw(True, 1) == 50e9  # one NIC per GPU
+    one_nic = rail.replace(gpus_per_nic=8)
+    assert one_nic.link_bw(True, 1) == 50e9  # alone on the NIC
+    assert one_nic.link_bw(True, 4) == 12.5e9
+    two_nics = rail.replace(gpus_per_nic=4)
+    assert two_nics.link_bw(True, 2) == 50e9 and two_nics.link_bw(True, 8) == 12.5e9
+    bus = rail.replace(gpus_per_intra_link=8)
+    assert bus.link_bw(False, 2) == 200e9 and bus.link_bw(True, 8) == 50e9
+
+
+def test_shared_nic_slows_layouts_whose_ranks_leave_the_node_together():
+    """2 nodes x 2 GPUs, one NIC per node (like tools/simcluster.py): ring (2,2) has both
+    GPUs of a node sending off it every step, ring (1,4) only one."""
+    m = ModelConfig()
+    rail = load_cluster("cpu_local").replace(gpus_per_node=2, nodes=2, inter_bw=40e6,
+                                              intra_bw=400e6, overlap=1.0,
+                                              intra_latency_s=1e-9, inter_latency_s=1e-9)
+    nic = rail.replace(gpus_per_nic=2)
+    kw = dict(global_batch=2, dtype_bytes=4, act_checkpoint=False)
+
+    def cost(spec, u, r):
+        return estimate(m, spec, 2048, 1, r, u, **kw)
+
+    r22, n22 = cost(rail, 2, 2), cost(nic, 2, 2)
+    assert n22.ring_comm_s == pytest.approx(2 * r22.ring_comm_s, rel=1e-4)
+    assert n22.a2a_s == r22.a2a_s  # its all-to-all stays inside the node
+    assert cost(nic, 1, 4).ring_comm_s == cost(rail, 1, 4).ring_comm_s
+    assert cost(nic, 4, 1).a2a_s > 1.5 * cost(rail, 4, 1).a2a_s
+    # rail-optimised: (2,2) is the better layout; one NIC per node: (1,4) is
+    assert cost(rail, 2, 2).step_s < cost(rail, 1, 4).step_s
+    assert cost(nic, 1, 4).step_s < cost(nic, 2, 2).step_s
 
 
 # ---- cost model ------------------------------------------------------------------------------

@@ -68,7 +68,7 @@ from usp.config import ModelConfig  # noqa: E402
 from usp.kernels import get_kernel, local_attention  # noqa: E402
 from usp.launch import spawn_local  # noqa: E402
 from usp.planner import ClusterSpec, estimate, group_span, load_cluster  # noqa: E402
-from usp.planner.cost import FLASH_BWD, FP32  # noqa: E402
+from usp.planner.cost import FLASH_BWD, FP32, ring_step_link  # noqa: E402
 from usp.ring import RingAttention, merge  # noqa: E402
 from usp.validate import check_heads, seq_multiple  # noqa: E402
 
@@ -134,11 +134,13 @@ def proposed_attention(spec: ClusterSpec, shape: Shape, ulysses: int, ring: int,
     if u > 1:
         us = group_span(1, r, u, spec.gpus_per_node, "ulysses", "ulysses_inner")
         lat = spec.inter_latency_s if us.remote_peers else spec.intra_latency_s
+        intra_bw = spec.link_bw(False, us.intra_senders)
+        inter_bw = spec.link_bw(True, us.inter_senders)
 
         def a2a_time(heads):
             chunk = T * heads * hd * eb
-            return lat + max(us.local_peers * chunk / spec.intra_bw,
-                             us.remote_peers * chunk / spec.inter_bw)
+            return lat + max(us.local_peers * chunk / intra_bw,
+                             us.remote_peers * chunk / inter_bw)
 
         a2a = 2 * (a2a_time(hq / u + 2 * kv) + a2a_time(hq / u))  # forward + backward mirrors
     blk = L / r
@@ -149,8 +151,7 @@ def proposed_attention(spec: ClusterSpec, shape: Shape, ulysses: int, ring: int,
     ring_t = 0.0
     if r > 1:
         rs = group_span(1, r, u, spec.gpus_per_node, "ring", "ulysses_inner")
-        bw, lat = (spec.inter_bw, spec.inter_latency_s) if rs.crosses else \
-            (spec.intra_bw, spec.intra_latency_s)
+        bw, lat = ring_step_link(spec, rs)
         kv_bytes = 2 * blk * kv * hd * eb
         q_el, kv_el = blk * (hq / u) * hd, blk * kv * hd
         merge_f = 3 * FP32 * q_el / spec.hbm_bw

@@ -1,8 +1,11 @@
 """What the planner knows about the hardware: one ``ClusterSpec`` and where ranks sit on it.
 
 Units everywhere: bytes, seconds, bytes/s, FLOP/s. Bandwidths are *unidirectional, per
-GPU*: ``intra_bw`` is what one GPU can push to its node peers (NVLink or PCIe),
-``inter_bw`` what one GPU can push off the node through its own rail NIC.
+link*: ``intra_bw`` is what one GPU can push to its node peers (NVLink or PCIe),
+``inter_bw`` what one NIC can push off the node. On a rail-optimised node every GPU has
+its own NIC (``gpus_per_nic: 1``) and both are per-GPU figures. When ``gpus_per_nic``
+(or ``gpus_per_intra_link``) GPUs share one link, the GPUs of a node that send over it
+at the same moment split it; one sending alone gets all of it.
 
 The YAML files in ``configs/cluster/`` use exactly the field names below, so a Hydra
 structured-config schema built from this dataclass validates them.
@@ -42,6 +45,8 @@ class ClusterSpec:
     mfu: float = 0.4  # achievable fraction of peak_flops for attention and matmuls
     hbm_bw: float = 1.0e12  # device memory bytes/s (memory-bound work: ring out/LSE merges)
     overlap: float = 1.0  # share of a ring transfer that can hide behind block compute
+    gpus_per_nic: int = 1  # GPUs sharing one inter-node NIC (1: rail-optimised)
+    gpus_per_intra_link: int = 1  # GPUs sharing one intra-node link (1: NVSwitch, own lanes)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -51,6 +56,12 @@ class ClusterSpec:
             if not isinstance(val, (int, float)) or isinstance(val, bool) or val <= 0:
                 raise ValueError(
                     f"cluster {self.name!r}: {f.name} must be a positive number, got {val!r}"
+                )
+        for name in ("gpus_per_node", "nodes", "gpus_per_nic", "gpus_per_intra_link"):
+            if int(getattr(self, name)) != getattr(self, name):
+                raise ValueError(
+                    f"cluster {self.name!r}: {name} must be a whole number, "
+                    f"got {getattr(self, name)!r}"
                 )
         if not 0 <= self.overlap <= 1:
             raise ValueError(
@@ -62,6 +73,16 @@ class ClusterSpec:
     @property
     def world(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    def link_bw(self, remote: bool, senders: int) -> float:
+        """Bytes/s one GPU gets on the inter-node (``remote``) or intra-node link while
+        ``senders`` GPUs of its node send over that kind of link at the same time."""
+        bw, share = (
+            (self.inter_bw, self.gpus_per_nic) if remote
+            else (self.intra_bw, self.gpus_per_intra_link)
+        )
+        links = max(1, self.gpus_per_node // share)  # links of this kind per node
+        return bw * min(1.0, links / max(1, senders))
 
     def replace(self, **changes) -> "ClusterSpec":
         """A copy with some fields changed (validated again)."""
@@ -116,6 +137,11 @@ class GroupSpan:
     local_peers: int
     remote_peers: int
     crosses: bool
+    # busiest node, all groups of the axis communicating at once: how many of its ranks
+    # send to a peer on the same node / on another node (ulysses: any such peer; ring:
+    # the next member)
+    intra_senders: int = 0
+    inter_senders: int = 0
 
 
 def rank_grid(
@@ -137,7 +163,8 @@ def rank_grid(
 def group_span(
     dp: int, ring: int, ulysses: int, gpus_per_node: int, axis: str, placement: str
 ) -> GroupSpan:
-    """Worst-placed group along ``axis`` ('ulysses' or 'ring'): most remote peers."""
+    """Worst-placed group along ``axis`` ('ulysses' or 'ring'): most remote peers, with
+    the sender counts of the busiest node (see ``GroupSpan``)."""
     grid = rank_grid(dp, ring, ulysses, gpus_per_node, placement)
     if axis == "ulysses":
         groups = [row for plane in grid for row in plane]
@@ -146,10 +173,19 @@ def group_span(
     else:
         raise ValueError(f"axis must be 'ulysses' or 'ring', got {axis!r}")
     worst = None
+    intra: dict[int, int] = {}  # node -> ranks sending inside it
+    inter: dict[int, int] = {}  # node -> ranks sending off it
     for g in groups:
         node = [r // gpus_per_node for r in g]
         for m, n in enumerate(node):
             local = sum(1 for x in node if x == n) - 1
+            if axis == "ulysses":
+                sends_local, sends_remote = local > 0, local < len(g) - 1
+            else:
+                nxt = node[(m + 1) % len(g)]
+                sends_local, sends_remote = len(g) > 1 and nxt == n, nxt != n
+            intra[n] = intra.get(n, 0) + sends_local
+            inter[n] = inter.get(n, 0) + sends_remote
             span = GroupSpan(
                 size=len(g),
                 nodes=len(set(node)),
@@ -159,4 +195,5 @@ def group_span(
             )
             if worst is None or span.remote_peers > worst.remote_peers:
                 worst = span
-    return worst
+    return dataclasses.replace(worst, intra_senders=max(intra.values()),
+                               inter_senders=max(inter.values()))

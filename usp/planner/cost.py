@@ -7,10 +7,11 @@ Per rank, per layer, per sequence (``T = L/P`` tokens, ``P = ring * ulysses``):
 - ulysses: two blocking all-to-alls forward (q/k/v in, out back) and their mirrors in
   backward. The in-a2a sends ``(u-1) T (Hq/u + 2 kv) d`` elements, ``kv = max(Hkv/u, 1)``
   (from ``check_heads``), the out-a2a ``(u-1) T (Hq/u) d``. Peers on the same node go over
-  ``intra_bw``, peers on other nodes over ``inter_bw``, in parallel;
+  ``intra_bw``, peers on other nodes over ``inter_bw``, in parallel; where GPUs share a
+  link (``gpus_per_nic``, ``gpus_per_intra_link``) the node's concurrent senders split it;
 - ring: ``r`` steps over query block ``L/r`` x key block ``L/r`` with ``Hq/u`` heads. Step
   ``i`` computes block ``i`` while block ``i+1``'s K/V travel (backward: K/V plus fp32
-  dK/dV), so a step costs ``max(compute + merge, transfer)``; what a transfer adds beyond
+  dK/dV) over the ring's slowest hop, so a step costs ``max(compute + merge, transfer)``; what a transfer adds beyond
   the compute it hides behind is *exposed*, and so is the last hop that carries the
   accumulated fp32 dK/dV home after the final backward step. Each step after the first
   merges its partial output into an fp32 accumulator (forward: out/LSE; backward: dQ, dK,
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 
 from ..config import ModelConfig
 from ..validate import check_heads
-from .cluster import ClusterSpec, group_span
+from .cluster import ClusterSpec, GroupSpan, group_span
 
 FP32 = 4  # bytes: LSE, merge accumulators, dK/dV in flight, logits for the loss
 OPTIM_BYTES = 12  # bytes/param: fp32 master weights + Adam m and v
@@ -84,11 +85,15 @@ def act_bytes_per_token_layer(model: ModelConfig, dtype_bytes: int) -> float:
     return (7 * model.dim + kv + 4 * model.ffn_dim) * dtype_bytes + model.n_heads * FP32
 
 
-def _link(cluster: ClusterSpec, remote: bool) -> tuple[float, float]:
-    """(bytes/s, latency s) of the link a transfer uses."""
-    if remote:
-        return cluster.inter_bw, cluster.inter_latency_s
-    return cluster.intra_bw, cluster.intra_latency_s
+def ring_step_link(cluster: ClusterSpec, span: GroupSpan) -> tuple[float, float]:
+    """(bytes/s, latency s) of one ring step: every member sends at once, so the step
+    lasts as long as its slowest hop, on links shared by the node's concurrent senders."""
+    if not span.crosses:
+        return cluster.link_bw(False, span.intra_senders), cluster.intra_latency_s
+    bw = cluster.link_bw(True, span.inter_senders)
+    if span.intra_senders:  # some hops stay inside a node
+        bw = min(bw, cluster.link_bw(False, span.intra_senders))
+    return bw, cluster.inter_latency_s
 
 
 def estimate(
@@ -132,10 +137,13 @@ def estimate(
         us = group_span(dp, r, u, cluster.gpus_per_node, "ulysses", placement)
         a2a_link = "inter" if us.remote_peers else "intra"
 
+        intra_bw = cluster.link_bw(False, us.intra_senders)  # shared by concurrent senders
+        inter_bw = cluster.link_bw(True, us.inter_senders)
+
         def a2a_time(heads: float) -> float:  # one all-to-all moving `heads` heads per token
             chunk = T * heads * hd * dtype_bytes  # bytes to each peer
-            local = us.local_peers * chunk / cluster.intra_bw
-            remote = us.remote_peers * chunk / cluster.inter_bw
+            local = us.local_peers * chunk / intra_bw
+            remote = us.remote_peers * chunk / inter_bw
             lat = cluster.inter_latency_s if us.remote_peers else cluster.intra_latency_s
             return lat + max(local, remote)
 
@@ -159,7 +167,7 @@ def estimate(
     if r > 1:
         rs = group_span(dp, r, u, cluster.gpus_per_node, "ring", placement)
         ring_link = "inter" if rs.crosses else "intra"
-        bw, lat = _link(cluster, rs.crosses)
+        bw, lat = ring_step_link(cluster, rs)
         send_f = lat + kv_bytes / bw
         send_b = 2 * lat + kv_bytes * (1 + FP32 / dtype_bytes) / bw  # K,V + fp32 dK,dV
         ov = cluster.overlap  # how much of a transfer the concurrent compute can hide

@@ -245,11 +245,14 @@ def detect_topology(
     if ports:
         per_node = int(vals.get("gpus_per_node", spec.gpus_per_node))
         rates = sorted((r for _, r, _ in ports), reverse=True)[:per_node]
-        bw = sum(rates) / per_node * 1e9 / 8  # rail NICs, or fewer NICs shared by the GPUs
+        bw = sum(rates) / len(rates) * 1e9 / 8  # one NIC's rate (mean of the fastest)
+        share = -(-per_node // len(rates))  # GPUs per NIC: 1 on rail-optimised nodes
         kinds = "/".join(sorted({k for _, _, k in ports}))
-        found("inter_bw", bw, f"{bw / 1e9:.1f} GB/s",
+        found("inter_bw", bw, f"{bw / 1e9:.1f} GB/s per NIC",
               f"sysfs: {len(ports)} active {kinds} ports, top {len(rates)} x "
               f"{rates[-1]:g}-{rates[0]:g} Gb/s over {per_node} GPUs")
+        found("gpus_per_nic", share, str(share),
+              "one NIC per GPU" if share == 1 else f"{len(rates)} NICs for {per_node} GPUs")
 
     for key, value in vals.items():
         old = getattr(spec, key)
@@ -263,5 +266,6 @@ def detect_topology(
                   "inter_latency_s", "peak_flops", "mem_bytes", "mfu", "hbm_bw")
         if k not in vals
     }
-    ints = {k: int(v) for k, v in vals.items() if k in ("nodes", "gpus_per_node")}
+    ints = {k: int(v) for k, v in vals.items()
+            if k in ("nodes", "gpus_per_node", "gpus_per_nic")}
     return spec.replace(**{**vals, **ints}), report
