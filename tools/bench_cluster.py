@@ -8,6 +8,7 @@ Needs root (network namespaces). The launcher builds one ``SimCluster`` and runs
    - (b) attention fwd+bwd at (4, 1), (2, 2), (1, 4);
    - (c) the ring alone at P=2 (ring across nodes), zigzag vs contiguous, against the
      ideal dense time / 2 (dense attention on the full sequence, timed in the same rounds);
+   - the overlap share of a cross-node transfer with a kernel (for the planner's spec);
    - (e) bytes sent per rank per attention layer (``mesh.comm.bytes``) vs the formula of
      ``tests/test_comm_volume.py``;
    - (d) bytes of tensors saved for backward per rank (``saved_tensors_hooks`` around a
@@ -18,7 +19,9 @@ Needs root (network namespaces). The launcher builds one ``SimCluster`` and runs
    (b) the three degrees, median ``step_s`` from ``metrics.jsonl`` (first step dropped;
    ``--train-passes`` runs per config in alternating order, the lowest median kept),
    next to the planner's ranking (``usp.planner.plan`` on a ClusterSpec made of the
-   measured link rates).
+   measured link rates, FLOP rate and overlap, one shared link of each kind per node);
+3. (c) once more on a 2-node x 1-rank cluster at the same rates (``--phase ring``): one
+   process per core, so a waiting rank idles its core the way a waiting GPU idles.
 
 Tables are printed and written to ``OUT/results.json``; a PNG per benchmark goes to OUT.
 
@@ -186,6 +189,72 @@ def saved_activation_bytes(args) -> dict:
     return res
 
 
+def measure_overlap(args, reps: int = 7) -> dict:
+    """How much of a cross-node transfer hides behind a kernel running at the same time.
+
+    Every rank swaps one K/V block with its partner on the other node (both ranks of a
+    node at once, as the (2,2) ring does) beside the forward of one ring block; kernel
+    alone, transfer alone and both are timed back to back, ``reps`` times, max over ranks.
+    The share is computed as in tools/calibrate_planner.py (``overlap_share``)."""
+    import torch
+    import torch.distributed as dist
+
+    from calibrate_planner import overlap_share
+    from usp.kernels import local_attention
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    partner = (rank + PER_NODE) % world
+    blk, h = args.seq_len // 2, args.heads // 2  # the (2,2) layout's ring block
+    q = torch.randn(1, blk, h, args.head_dim)
+    k, v = (torch.randn(1, blk, 1, args.head_dim) for _ in range(2))
+    send = torch.randn(2 * blk * args.head_dim)  # one K/V block, fp32
+    recv = torch.empty_like(send)
+
+    def kernel():
+        with torch.no_grad():
+            local_attention(q, k, v, causal=False, kernel="torch")
+
+    def transfer(then=None):
+        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, partner),
+                                       dist.P2POp(dist.irecv, recv, partner)])
+        if then is not None:
+            then()
+        for r in reqs:
+            r.wait()
+
+    fns = (kernel, transfer, lambda: transfer(then=kernel))
+    for fn in fns:  # warm-up
+        fn()
+    t = torch.zeros(reps, 3, dtype=torch.float64)
+    for i in range(reps):
+        for j, fn in enumerate(fns):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            t[i, j] = time.perf_counter() - t0
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    kernel_s, comm_s, both_s = t.T.tolist()
+    return dict(share=overlap_share(kernel_s, comm_s, both_s), kernel_ms=med(kernel_s) * 1e3,
+                transfer_ms=med(comm_s) * 1e3, both_ms=med(both_s) * 1e3)
+
+
+def ring_worker(args) -> None:
+    """(c) on 2 nodes x 1 rank: one process per core, so a rank that waits idles its core
+    as an idle GPU would. Dense on each rank vs the P=2 ring, zigzag and contiguous."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    args.seq_len = args.ring_seq_len
+    specs = [("ring P=2 zigzag", 1, 2, "ulysses_inner", "zigzag"),
+             ("ring P=2 contiguous", 1, 2, "ulysses_inner", "contiguous"),
+             ("dense P=1", 0, 0, "", "")]
+    configs = attention_configs(args, specs, {})
+    res = {"attention_ms": time_round_robin(configs, args.ring_iters, args.warmup),
+           "seq_len": args.seq_len}
+    if rank == 0:
+        Path(args.out, "worker_ring.json").write_text(json.dumps(res, indent=2))
+
+
 def worker(args) -> None:
     from datetime import timedelta
 
@@ -194,10 +263,18 @@ def worker(args) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    if args.phase == "ring":
+        ring_worker(args)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     rank = dist.get_rank()
     say = print if rank == 0 else (lambda *a, **k: None)
     res = {"links": measure_links(args.link_bytes)}
     say(f"links: {res['links']}", flush=True)
+    if not args.only_placement:
+        res["overlap"] = measure_overlap(args)
+        say(f"overlap: {res['overlap']}", flush=True)
 
     ref_bytes: dict = {}
     specs = [
@@ -337,16 +414,26 @@ def report(args, w: dict, train: dict, out: Path) -> dict:
             [f"P={P}" for P in sorted(sb)], [sb[P] / 2**20 for P in sorted(sb)], "MiB",
             ref=[sb[1] / P / 2**20 for P in sorted(sb)], ref_label="single / P")
 
-    # (c) ring efficiency
-    ideal = ms["dense P=1"] / 2
-    rows = [["dense P=1", f"{ms['dense P=1']:.1f}", "", ""]]
-    for n in ("ring P=2 zigzag", "ring P=2 contiguous"):
-        rows.append([n, f"{ms[n]:.1f}", f"{ideal:.1f}", f"{ideal / ms[n] * 100:.0f}%"])
-    table(f"(c) ring at P=2 across nodes, attention fwd+bwd L={L} (median ms)",
-          ["config", "ms", "ideal = dense/2", "efficiency"], rows, lines)
-    summary["ring_eff"] = {n: ideal / ms[n] for n in ("ring P=2 zigzag", "ring P=2 contiguous")}
-    bar_png(out / "c_ring_efficiency.png", f"(c) ring P=2, L={L}",
-            ["zigzag", "contiguous"], [ms["ring P=2 zigzag"], ms["ring P=2 contiguous"]],
+    # (c) ring efficiency: one rank per core (the target), and 2 ranks per core
+    rings = ("ring P=2 zigzag", "ring P=2 contiguous")
+    rows, summary["ring_eff"], png = [], {}, None
+    setups = [("4 ranks on 2 cores", ms, L)]
+    if w.get("ring"):
+        rms = {k: med(v) for k, v in w["ring"]["attention_ms"].items()}
+        setups.insert(0, ("1 rank per core", rms, w["ring"]["seq_len"]))
+    for setup, t, n_tok in setups:
+        ideal = t["dense P=1"] / 2
+        rows.append([setup, n_tok, "dense P=1", f"{t['dense P=1']:.1f}", "", ""])
+        for n in rings:
+            rows.append([setup, n_tok, n, f"{t[n]:.1f}", f"{ideal:.1f}",
+                         f"{ideal / t[n] * 100:.0f}%"])
+        summary["ring_eff"][setup] = {n: ideal / t[n] for n in rings}
+        png = png or (setup, t, n_tok, ideal)
+    table("(c) ring at P=2 across nodes vs the ideal dense / 2, attention fwd+bwd (median ms)",
+          ["setup", "L", "config", "ms", "ideal = dense/2", "efficiency"], rows, lines)
+    setup, t, n_tok, ideal = png
+    bar_png(out / "c_ring_efficiency.png", f"(c) ring P=2, L={n_tok}, {setup}",
+            ["zigzag", "contiguous"], [t[n] for n in rings],
             "fwd+bwd ms", ref=[ideal, ideal], ref_label="dense / 2")
 
     # (b) degree sweep + planner
@@ -354,11 +441,25 @@ def report(args, w: dict, train: dict, out: Path) -> dict:
     # compute calibrated too: the dense attention timed above, as FLOP/s at mfu 1
     # (causal fwd 2*L^2*Hq*d, backward 2.5x that)
     flops = 3.5 * 2 * L * L * args.heads * args.head_dim / (ms["dense P=1"] / 1e3)
+    # one shaped veth per node and one shaped loopback per node: the node's ranks share
+    # each link (gpus_per_nic = gpus_per_intra_link = ranks per node); the overlap of a
+    # cross-node transfer with a kernel is measured on this cluster, not cpu_local's
+    overlap = w["overlap"]["share"] if "overlap" in w else base.overlap
     spec = base.replace(name="simcluster", gpus_per_node=PER_NODE, nodes=NODES,
                         intra_bw=links["intra"], inter_bw=links["inter"],
-                        peak_flops=flops, mfu=1.0)
+                        peak_flops=flops, mfu=1.0, overlap=overlap,
+                        gpus_per_nic=PER_NODE, gpus_per_intra_link=PER_NODE)
     print(f"planner cluster spec: intra {links['intra'] / 1e6:.0f} MB/s, inter "
-          f"{links['inter'] / 1e6:.0f} MB/s, {flops / 1e9:.1f} GFLOP/s per rank (measured)")
+          f"{links['inter'] / 1e6:.0f} MB/s, one of each per node; {flops / 1e9:.1f} GFLOP/s "
+          f"per rank; overlap {overlap:.2f} (all measured)")
+    lines.append(f"planner spec: intra {links['intra'] / 1e6:.0f} MB/s, inter "
+                 f"{links['inter'] / 1e6:.0f} MB/s per node, {flops / 1e9:.1f} GFLOP/s, "
+                 f"overlap {overlap:.2f}")
+    if "overlap" in w:
+        o = w["overlap"]
+        print(f"overlap test: kernel {o['kernel_ms']:.1f} ms, cross-node transfer "
+              f"{o['transfer_ms']:.1f} ms, both {o['both_ms']:.1f} ms -> {o['share']:.0%} of the "
+              f"shorter hidden (median of paired repetitions)")
     model = ModelConfig()
     p = plan(model, spec, args.train_seq_len, world=WORLD, dp=1,
              global_batch=args.train_batch, dtype_bytes=4, act_checkpoint=False)
@@ -452,6 +553,10 @@ def main(argv=None) -> int:
     ap.add_argument("--train-steps", type=int, default=6)
     ap.add_argument("--train-passes", type=int, default=2,
                     help="usp-train runs per config, in alternating order; best median wins")
+    ap.add_argument("--ring-seq-len", type=int, default=2048,
+                    help="(c) on 2 nodes x 1 rank (one process per core)")
+    ap.add_argument("--ring-iters", type=int, default=7)
+    ap.add_argument("--phase", default="main", choices=["main", "ring"], help=argparse.SUPPRESS)
     ap.add_argument("--link-bytes", type=int, default=32 * 2**20)
     ap.add_argument("--intra-rate", default=None, help="shape loopback too (simcluster)")
     ap.add_argument("--placement-sweep", default=None,
@@ -481,7 +586,7 @@ def main(argv=None) -> int:
 
     signal.signal(signal.SIGTERM, interrupt_on_signal)  # unwind through SimCluster's clean-up
     sizes = ("seq_len", "heads", "kv_heads", "head_dim", "iters", "warmup", "mem_seq_len",
-             "link_bytes")  # what the worker needs
+             "link_bytes", "ring_seq_len", "ring_iters")  # what the worker needs
     fwd = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in sizes]
     if args.placement_sweep:
         return placement_sweep(args, out, fwd)
@@ -509,8 +614,16 @@ def main(argv=None) -> int:
                 print(f"usp-train {name} pass {pas}: median step {got[0]:.3f} s", flush=True)
                 if name not in train or got[0] < train[name][0]:
                     train[name] = got
-        rate = cluster.rate
+        rate, intra_rate = cluster.rate, cluster.intra_rate
+    # (c) again with one process per core: 2 nodes x 1 rank, the same link rates
+    with SimCluster(NODES, 1, rate=rate, intra_rate=intra_rate) as cluster:
+        r = cluster.run([str(Path(__file__).resolve()), "--worker", "--phase=ring",
+                         f"--out={out}", *fwd], timeout=900)
+        if r.returncode:
+            print(f"bench_cluster: ring worker failed ({r.returncode})", file=sys.stderr)
+            return 1
     w = json.loads((out / "worker.json").read_text())
+    w["ring"] = json.loads((out / "worker_ring.json").read_text())
     print(f"\nsimulated cluster: {NODES} nodes x {PER_NODE} ranks, inter-node rate {rate}")
     summary = report(args, w, train, out)
     summary["rate"] = rate
