@@ -134,7 +134,11 @@ def test_loopback_ring_does_the_rings_kernel_calls(cal, balance):
     else:  # contiguous: full blocks from earlier ranks, the later one skipped
         blocks = [(S, S, True), (S, S, False), (S, S, False)]
     assert [c[1:] for c in calls if c[0] == "fwd"] == blocks
-    assert [c[1:] for c in calls if c[0] == "bwd"] == blocks
+    # backward: half the diagonal first ([:S/2] and [S/2:] causal), the other half
+    # ([S/2:] x [:S/2]) after the last send, while our own dK/dV make their last hop
+    h = S // 2
+    assert [c[1:] for c in calls if c[0] == "bwd"] == [(h, h, True), (h, h, True), *blocks[1:],
+                                                        (h, h, False)]
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
 
 

@@ -13,7 +13,8 @@ def expected_bytes(b, seq_len, hq, hkv, d, u, r, elem):
     Ulysses (per rank, to the u-1 others): q,k,v in one all-to-all carrying Hq/u query
     heads and n = max(Hkv/u, 1) KV heads (x2 for K and V) per destination; the output back
     carries Hq/u heads. Backward mirrors both. Ring: r-1 hops of a K+V block [B, L/r, n, d]
-    forward and backward, plus r hops of the fp32 dK+dV accumulator in backward.
+    forward and backward, plus r-1 hops of the fp32 dK+dV accumulator in backward (each
+    block's accumulator starts at the rank after its owner and ends at the owner).
     """
     P, n_kv = u * r, max(hkv // u, 1)
     n, s = seq_len // P, seq_len // r
@@ -23,7 +24,7 @@ def expected_bytes(b, seq_len, hq, hkv, d, u, r, elem):
     fwd = {"ulysses": a2a_in + a2a_out, "ring": (r - 1) * kv_block}
     bwd = {
         "ulysses": a2a_out + a2a_in,
-        "ring": (r - 1) * kv_block + (r * 2 * b * s * n_kv * d * 4 if r > 1 else 0),
+        "ring": (r - 1) * (kv_block + 2 * b * s * n_kv * d * 4),
     }
     return fwd, bwd
 

@@ -68,7 +68,7 @@ from usp.config import ModelConfig  # noqa: E402
 from usp.kernels import get_kernel, local_attention  # noqa: E402
 from usp.launch import spawn_local  # noqa: E402
 from usp.planner import ClusterSpec, estimate, group_span, load_cluster  # noqa: E402
-from usp.planner.cost import FLASH_BWD, FP32, ring_step_link  # noqa: E402
+from usp.planner.cost import FLASH_BWD, FP32, ring_pass, ring_step_link  # noqa: E402
 from usp.ring import RingAttention, merge  # noqa: E402
 from usp.validate import check_heads, seq_multiple  # noqa: E402
 
@@ -156,15 +156,11 @@ def proposed_attention(spec: ClusterSpec, shape: Shape, ulysses: int, ring: int,
         q_el, kv_el = blk * (hq / u) * hd, blk * kv * hd
         merge_f = 3 * FP32 * q_el / spec.hbm_bw
         merge_b = 3 * FP32 * (q_el + 2 * kv_el) / spec.hbm_bw
-        send_f = lat + kv_bytes / bw
-        send_b = 2 * lat + kv_bytes * (1 + FP32 / eb) / bw
-        home = lat + kv_bytes * FP32 / eb / bw
-
-        def exposed(send, beside):
-            return send - overlap * min(send, beside)
-
-        ring_t = ((r - 1) * (exposed(send_f, later + merge_f) + merge_f
-                             + exposed(send_b, FLASH_BWD * later + merge_b) + merge_b) + home)
+        send_kv = lat + kv_bytes / bw
+        send_acc = lat + kv_bytes * FP32 / eb / bw
+        _, exposed, _ = ring_pass(r, 1, send_kv, send_acc, diag, later, merge_f, merge_b,
+                                  overlap)
+        ring_t = exposed + (r - 1) * (merge_f + merge_b)
     return B * (compute + a2a + ring_t)
 
 

@@ -5,8 +5,11 @@ Key/value blocks travel around the ring: at step s rank i holds the block of rin
 ``src = (i - s) mod r``, computes its queries against it while the next block is already
 in flight, and merges the partial result into the running (out, lse) in fp32.
 
-Backward mirrors it: the same KV ring, plus a dK/dV accumulator that travels with each
-block and, after r hops, arrives home at the block's owner.
+Backward mirrors it: the same KV ring, plus one fp32 dK/dV accumulator per block that
+starts at the rank after the block's owner, collects every other rank's share on its way
+round and arrives home after r-1 hops. The owner keeps its own (diagonal) share locally
+and computes half of it only after its last send, so that last hop home travels while
+the owner still has work.
 
 Causal masking by layout (i = this ring rank, src = owner of the KV block):
 
@@ -78,21 +81,41 @@ def ring_forward(q, k, v, comm: RingComm | None, rank: int, size: int, causal: b
     return out.to(q.dtype), lse
 
 
+def diagonal_split(seg_len: int, causal: bool):
+    """The diagonal block as (now, later) lists of (query slice, key slice, causal flag).
+
+    Causal: the segment's positions increase, so with h = S/2 it is [:h]x[:h] and
+    [h:]x[h:] (causal, square) plus [h:]x[:h] (unmasked), which backward runs last.
+    Not causal: the two key halves. Every piece's backward is exact on its own given the
+    full (out, lse): dQ sums over pieces and dK/dV rows belong to one piece each.
+    """
+    h = seg_len // 2
+    if h == 0:
+        return [(_ALL, _ALL, causal)], []
+    lo, hi = slice(0, h), slice(h, None)
+    if causal:
+        return [(lo, lo, True), (hi, hi, True)], [(hi, lo, False)]
+    return [(_ALL, lo, False)], [(_ALL, hi, False)]
+
+
 def ring_backward(dout, q, k, v, out, lse, comm: RingComm | None, rank: int, size: int,
                   causal: bool, balance: str, kernel: Kernel, scale: float):
-    """Exact grads of ``ring_forward``: returns dq, dk, dv in the input dtypes."""
+    """Exact grads of ``ring_forward``: returns dq, dk, dv in the input dtypes.
+
+    Step 0 runs half of the diagonal block while the first K/V block travels; step s
+    (1..r-1) runs the block of ring rank ``src = i - s``, adds the accumulator for that
+    block received from the previous rank and sends it on; after r-1 hops the accumulator
+    reaches the block's owner, which meanwhile runs the other half of its diagonal.
+    """
     if size == 1:
         return kernel.backward(dout, q, k, v, out, lse, causal, scale)
     s = q.shape[1]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    kv = torch.stack([k, v])  # [2, B, S, Hkv, d]
-    dkv_pending = None
-    for step in range(size):
-        kv_pending = comm.start(kv, tag=0) if step + 1 < size else None
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-        plan = block_plan((rank - step) % size, rank, s, causal, balance)
-        if plan is not None:
-            qs, ks, cf = plan
+    own = torch.stack([k, v])  # [2, B, S, Hkv, d]
+    dkv_own = torch.zeros(own.shape, dtype=torch.float32, device=q.device)
+
+    def run(pieces, kv, dkv):
+        for qs, ks, cf in pieces:
             dq_b, dk_b, dv_b = kernel.backward(
                 dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs],
                 lse[:, :, qs], cf, scale,
@@ -100,15 +123,26 @@ def ring_backward(dout, q, k, v, out, lse, comm: RingComm | None, rank: int, siz
             dq[:, qs] += dq_b
             dkv[0][:, ks] += dk_b
             dkv[1][:, ks] += dv_b
-        if dkv_pending is not None:  # the accumulator for this block, from the previous rank
-            dkv += dkv_pending.wait()
-        if size > 1:  # pass it on; after `size` hops it reaches the block's owner
-            dkv_pending = comm.start(dkv, tag=1)
+
+    now, later = diagonal_split(s, causal)
+    kv_pending = comm.start(own, tag=0)
+    run(now, own, dkv_own)
+    kv = kv_pending.wait()
+    acc_pending = None  # the accumulator in flight to the next rank
+    for step in range(1, size):
+        kv_pending = comm.start(kv, tag=0) if step + 1 < size else None
+        acc = torch.zeros(own.shape, dtype=torch.float32, device=q.device)
+        plan = block_plan((rank - step) % size, rank, s, causal, balance)
+        if plan is not None:
+            run([plan], kv, acc)
+        if acc_pending is not None:  # the same block's shares of the ranks before us
+            acc += acc_pending.wait()
+        acc_pending = comm.start(acc, tag=1)  # after the last step: to the block's owner
         if kv_pending is not None:
             kv = kv_pending.wait()
-    if dkv_pending is not None:
-        dkv = dkv_pending.wait()  # our own block's dK/dV, home after a full turn
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    run(later, own, dkv_own)  # while our own accumulator makes its last hop
+    dkv_own += acc_pending.wait()
+    return dq.to(q.dtype), dkv_own[0].to(k.dtype), dkv_own[1].to(v.dtype)
 
 
 class RingAttention(torch.autograd.Function):

@@ -10,10 +10,11 @@ Per rank, per layer, per sequence (``T = L/P`` tokens, ``P = ring * ulysses``):
   ``intra_bw``, peers on other nodes over ``inter_bw``, in parallel; where GPUs share a
   link (``gpus_per_nic``, ``gpus_per_intra_link``) the node's concurrent senders split it;
 - ring: ``r`` steps over query block ``L/r`` x key block ``L/r`` with ``Hq/u`` heads. Step
-  ``i`` computes block ``i`` while block ``i+1``'s K/V travel (backward: K/V plus fp32
-  dK/dV) over the ring's slowest hop, so a step costs ``max(compute + merge, transfer)``; what a transfer adds beyond
-  the compute it hides behind is *exposed*, and so is the last hop that carries the
-  accumulated fp32 dK/dV home after the final backward step. Each step after the first
+  ``i`` computes block ``i`` while block ``i+1``'s K/V travel (backward: K/V plus the fp32
+  dK/dV accumulators) over the ring's slowest hop, so a step costs
+  ``max(compute + merge, transfer)``; what a transfer adds beyond the compute it hides
+  behind is *exposed* (``ring_pass`` has the schedule, including the last dK/dV hop home
+  that only half a diagonal block can hide). Each step after the first
   merges its partial output into an fp32 accumulator (forward: out/LSE; backward: dQ, dK,
   dV), a memory-bound pass over HBM. Causal attention with zigzag balance does half a
   block per step; with contiguous balance the last ring rank does full blocks, so each
@@ -52,7 +53,7 @@ class StepCost:
     a2a_s: float  # ulysses all-to-alls (blocking, fully exposed)
     ring_comm_s: float  # K/V (and dK/dV) transfer time, hidden or not
     ring_exposed_s: float  # the part of ring_comm_s not hidden behind block compute
-    ring_tail_s: float  # of which: the final dK/dV hop home, which nothing can hide
+    ring_tail_s: float  # of which: the last dK/dV hop home (only half a diagonal beside it)
     merge_s: float  # ring out/LSE and gradient accumulation (HBM-bound)
     grad_s: float  # gradient reduction / FSDP gathers, total transfer time
     grad_exposed_s: float  # the part of grad_s not overlapped with compute
@@ -94,6 +95,34 @@ def ring_step_link(cluster: ClusterSpec, span: GroupSpan) -> tuple[float, float]
     if span.intra_senders:  # some hops stay inside a node
         bw = min(bw, cluster.link_bw(False, span.intra_senders))
     return bw, cluster.inter_latency_s
+
+
+def ring_pass(r: int, n_fwd: int, send_kv: float, send_acc: float, diag: float, block: float,
+              merge_f: float, merge_b: float, overlap: float) -> tuple[float, float, float]:
+    """One layer's ring traffic as ``usp.ring`` schedules it: (transfer time, exposed time,
+    exposed time of the last dK/dV hop), seconds.
+
+    ``send_kv``/``send_acc``: one K/V block / one fp32 dK/dV accumulator on the ring's link;
+    ``diag``/``block``: forward compute of the diagonal / of a later block; ``overlap``: the
+    share of a transfer that compute beside it can hide. Forward (``n_fwd`` times): r-1 K/V
+    hops, each beside a block. Backward: the first K/V hop beside half the diagonal; at
+    step s = 1..r-1 the next K/V block (s <= r-2) and the previous rank's accumulator
+    (s >= 2) beside the step's block; the last accumulator hop, to the block's owner,
+    beside the other half of the owner's diagonal.
+    """
+
+    def exposed(send: float, compute: float) -> float:
+        return send - overlap * min(send, compute)
+
+    half_diag = FLASH_BWD * diag / 2
+    exp_f = (r - 1) * exposed(send_kv, block + merge_f)
+    exp_b = exposed(send_kv, half_diag)
+    for s in range(1, r):
+        in_flight = (send_kv if s <= r - 2 else 0.0) + (send_acc if s >= 2 else 0.0)
+        exp_b += exposed(in_flight, FLASH_BWD * block + merge_b)
+    tail = exposed(send_acc, half_diag)
+    comm = (r - 1) * ((n_fwd + 1) * send_kv + send_acc)
+    return comm, n_fwd * exp_f + exp_b + tail, tail
 
 
 def estimate(
@@ -168,18 +197,10 @@ def estimate(
         rs = group_span(dp, r, u, cluster.gpus_per_node, "ring", placement)
         ring_link = "inter" if rs.crosses else "intra"
         bw, lat = ring_step_link(cluster, rs)
-        send_f = lat + kv_bytes / bw
-        send_b = 2 * lat + kv_bytes * (1 + FP32 / dtype_bytes) / bw  # K,V + fp32 dK,dV
-        ov = cluster.overlap  # how much of a transfer the concurrent compute can hide
-
-        def exposed(send: float, compute: float) -> float:
-            return send - ov * min(send, compute)
-
-        exp_f = (r - 1) * exposed(send_f, later + merge_f)
-        dkv_home = lat + kv_bytes * FP32 / dtype_bytes / bw  # last dK/dV hop, not hidden
-        exp_b = (r - 1) * exposed(send_b, FLASH_BWD * later + merge_b) + dkv_home
-        ring_comm_layer = (r - 1) * (n_fwd * send_f + send_b) + dkv_home
-        ring_exp_layer = n_fwd * exp_f + exp_b
+        send_kv = lat + kv_bytes / bw
+        send_acc = lat + kv_bytes * FP32 / dtype_bytes / bw  # fp32 dK/dV accumulator
+        ring_comm_layer, ring_exp_layer, dkv_home = ring_pass(
+            r, n_fwd, send_kv, send_acc, first, later, merge_f, merge_b, cluster.overlap)
         merge_layer = (r - 1) * (n_fwd * merge_f + merge_b)
     attn_layer = (n_fwd + FLASH_BWD) * attn_fwd
 
@@ -240,8 +261,7 @@ def estimate(
         grad_exposed_s=grad_exposed,
         step_s=step_s,
         a2a_bytes=a2a_bytes,
-        ring_bytes=((r - 1) * (2 + FP32 / dtype_bytes) + FP32 / dtype_bytes) * kv_bytes
-        if r > 1 else 0.0,
+        ring_bytes=(r - 1) * (2 + FP32 / dtype_bytes) * kv_bytes,
         mem_bytes=mem_state + mem_act,
         mem_state_bytes=mem_state,
         mem_act_bytes=mem_act,

@@ -96,8 +96,8 @@ class Plan:
         else:
             where = "across nodes" if b.cost.ring_link == "inter" else "inside a node"
             k = b.cost
-            waits = (k.ring_exposed_s - k.ring_tail_s) / k.ring_comm_s
-            hide = ("K/V transfer hidden behind attention except the last dK/dV hop"
+            waits = k.ring_exposed_s / k.ring_comm_s
+            hide = ("K/V and dK/dV transfers hidden behind attention"
                     if waits == 0 else f"{waits:.0%} of ring transfer exposed")
             parts.append(f"ring {r} {where}, {hide}")
             smaller = [c for c in self.candidates if c.dp == b.dp and c.ulysses < u]
@@ -250,7 +250,6 @@ def _notes(model: ModelConfig, cluster: ClusterSpec, cost: StepCost, placement: 
         notes.append(f"WARNING ulysses spans {span.nodes} nodes: all-to-all on inter-node link")
     if r > 1:
         notes.append(f"ring {'across nodes' if cost.ring_link == 'inter' else 'in node'}")
-        waits = cost.ring_exposed_s - cost.ring_tail_s  # beyond the unavoidable last hop
-        if waits > 0:
-            notes.append(f"ring comm {waits / cost.ring_comm_s:.0%} exposed")
+        if cost.ring_exposed_s > 0:
+            notes.append(f"ring comm {cost.ring_exposed_s / cost.ring_comm_s:.0%} exposed")
     return notes
