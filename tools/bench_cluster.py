@@ -244,13 +244,16 @@ def ring_worker(args) -> None:
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    args.seq_len = args.ring_seq_len
     specs = [("ring P=2 zigzag", 1, 2, "ulysses_inner", "zigzag"),
              ("ring P=2 contiguous", 1, 2, "ulysses_inner", "contiguous"),
              ("dense P=1", 0, 0, "", "")]
-    configs = attention_configs(args, specs, {})
-    res = {"attention_ms": time_round_robin(configs, args.ring_iters, args.warmup),
-           "seq_len": args.seq_len}
+    res = {}
+    for n_tok in (int(x) for x in args.ring_seq_len.split(",")):
+        args.seq_len = n_tok
+        configs = attention_configs(args, specs, {})
+        res[n_tok] = time_round_robin(configs, args.ring_iters, args.warmup)
+        if rank == 0:
+            print(f"ring P=2, L={n_tok}: done", flush=True)
     if rank == 0:
         Path(args.out, "worker_ring.json").write_text(json.dumps(res, indent=2))
 
@@ -416,25 +419,36 @@ def report(args, w: dict, train: dict, out: Path) -> dict:
 
     # (c) ring efficiency: one rank per core (the target), and 2 ranks per core
     rings = ("ring P=2 zigzag", "ring P=2 contiguous")
-    rows, summary["ring_eff"], png = [], {}, None
-    setups = [("4 ranks on 2 cores", ms, L)]
-    if w.get("ring"):
-        rms = {k: med(v) for k, v in w["ring"]["attention_ms"].items()}
-        setups.insert(0, ("1 rank per core", rms, w["ring"]["seq_len"]))
+    rows, summary["ring_eff"] = [], {}
+    setups = [("1 rank per core", {k: med(v) for k, v in by_name.items()}, int(n_tok))
+              for n_tok, by_name in (w.get("ring") or {}).items()]
+    setups.append(("4 ranks on 2 cores", ms, L))
     for setup, t, n_tok in setups:
         ideal = t["dense P=1"] / 2
-        rows.append([setup, n_tok, "dense P=1", f"{t['dense P=1']:.1f}", "", ""])
-        for n in rings:
-            rows.append([setup, n_tok, n, f"{t[n]:.1f}", f"{ideal:.1f}",
-                         f"{ideal / t[n] * 100:.0f}%"])
-        summary["ring_eff"][setup] = {n: ideal / t[n] for n in rings}
-        png = png or (setup, t, n_tok, ideal)
-    table("(c) ring at P=2 across nodes vs the ideal dense / 2, attention fwd+bwd (median ms)",
-          ["setup", "L", "config", "ms", "ideal = dense/2", "efficiency"], rows, lines)
-    setup, t, n_tok, ideal = png
-    bar_png(out / "c_ring_efficiency.png", f"(c) ring P=2, L={n_tok}, {setup}",
-            ["zigzag", "contiguous"], [t[n] for n in rings],
-            "fwd+bwd ms", ref=[ideal, ideal], ref_label="dense / 2")
+        rows.append([setup, n_tok, f"{t['dense P=1']:.1f}", f"{ideal:.1f}"]
+                    + [f"{t[n]:.1f} ({ideal / t[n] * 100:.0f}%)" for n in rings])
+        summary["ring_eff"][f"{setup}, L={n_tok}"] = {n: ideal / t[n] for n in rings}
+    table("(c) ring at P=2 across nodes vs the ideal dense / 2, attention fwd+bwd "
+          "(median ms, efficiency)",
+          ["setup", "L", "dense P=1", "ideal = dense/2", "zigzag", "contiguous"], rows, lines)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    x = range(len(setups))
+    for off, n, color in ((-0.2, rings[0], "tab:blue"), (0.2, rings[1], "tab:orange")):
+        ax.bar([i + off for i in x], [t["dense P=1"] / 2 / t[n] * 100 for _, t, _ in setups],
+               0.4, label=n.split()[-1], color=color)
+    ax.axhline(90, color="red", lw=1, ls="--", label="90%")
+    ax.set_xticks(list(x), [f"L={n_tok}\n{setup}" for setup, _, n_tok in setups], fontsize=7)
+    ax.set_ylabel("% of ideal (dense / 2)")
+    ax.set_title("(c) ring P=2 efficiency", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "c_ring_efficiency.png", dpi=110)
+    plt.close(fig)
 
     # (b) degree sweep + planner
     base = load_cluster("cpu_local")
@@ -553,8 +567,8 @@ def main(argv=None) -> int:
     ap.add_argument("--train-steps", type=int, default=6)
     ap.add_argument("--train-passes", type=int, default=2,
                     help="usp-train runs per config, in alternating order; best median wins")
-    ap.add_argument("--ring-seq-len", type=int, default=2048,
-                    help="(c) on 2 nodes x 1 rank (one process per core)")
+    ap.add_argument("--ring-seq-len", default="2048,4096,8192",
+                    help="(c) on 2 nodes x 1 rank (one process per core): lengths, comma-separated")
     ap.add_argument("--ring-iters", type=int, default=7)
     ap.add_argument("--phase", default="main", choices=["main", "ring"], help=argparse.SUPPRESS)
     ap.add_argument("--link-bytes", type=int, default=32 * 2**20)
