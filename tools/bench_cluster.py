@@ -194,12 +194,13 @@ def measure_overlap(args, reps: int = 7) -> dict:
 
     Every rank swaps one K/V block with its partner on the other node (both ranks of a
     node at once, as the (2,2) ring does) beside the forward of one ring block; kernel
-    alone, transfer alone and both are timed back to back, ``reps`` times, max over ranks.
-    The share is computed as in tools/calibrate_planner.py (``overlap_share``)."""
+    alone, transfer alone and both are timed back to back, ``reps`` times, max over ranks,
+    and the share computed, as tools/calibrate_planner.py does (``overlap_times``,
+    ``overlap_share``)."""
     import torch
     import torch.distributed as dist
 
-    from calibrate_planner import overlap_share
+    from calibrate_planner import overlap_share, overlap_times
     from usp.kernels import local_attention
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -214,26 +215,11 @@ def measure_overlap(args, reps: int = 7) -> dict:
         with torch.no_grad():
             local_attention(q, k, v, causal=False, kernel="torch")
 
-    def transfer(then=None):
-        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, partner),
+    def post():
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, partner),
                                        dist.P2POp(dist.irecv, recv, partner)])
-        if then is not None:
-            then()
-        for r in reqs:
-            r.wait()
 
-    fns = (kernel, transfer, lambda: transfer(then=kernel))
-    for fn in fns:  # warm-up
-        fn()
-    t = torch.zeros(reps, 3, dtype=torch.float64)
-    for i in range(reps):
-        for j, fn in enumerate(fns):
-            dist.barrier()
-            t0 = time.perf_counter()
-            fn()
-            t[i, j] = time.perf_counter() - t0
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    kernel_s, comm_s, both_s = t.T.tolist()
+    kernel_s, comm_s, both_s = overlap_times(kernel, post, reps, warmup=1)
     return dict(share=overlap_share(kernel_s, comm_s, both_s), kernel_ms=med(kernel_s) * 1e3,
                 transfer_ms=med(comm_s) * 1e3, both_ms=med(both_s) * 1e3)
 
@@ -356,6 +342,32 @@ def bar_png(path: Path, title: str, labels, values, ylabel: str, ref=None, ref_l
     plt.close(fig)
 
 
+def grouped_bar_png(path: Path, labels, series: list, ylabel: str, *, title=None, xlabel=None,
+                    hline=None, width: float = 6.0, tick_size=None):
+    """Two bars per label, one per ``(name, values)`` in ``series``; ``hline`` = (y, label)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(width, 3.6))
+    x = range(len(labels))
+    for off, (name, values) in zip((-0.2, 0.2), series):
+        ax.bar([i + off for i in x], values, 0.4, label=name)
+    if hline is not None:
+        ax.axhline(hline[0], color="red", lw=1, ls="--", label=hline[1])
+    ax.set_xticks(list(x), labels, fontsize=tick_size)
+    if xlabel:
+        ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def med(x):
     return statistics.median(x)
 
@@ -431,24 +443,12 @@ def report(args, w: dict, train: dict, out: Path) -> dict:
     table("(c) ring at P=2 across nodes vs the ideal dense / 2, attention fwd+bwd "
           "(median ms, efficiency)",
           ["setup", "L", "dense P=1", "ideal = dense/2", "zigzag", "contiguous"], rows, lines)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 3.6))
-    x = range(len(setups))
-    for off, n, color in ((-0.2, rings[0], "tab:blue"), (0.2, rings[1], "tab:orange")):
-        ax.bar([i + off for i in x], [t["dense P=1"] / 2 / t[n] * 100 for _, t, _ in setups],
-               0.4, label=n.split()[-1], color=color)
-    ax.axhline(90, color="red", lw=1, ls="--", label="90%")
-    ax.set_xticks(list(x), [f"L={n_tok}\n{setup}" for setup, _, n_tok in setups], fontsize=7)
-    ax.set_ylabel("% of ideal (dense / 2)")
-    ax.set_title("(c) ring P=2 efficiency", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "c_ring_efficiency.png", dpi=110)
-    plt.close(fig)
+    grouped_bar_png(
+        out / "c_ring_efficiency.png", [f"L={n_tok}\n{setup}" for setup, _, n_tok in setups],
+        [(n.split()[-1], [t["dense P=1"] / 2 / t[n] * 100 for _, t, _ in setups])
+         for n in rings],
+        "% of ideal (dense / 2)", title="(c) ring P=2 efficiency", hline=(90, "90%"),
+        width=6.5, tick_size=7)
 
     # (b) degree sweep + planner
     base = load_cluster("cpu_local")
@@ -531,22 +531,10 @@ def placement_sweep(args, out: Path, fwd: list[str]) -> int:
           ["inter rate", "intra rate", "inter MB/s", "intra MB/s", "intra/inter",
            "ulysses inside ms", "ulysses across ms", "across/inside"], rows, lines)
     (out / "placement_sweep.txt").write_text("\n".join(lines) + "\n")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    x = range(len(got))
-    ax.bar([i - 0.2 for i in x], [g[1] for g in got], 0.4, label="ulysses inside nodes")
-    ax.bar([i + 0.2 for i in x], [g[2] for g in got], 0.4, label="ulysses across nodes")
-    ax.set_xticks(list(x), [g[0] for g in got])
-    ax.set_xlabel("inter-node rate")
-    ax.set_ylabel("attention fwd+bwd ms")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "a_placement_sweep.png", dpi=110)
-    plt.close(fig)
+    grouped_bar_png(out / "a_placement_sweep.png", [g[0] for g in got],
+                    [("ulysses inside nodes", [g[1] for g in got]),
+                     ("ulysses across nodes", [g[2] for g in got])],
+                    "attention fwd+bwd ms", xlabel="inter-node rate")
     return 0
 
 

@@ -401,23 +401,41 @@ def micro(args) -> dict:
         with torch.no_grad():
             local_attention(q, k, v, causal=True)
 
-    def both():
-        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, s, nxt),
+    def post():
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend, s, nxt),
                                        dist.P2POp(dist.irecv, r, prv)])
-        kernel()
+
+    out["ovl_kernel_s"], out["ovl_comm_s"], out["ovl_both_s"] = overlap_times(
+        kernel, post, args.overlap_reps)
+    return out
+
+
+def overlap_times(kernel, post, reps: int, warmup: int = 0) -> tuple[list, list, list]:
+    """Slowest rank's seconds of ``kernel()`` alone, of a transfer alone (``post()`` returns
+    its requests, which are then waited on) and of both (post, kernel, wait: what each
+    ring step does), the three timed back to back ``reps`` times. For ``overlap_share``."""
+
+    def transfer(beside=None):
+        reqs = post()
+        if beside is not None:
+            beside()
         for x in reqs:
             x.wait()
 
-    ovl = torch.zeros(args.overlap_reps, 3, dtype=torch.float64)  # interleaved, like the rounds
-    for i in range(args.overlap_reps):
-        for j, fn in enumerate((kernel, lambda: p2p(s, r), both)):
+    fns = (kernel, transfer, lambda: transfer(beside=kernel))
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    ovl = torch.zeros(reps, 3, dtype=torch.float64)  # interleaved, like the rounds
+    for i in range(reps):
+        for j, fn in enumerate(fns):
             dist.barrier()
             t0 = time.perf_counter()
             fn()
             ovl[i, j] = time.perf_counter() - t0
     dist.all_reduce(ovl, op=dist.ReduceOp.MAX)
-    out["ovl_kernel_s"], out["ovl_comm_s"], out["ovl_both_s"] = ovl.T.tolist()
-    return out
+    kernel_s, comm_s, both_s = ovl.T.tolist()
+    return kernel_s, comm_s, both_s
 
 
 def _prepare(args):
