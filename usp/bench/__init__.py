@@ -1,0 +1,1 @@
+"""Measurement and checking code behind the scripts in ``tools/`` (which stay thin)."""
