@@ -9,10 +9,10 @@ from .kernels import Kernel, get_kernel
 from .layout import SequenceLayout
 from .mesh import SPMesh
 from .ring import RingAttention
-from .ulysses import HeadToSeq, SeqToHead, _Axis, kv_head_index
-from .validate import check_heads
+from .ulysses import HeadToSeq, SeqToHead, _Axis
+from .validate import RING_IMPLS, check_heads, check_kernel, check_ring_impl
 
-RING_IMPLS = ("usp", "ring_flash_attn")
+__all__ = ["RING_IMPLS", "check_inputs", "usp_attention"]
 
 
 def check_inputs(q, k, v, mesh: SPMesh, layout: SequenceLayout) -> None:
@@ -57,11 +57,15 @@ def usp_attention(
     q [B, L/P, Hq, d], k/v [B, L/P, Hkv, d] (this rank's tokens, as ``layout.shard`` gives
     them) -> out [B, L/P, Hq, d]. Differentiable. ``kernel`` is the local block kernel
     (``torch``, ``flash_attn``, ``reference``); ``ring_impl="ring_flash_attn"`` swaps our
-    ring for the ring-flash-attn package's CUDA ring (optional extra).
+    ring for the ring-flash-attn package's CUDA ring (optional extra). Raises ValueError
+    before any collective when the shapes, the kernel or the ring engine cannot work.
     """
     check_inputs(q, k, v, mesh, layout)
-    if ring_impl not in RING_IMPLS:
-        raise ValueError(f"ring_impl must be one of {RING_IMPLS}, got {ring_impl!r}")
+    dev, dtype, d = q.device.type, q.dtype, q.shape[-1]
+    if isinstance(kernel, str):
+        check_kernel(kernel, dev, dtype, d, ring_impl, causal, layout.balance)
+    else:  # a Kernel object answers for itself; the ring engine is still checked
+        check_ring_impl(ring_impl, dev, dtype, d, causal, layout.balance)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     kern = get_kernel(kernel)
     u = mesh.ulysses
@@ -69,7 +73,7 @@ def usp_attention(
     if u > 1:
         axis = _Axis(u, mesh.group("ulysses"), mesh.to_group_rank("ulysses"), mesh.comm)
         # [B, L/P, H, d] -> [B, L/r, H/u, d]: all tokens of the ring segment, some heads
-        q, k, v = SeqToHead.apply(q, k, v, axis, kv_head_index(q.shape[2], k.shape[2], u))
+        q, k, v = SeqToHead.apply(q, k, v, axis)
     if ring_impl == "ring_flash_attn":
         from .kernels.ring_flash_attn import ring_flash_attn
 
@@ -78,7 +82,9 @@ def usp_attention(
         comm = None
         if mesh.ring > 1:
             prev_rank, next_rank = mesh.ring_neighbors()
-            comm = RingComm(prev_rank, next_rank, None, mesh.comm)
+            # the ring's own group: P2P on the world group would queue behind (and on
+            # NCCL, serialise with) FSDP's collectives
+            comm = RingComm(prev_rank, next_rank, mesh.group("ring"), mesh.comm)
         out = RingAttention.apply(
             q, k, v, comm, mesh.ring_rank, mesh.ring, causal, layout.balance, kern, scale
         )  # [B, L/r, H/u, d]

@@ -1,41 +1,95 @@
-"""The two communication mechanisms of usp, with byte accounting.
+"""The two communication mechanisms of usp, with byte and time accounting.
 
 - ``all_to_all``: the ulysses seq <-> head exchange (one ``all_to_all_single``).
 - ``RingComm``: send to the next ring rank, receive from the previous one, via
-  ``batch_isend_irecv`` so the transfer runs while the caller computes.
+  ``batch_isend_irecv`` on the ring's own group, so the transfer runs while the caller
+  computes.
 
 Every call records the bytes this rank *sends to other ranks* in ``CommStats``, per axis,
 and the seconds it spent blocked, so tests can assert volumes and the trainer can report
 the share of time in communication.
+
+Transport: gloo carries CPU tensors only. When a CUDA tensor meets a gloo group (several
+processes sharing one GPU in a check), it travels through a CPU copy; CPU tensors and
+NCCL are untouched (``stage_through_host``).
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 
+def clock_for(device: torch.device | str) -> str:
+    """The clock that times a blocking call on ``device``: ``cuda_events`` or ``host``.
+
+    NCCL calls and ``Work.wait()`` return to the host once the work is queued, so on CUDA
+    only events on the current stream see how long the computation waited.
+    """
+    return "cuda_events" if torch.device(device).type == "cuda" else "host"
+
+
 @dataclass
 class CommStats:
-    """Bytes sent, calls and blocked seconds per mesh axis (``ulysses``, ``ring``, ``sp``...)."""
+    """Bytes sent, calls and blocked seconds per mesh axis (``ulysses``, ``ring``, ``sp``...).
+
+    Seconds come from ``clock`` ("host": ``perf_counter`` around the call; "cuda_events":
+    an event pair on the current stream around it). Event pairs are kept pending and
+    resolved only when seconds are read (``seconds``, ``total_seconds()``), so timing
+    never makes a call wait for the GPU. ``event_factory`` replaces ``torch.cuda.Event``
+    (tests).
+    """
 
     bytes: Counter = field(default_factory=Counter)
     calls: Counter = field(default_factory=Counter)
-    seconds: Counter = field(default_factory=Counter)
+    clock: str = "host"
+    event_factory: Callable | None = None
+    _seconds: Counter = field(default_factory=Counter, repr=False)
+    _pending: list = field(default_factory=list, repr=False)  # (axis, start, end) events
+
+    @property
+    def seconds(self) -> Counter:
+        """Blocked seconds per axis (resolves pending CUDA event pairs first)."""
+        for axis, start, end in self._pending:
+            end.synchronize()  # waits for that span only, now that someone reads it
+            self._seconds[axis] += start.elapsed_time(end) / 1e3  # ms -> s
+        self._pending.clear()
+        return self._seconds
 
     def record(self, axis: str, nbytes: int, seconds: float = 0.0) -> None:
         self.bytes[axis] += int(nbytes)
         self.calls[axis] += 1
-        self.seconds[axis] += seconds
+        self._seconds[axis] += seconds
+
+    @contextmanager
+    def timed(self, axis: str, device: torch.device | str):
+        """Add the time the block is blocked to ``axis``, on the clock ``device`` calls for."""
+        self.clock = clock_for(device)
+        if self.clock == "host":
+            t0 = time.perf_counter()
+            yield
+            self._seconds[axis] += time.perf_counter() - t0
+            return
+        make = self.event_factory or torch.cuda.Event
+        start = make(enable_timing=True)
+        start.record()  # on the current stream: fires when the work queued before is done
+        yield
+        end = make(enable_timing=True)
+        end.record()  # fires once the stream may go on, i.e. after the communication
+        self._pending.append((axis, start, end))
 
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
-        self.seconds.clear()
+        self._seconds.clear()
+        self._pending.clear()
 
     def total_seconds(self) -> float:
         return float(sum(self.seconds.values()))
@@ -43,6 +97,42 @@ class CommStats:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def stage_through_host(device_type: str, backend: str) -> bool:
+    """Whether a tensor on ``device_type`` must travel through a CPU copy on ``backend``.
+
+    ``backend`` is ``dist.get_backend(group)``: one name ("gloo", "nccl") or a per-device
+    list ("cpu:gloo,cuda:nccl"). True only for a non-CPU tensor whose device is served by
+    gloo (or by nothing, when CPU's backend is gloo), which moves CPU memory only.
+    """
+    if device_type == "cpu":
+        return False
+    if ":" in backend:
+        per_device = dict(part.split(":", 1) for part in backend.split(","))
+        backend = per_device.get(device_type, per_device.get("cpu", ""))
+    return backend == "gloo"
+
+
+def on_wire(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``x`` as ``group``'s backend can carry it: a CPU copy when it must be staged, else ``x``."""
+    if stage_through_host(x.device.type, dist.get_backend(group)):
+        return x.to("cpu", copy=True)
+    return x
+
+
+@lru_cache(maxsize=64)
+def _permutation(to_group_rank: tuple[int, ...], device: torch.device):
+    """(coordinate -> group rank, group rank -> coordinate) gather indices on ``device``.
+
+    Built once per permutation and device: an index made from a Python list on every call
+    would be a blocking host-to-device copy on CUDA.
+    """
+    inv = [0] * len(to_group_rank)
+    for c, g in enumerate(to_group_rank):
+        inv[g] = c
+    return (torch.tensor(inv, dtype=torch.long, device=device),
+            torch.tensor(to_group_rank, dtype=torch.long, device=device))
 
 
 def all_to_all(
@@ -62,23 +152,27 @@ def all_to_all(
     n = x.shape[0]
     if n == 1:
         return x
-    if to_group_rank is not None:  # reorder coordinates -> group ranks
-        inv = [0] * n
-        for c, g in enumerate(to_group_rank):
-            inv[g] = c
-        x = x[inv]
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    t0 = time.perf_counter()
-    dist.all_to_all_single(out, x, group=group)
-    stats.record(axis, _nbytes(x) * (n - 1) // n, time.perf_counter() - t0)
-    if to_group_rank is not None:  # group ranks -> coordinates
-        out = out[to_group_rank]
+    perm = None
+    if to_group_rank is not None:  # [n(coordinate), ...] -> [n(group rank), ...]
+        perm = _permutation(tuple(to_group_rank), x.device)
+        x = x.index_select(0, perm[0])
+    wire = on_wire(x.contiguous(), group)
+    out = torch.empty_like(wire)
+    with stats.timed(axis, wire.device):
+        dist.all_to_all_single(out, wire, group=group)
+    stats.record(axis, _nbytes(wire) * (n - 1) // n)
+    out = out.to(x.device)  # back from the host copy when staged, else a no-op
+    if perm is not None:  # [n(group rank), ...] -> [n(coordinate), ...]
+        out = out.index_select(0, perm[1])
     return out
 
 
 class RingComm:
-    """Point-to-point ring: send to ``next_rank``, receive from ``prev_rank`` (global ranks)."""
+    """Point-to-point ring on ``group``: send to ``next_rank``, receive from ``prev_rank``.
+
+    Peers are global ranks (``P2POp`` maps them into ``group``); ``group`` is the ring's
+    own process group, so ring traffic does not queue behind other collectives.
+    """
 
     def __init__(self, prev_rank: int, next_rank: int, group, stats: CommStats, axis: str = "ring"):
         self.prev_rank, self.next_rank, self.group = prev_rank, next_rank, group
@@ -86,7 +180,8 @@ class RingComm:
 
     def start(self, send: torch.Tensor, tag: int = 0) -> "_Pending":
         """Post the send of ``send`` and the receive of an equally shaped block; returns a handle."""
-        send = send.contiguous()
+        device = send.device
+        send = on_wire(send.contiguous(), self.group)
         recv = torch.empty_like(send)
         ops = [
             dist.P2POp(dist.isend, send, self.next_rank, self.group, tag),
@@ -94,17 +189,16 @@ class RingComm:
         ]
         reqs = dist.batch_isend_irecv(ops)
         self.stats.record(self.axis, _nbytes(send))
-        return _Pending(reqs, send, recv, self)
+        return _Pending(reqs, send, recv, device, self)
 
 
 class _Pending:
-    def __init__(self, reqs, send, recv, comm: RingComm):
-        self._reqs, self._send, self.recv, self._comm = reqs, send, recv, comm
+    def __init__(self, reqs, send, recv, device, comm: RingComm):
+        self._reqs, self._send, self.recv, self._device, self._comm = reqs, send, recv, device, comm
 
     def wait(self) -> torch.Tensor:
-        t0 = time.perf_counter()
-        for r in self._reqs:
-            r.wait()
-        self._comm.stats.seconds[self._comm.axis] += time.perf_counter() - t0
+        with self._comm.stats.timed(self._comm.axis, self.recv.device):
+            for r in self._reqs:
+                r.wait()
         self._send = None  # the send buffer may be freed now
-        return self.recv
+        return self.recv.to(self._device)  # back from the host copy when staged

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .comm import on_wire
 from .mesh import SPMesh
 from .validate import check_seq_len
 
@@ -72,13 +73,14 @@ class SequenceLayout:
         if mesh.sp_size == 1:
             return x
         group = mesh.group("sp")
-        parts = [torch.empty_like(x) for _ in range(mesh.sp_size)]
-        dist.all_gather(parts, x.contiguous(), group=group)
+        wire = on_wire(x.contiguous(), group)  # a host copy when gloo must carry CUDA
+        parts = [torch.empty_like(wire) for _ in range(mesh.sp_size)]
+        dist.all_gather(parts, wire, group=group)  # sp_size x [..., L/P, ...]
         mesh.comm.record("sp", x.numel() * x.element_size() * (mesh.sp_size - 1))
         shape = list(x.shape)
         shape[dim] = self.seq_len
-        full = x.new_empty(shape)
+        full = x.new_empty(shape)  # [..., L, ...]
         for part, global_rank in zip(parts, dist.get_process_group_ranks(group)):
             _, i, j = (mesh.ranks == global_rank).nonzero()[0].tolist()
-            full.index_copy_(dim, self.indices(i, j).to(x.device), part)
+            full.index_copy_(dim, self.indices(i, j).to(x.device), part.to(x.device))
         return full

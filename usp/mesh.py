@@ -172,7 +172,10 @@ class SPMesh:
 
     def group(self, axis: str) -> dist.ProcessGroup:
         """Process group of ``axis``: dp, ring, ulysses, sp (= ring x ulysses) or dp_sp."""
-        return self.submesh(axis).get_group()
+        key = ("group", axis)
+        if key not in self._cache:  # slicing the DeviceMesh costs ~1 ms; asked every layer
+            self._cache[key] = self.submesh(axis).get_group()
+        return self._cache[key]
 
     def axis_ranks(self, axis: str) -> list[int]:
         """Global ranks of this rank's group on ``axis``, in mesh-coordinate order."""

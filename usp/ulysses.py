@@ -14,6 +14,8 @@ and its gradients are summed back on the way home.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from .comm import CommStats, all_to_all
@@ -26,6 +28,21 @@ def kv_head_index(num_q_heads: int, num_kv_heads: int, ulysses: int) -> torch.Te
     if num_kv_heads % ulysses == 0:
         return torch.arange(num_kv_heads).view(ulysses, per_rank)
     return (torch.arange(ulysses) // (ulysses // num_kv_heads)).view(ulysses, 1)
+
+
+@lru_cache(maxsize=64)
+def replicated_kv_index(
+    num_q_heads: int, num_kv_heads: int, ulysses: int, device: torch.device
+) -> torch.Tensor | None:
+    """KV head for each ulysses rank when KV heads are replicated (u > Hkv): LongTensor [u]
+    on ``device``; None when the KV heads split evenly and need no gather.
+
+    Built once per shape and device: a fresh index on every call of every layer would be
+    a blocking host-to-device copy on CUDA.
+    """
+    if num_kv_heads % ulysses == 0:
+        return None
+    return kv_head_index(num_q_heads, num_kv_heads, ulysses).reshape(-1).to(device)
 
 
 class _Axis:
@@ -83,14 +100,13 @@ class SeqToHead(torch.autograd.Function):
     """(q [B, L/P, Hq, d], k, v [B, L/P, Hkv, d]) -> (q [B, L/r, Hq/u, d], k, v [B, L/r, n, d])."""
 
     @staticmethod
-    def forward(ctx, q, k, v, axis: _Axis, kv_index: torch.Tensor):
+    def forward(ctx, q, k, v, axis: _Axis):
         u, hkv = axis.size, k.shape[2]
-        flat = kv_index.reshape(-1).to(q.device)
-        replicated = flat.numel() != hkv
-        if replicated:  # [B, L/P, Hkv, d] -> [B, L/P, u*n, d]: the heads each rank needs
-            k, v = k.index_select(2, flat), v.index_select(2, flat)
+        index = replicated_kv_index(q.shape[2], hkv, u, q.device)
+        if index is not None:  # [B, L/P, Hkv, d] -> [B, L/P, u*n, d]: the heads each rank needs
+            k, v = k.index_select(2, index), v.index_select(2, index)
         parts = axis.exchange([_by_dest(q, u), _by_dest(k, u), _by_dest(v, u)])
-        ctx.axis, ctx.kv_index, ctx.hkv, ctx.replicated = axis, flat, hkv, replicated
+        ctx.axis, ctx.kv_index, ctx.hkv = axis, index, hkv
         return tuple(_join_seq(p) for p in parts)  # each [B, L/r, heads, d]
 
     @staticmethod
@@ -100,12 +116,12 @@ class SeqToHead(torch.autograd.Function):
             [_by_seq_chunk(g.contiguous(), u) for g in (dq, dk, dv)]
         )  # each [u(head group), B, L/P, h, d]
         dq_full, dk_full, dv_full = _join_heads(gq), _join_heads(gk), _join_heads(gv)
-        if ctx.replicated:  # sum the grads of a KV head's replicas back into it
+        if ctx.kv_index is not None:  # sum the grads of a KV head's replicas back into it
             b, n, _, d = dk_full.shape
             dk_sum = dk_full.new_zeros(b, n, ctx.hkv, d).index_add_(2, ctx.kv_index, dk_full)
             dv_sum = dv_full.new_zeros(b, n, ctx.hkv, d).index_add_(2, ctx.kv_index, dv_full)
             dk_full, dv_full = dk_sum, dv_sum
-        return dq_full, dk_full, dv_full, None, None
+        return dq_full, dk_full, dv_full, None
 
 
 class HeadToSeq(torch.autograd.Function):

@@ -7,8 +7,13 @@ call and the planner all use these, so each rule is written once.
 
 from __future__ import annotations
 
+import torch
+
 BALANCES = ("contiguous", "zigzag")
 PLACEMENTS = ("ulysses_inner", "ring_inner")
+RING_IMPLS = ("usp", "ring_flash_attn")
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_MAX_HEAD_DIM = 256  # flash attention (torch's and flash-attn's): d % 8 == 0, d <= 256
 
 
 def _divisors(n: int) -> list[int]:
@@ -95,3 +100,101 @@ def check_seq_len(seq_len: int, ulysses: int, ring: int, balance: str) -> None:
 def check_placement(placement: str) -> None:
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+
+
+def _check_head_dim(head_dim: int, who: str, max_dim: int | None) -> None:
+    if head_dim < 1 or head_dim % 8:
+        lo = max(8, head_dim // 8 * 8)
+        raise ValueError(
+            f"head dim {head_dim} is not a multiple of 8, which {who} needs; "
+            f"use head dim {lo} or {lo + 8}"
+        )
+    if max_dim is not None and head_dim > max_dim:
+        raise ValueError(
+            f"head dim {head_dim} > {max_dim}, the largest {who} supports; use a head dim "
+            f"<= {max_dim} (more heads of a smaller dim)"
+        )
+
+
+def check_ring_impl(
+    ring_impl: str,
+    device_type: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    causal: bool = True,
+    balance: str = "zigzag",
+) -> None:
+    """Rules for the ring engine: ``usp`` runs anywhere; ``ring_flash_attn`` is the
+    ring-flash-attn package (0.1.8) on flash-attn kernels."""
+    if ring_impl not in RING_IMPLS:
+        raise ValueError(f"ring_impl must be one of {RING_IMPLS}, got {ring_impl!r}")
+    if ring_impl == "usp":
+        return
+    who = "ring_impl='ring_flash_attn'"
+    if torch.device(device_type).type != "cuda":
+        raise ValueError(
+            f"{who} runs flash-attn CUDA kernels, but the tensors are on {device_type}; "
+            f"use ring_impl='usp'"
+        )
+    if dtype not in HALF_DTYPES:
+        raise ValueError(
+            f"{who} needs float16 or bfloat16 tensors, got {dtype}; train in bf16 or use "
+            f"ring_impl='usp'"
+        )
+    if balance == "zigzag" and not causal:
+        raise ValueError(
+            f"{who} with balance='zigzag' asserts causal=True (zigzag only balances causal "
+            f"work); use balance='contiguous' or ring_impl='usp' for non-causal attention"
+        )
+    if balance == "contiguous" and dtype == torch.float16:
+        raise ValueError(
+            f"{who} with balance='contiguous' returns dq in bfloat16 (ring-flash-attn "
+            f"0.1.8), losing float16 precision; use bfloat16, balance='zigzag' or "
+            f"ring_impl='usp'"
+        )
+    _check_head_dim(head_dim, f"{who} (flash attention)", FLASH_MAX_HEAD_DIM)
+
+
+def check_kernel(
+    kernel: str,
+    device_type: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    ring_impl: str = "usp",
+    causal: bool = True,
+    balance: str = "zigzag",
+) -> None:
+    """Check that ``kernel`` (and ``ring_impl``) can run q/k/v of ``dtype`` and ``head_dim``
+    on ``device_type`` ("cpu", "cuda"), before anything is launched.
+
+    CUDA: torch's and flash-attn's flash attention take fp16/bf16 with head dim a multiple
+    of 8 up to 256; torch's efficient attention (kernel="torch", fp32) takes head dims in
+    multiples of 8 here; neither takes fp64. ``reference`` runs anything.
+    """
+    from .kernels import KERNELS  # here, not at import: kernels may use these rules
+
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown attention kernel {kernel!r}; choose one of {KERNELS}")
+    device_type = torch.device(device_type).type
+    if kernel == "flash_attn":
+        if device_type != "cuda":
+            raise ValueError(
+                f"kernel='flash_attn' is CUDA only, but the tensors are on {device_type}; "
+                f"use kernel='torch'"
+            )
+        if dtype not in HALF_DTYPES:
+            raise ValueError(
+                f"kernel='flash_attn' needs float16 or bfloat16 tensors, got {dtype}; "
+                f"train in bf16 or use kernel='torch'"
+            )
+        _check_head_dim(head_dim, "kernel='flash_attn'", FLASH_MAX_HEAD_DIM)
+    elif kernel == "torch" and device_type == "cuda":
+        if dtype == torch.float64:
+            raise ValueError(
+                "kernel='torch' on CUDA has no float64 attention (flash and efficient "
+                "attention take fp16/bf16/fp32); use float32 or kernel='reference'"
+            )
+        flash = dtype in HALF_DTYPES
+        who = f"kernel='torch' on cuda with {dtype} ({'flash' if flash else 'efficient'} attention)"
+        _check_head_dim(head_dim, who, FLASH_MAX_HEAD_DIM if flash else None)
+    check_ring_impl(ring_impl, device_type, dtype, head_dim, causal, balance)
