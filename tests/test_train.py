@@ -40,6 +40,9 @@ def test_same_losses_1x1_and_2x2(tmp_path):
         a, b = one[s]["loss"], four[s]["loss"]
         assert abs(a - b) <= 1e-4 * abs(a), (s, a, b)
     assert one[5]["loss"] < one[1]["loss"]  # and it learns
+    for rec in four.values():  # a per-step peak where Linux allows resetting it
+        assert rec["peak_mem_kind"] in ("rss_step", "rss_since_start") and rec["peak_mem_mb"] > 0
+        assert rec["attn_comm_clock"] == "host" and 0 < rec["attn_comm_share"] < 1  # gloo
 
 
 def test_resume_matches_uninterrupted_and_across_layouts(tmp_path):

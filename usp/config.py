@@ -88,7 +88,7 @@ class OptimConfig:
 class TrainerConfig:
     steps: int = 600
     seed: int = 0
-    dtype: str = "fp32"  # fp32 | bf16 (autocast compute, fp32 master weights)
+    dtype: str = "fp32"  # fp32 | bf16 (FSDP2 mixed precision: bf16 compute, fp32 master weights)
     activation_checkpointing: bool = False
     log_every: int = 10
     ckpt_every: int = 0  # 0: only at the end

@@ -47,7 +47,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler,
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
+    save_rng(tmp / f"rng_rank{rank}.pt")
     dist.barrier()
     if rank == 0:
         # extra.pt is written last: its presence marks the checkpoint complete
@@ -76,15 +76,26 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> dict:
     rng = path / f"rng_rank{dist.get_rank()}.pt"
     extra["rng_restored"] = rng.exists()
     if rng.exists():  # absent when the world size changed: the caller reseeds
-        torch.set_rng_state(torch.load(rng, weights_only=False)["cpu"])
+        load_rng(rng)
     return extra
 
 
-def _rng_state() -> dict:
+def save_rng(path: str | Path) -> None:
+    """Write this process's CPU RNG state, and the current CUDA device's when there is one."""
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
-    return state
+    torch.save(state, path)
+
+
+def load_rng(path: str | Path) -> None:
+    """Restore what ``save_rng`` wrote: the CPU state, and the CUDA state on the current
+    device when the file has one and CUDA is available (a GPU run resumed on CPU keeps
+    only the CPU state)."""
+    state = torch.load(path, weights_only=False)
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def _prune(root: Path, keep: int) -> None:

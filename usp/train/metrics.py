@@ -1,12 +1,71 @@
-"""Run metrics on rank 0: console, a JSONL file, wandb (offline unless asked), a PNG plot."""
+"""Run metrics on rank 0: console, a JSONL file, wandb (offline unless asked), a PNG plot;
+and the per-step peak memory every rank can measure."""
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 from pathlib import Path
 
+import torch
+
 from ..config import LoggingConfig
+
+
+class PeakMemory:
+    """Peak memory of one step in MiB: call ``start()`` at the step start, ``peak_mb()`` at its end.
+
+    ``kind`` names the measure:
+
+    - ``"cuda_allocated"``: torch's peak of allocated CUDA memory on ``device``, reset by
+      ``start()`` (``reset_peak_memory_stats``), read by ``max_memory_allocated``;
+    - ``"rss_step"``: peak resident set size of the process since ``start()``; Linux resets
+      the high-water mark (VmHWM in ``<proc>/status``) when "5" is written to
+      ``<proc>/clear_refs``;
+    - ``"rss_since_start"``: where that reset is refused, the peak RSS since the process
+      started (``ru_maxrss``), which can only grow from step to step.
+
+    ``proc`` is the procfs directory of this process (tests pass a fake one).
+    """
+
+    def __init__(self, device: torch.device | str, proc: str | Path = "/proc/self"):
+        self.device, self._proc = torch.device(device), Path(proc)
+        if self.device.type == "cuda":
+            self.kind = "cuda_allocated"
+        else:
+            self.kind = "rss_step" if self._reset_rss() else "rss_since_start"
+
+    def start(self) -> None:
+        if self.kind == "cuda_allocated":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.kind == "rss_step":
+            self._reset_rss()
+
+    def peak_mb(self) -> float:
+        if self.kind == "cuda_allocated":
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        if self.kind == "rss_step":
+            return self._vm_hwm_kib() / 1024
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+    def _reset_rss(self) -> bool:
+        """Reset the RSS high-water mark; False where the kernel or a sandbox refuses."""
+        try:
+            fd = os.open(self._proc / "clear_refs", os.O_WRONLY)  # never creates the file
+            try:
+                os.write(fd, b"5")
+            finally:
+                os.close(fd)
+            return self._vm_hwm_kib() is not None
+        except OSError:
+            return False
+
+    def _vm_hwm_kib(self) -> int | None:
+        for line in (self._proc / "status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])  # "VmHWM:   123456 kB"
+        return None
 
 
 class MetricsLogger:

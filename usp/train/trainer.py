@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import resource
 import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -12,7 +11,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ..attention import usp_attention
 from ..config import DataConfig, LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainerConfig
@@ -21,7 +21,7 @@ from ..mesh import SPMesh
 from ..model import Transformer
 from ..planner import ClusterSpec
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .metrics import MetricsLogger
+from .metrics import MetricsLogger, PeakMemory
 from .setup import build_dataset, resolve_degrees
 
 
@@ -51,22 +51,36 @@ def lr_lambda(cfg: OptimConfig, steps: int):
     return f
 
 
-def _peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak RSS, Linux KiB
+def shard_model(model: Transformer, mesh: DeviceMesh, dtype: str) -> None:
+    """FSDP2-shard ``model`` in place over ``mesh``: every block, then the root (embedding,
+    final norm, output).
+
+    ``dtype="bf16"``: parameters are all-gathered in bf16 and forward and backward compute
+    in bf16; the sharded parameters, their gradients (reduce-scattered in fp32) and so the
+    optimizer state stay fp32. ``dtype="fp32"``: no casts at all.
+    """
+    if dtype not in ("fp32", "bf16"):
+        raise ValueError(f"trainer.dtype must be fp32 or bf16, got {dtype!r}")
+    mp = MixedPrecisionPolicy()
+    if dtype == "bf16":
+        # cast_forward_inputs=False: a block's float inputs are h, already bf16 (it starts at
+        # the bf16 embedding), and the RoPE tables cos/sin, which stay fp32 for apply_rope.
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                  cast_forward_inputs=False)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
 @torch.no_grad()
-def evaluate(model, data, cfg: RunConfig, mesh: SPMesh, positions, device, amp) -> float:
+def evaluate(model, data, cfg: RunConfig, mesh: SPMesh, positions, device) -> float:
     """Answer accuracy on ``eval_batches`` batches no training step has drawn (held out)."""
     model.eval()
     hits = torch.zeros(2, dtype=torch.float64, device=device)
     for i in range(cfg.data.eval_batches):
         tokens, labels = data.batch(10**6 + i, cfg.data.batch_size, mesh.dp_rank, mesh.dp,
                                     positions=positions)
-        with amp:
-            logits = model(tokens.to(device), positions)
+        logits = model(tokens.to(device), positions)
         correct, answers = data.answer_accuracy(logits.float(), labels.to(device))
         hits += torch.tensor([correct, answers], dtype=torch.float64, device=device)
     dist.all_reduce(hits, group=mesh.group("dp_sp"))
@@ -95,15 +109,15 @@ def train(cfg: RunConfig) -> dict:
     # Model: identical init on every rank, then sharded (FSDP2) over the flattened dp x sp
     # axes. FSDP averages gradients over those ranks; the loss below is normalised by the
     # global token count and scaled by the rank count, so the average is the exact sum.
+    # bf16 is FSDP's mixed precision (bf16 compute, fp32 master weights), not autocast: the
+    # ops that need fp32 upcast themselves (RMSNorm, RoPE, attention LSE and merge, loss).
     attn = partial(usp_attention, mesh=mesh, layout=layout, causal=True, kernel=pc.kernel,
                    ring_impl=pc.ring_impl)
     model = Transformer(cfg.model, attn, checkpoint_activations=tc.activation_checkpointing)
     model.init_weights(tc.seed)
     model.to(device)
     shard_mesh = mesh.submesh("dp_sp")
-    for block in model.layers:
-        fully_shard(block, mesh=shard_mesh)
-    fully_shard(model, mesh=shard_mesh)
+    shard_model(model, shard_mesh, tc.dtype)
     n_shard = shard_mesh.size()
     oc = cfg.optim
     opt = torch.optim.AdamW(model.parameters(), lr=oc.lr, betas=(oc.beta1, oc.beta2),
@@ -125,7 +139,7 @@ def train(cfg: RunConfig) -> dict:
     dp_sp = mesh.group("dp_sp")
     tokens_per_step = cfg.data.batch_size * mesh.dp * cfg.data.seq_len
     flops_per_token = model.flops_per_token(cfg.data.seq_len)
-    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=tc.dtype == "bf16")
+    peak_mem = PeakMemory(device)
     bar = None
     if rank == 0 and cfg.logging.progress:
         from tqdm import tqdm
@@ -136,6 +150,7 @@ def train(cfg: RunConfig) -> dict:
     for step in range(start, tc.steps):
         t0 = time.perf_counter()
         comm0 = mesh.comm.total_seconds()
+        peak_mem.start()  # the peak below is this step's, not the run's
         # Data: this rank's tokens only; labels were shifted on the global sequence.
         tokens, labels = data.batch(step, cfg.data.batch_size, mesh.dp_rank, mesh.dp,
                                     positions=positions)
@@ -143,9 +158,7 @@ def train(cfg: RunConfig) -> dict:
         # Sync: the number of target tokens over dp x sp normalises the loss.
         counts = torch.tensor([(labels != -100).sum().item()], dtype=torch.float64, device=device)
         dist.all_reduce(counts, group=dp_sp)
-        with amp:
-            logits = model(tokens, positions)  # [B, L/P, V]
-        logits = logits.float()
+        logits = model(tokens, positions).float()  # [B, L/P, V], bf16 -> fp32 for the loss
         loss_sum = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
                                    reduction="sum")
         # grad of sum_r(loss_sum_r) / N: FSDP's mean over the n_shard ranks undoes the scale
@@ -160,6 +173,8 @@ def train(cfg: RunConfig) -> dict:
             correct, answers = data.answer_accuracy(logits, labels)
         stats = torch.tensor([loss_sum.item(), correct, answers], dtype=torch.float64, device=device)
         dist.all_reduce(stats, group=dp_sp)
+        peak = torch.tensor([peak_mem.peak_mb()], dtype=torch.float64, device=device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=dp_sp)  # the busiest rank's peak
         dt = time.perf_counter() - t0
         comm = mesh.comm.total_seconds() - comm0
         gn = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
@@ -170,8 +185,10 @@ def train(cfg: RunConfig) -> dict:
             "grad_norm": float(gn),
             "tokens_per_s": tokens_per_step / dt,
             "mfu": flops_per_token * tokens_per_step / dt / (cfg.cluster.peak_flops * world),
-            "peak_mem_mb": _peak_memory_mb(device),
+            "peak_mem_mb": peak.item(),
+            "peak_mem_kind": peak_mem.kind,
             "attn_comm_share": comm / dt,
+            "attn_comm_clock": mesh.comm.clock,  # host (gloo) or cuda_events (blocked stream time)
             "step_s": dt,
         }
         if data.has_answers:
@@ -193,7 +210,7 @@ def train(cfg: RunConfig) -> dict:
     if bar is not None:
         bar.close()
     if data.has_answers and cfg.data.eval_batches > 0:
-        summary["eval_acc"] = evaluate(model, data, cfg, mesh, positions, device, amp)
+        summary["eval_acc"] = evaluate(model, data, cfg, mesh, positions, device)
     logger.finish(summary)
     plot = logger.plot()
     logger.close()
