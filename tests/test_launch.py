@@ -48,10 +48,12 @@ def test_torchrun_end_to_end(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE"))}
     res = subprocess.run(
         ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "usp.cli",
-         "parallel.ulysses_degree=1", "parallel.ring_degree=2", "parallel.simulate_ranks_per_node=1",
+         "parallel.ulysses_degree=1", "parallel.ring_degree=auto",
+         "parallel.simulate_ranks_per_node=1",
          "trainer.steps=3", "data.seq_len=256", "logging=none", f"trainer.run_dir={run}",
          f"hydra.run.dir={tmp_path / 'hydra'}"],
         capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "done: step 3" in res.stdout
+    assert res.stdout.count("plan: world 2") == 1  # ring=auto: decided and printed by rank 0 only
     assert (run / "checkpoints" / "step_000003" / "extra.pt").exists()

@@ -45,25 +45,39 @@ def _check_config_dir() -> None:
 
 
 def run_training(cfg: RunConfig) -> None:
-    """Launch: torchrun/Slurm environment if present, else spawn ``trainer.nprocs`` local ranks."""
+    """Launch: torchrun/Slurm environment if present, else spawn ``trainer.nprocs`` local ranks.
+
+    Decided once, before training: the device (here, in each launched process or in the
+    parent of the spawned ranks) and the degrees (rank 0, or the parent), so every rank
+    builds the same mesh on the device it was given.
+    """
+    import torch
     import torch.distributed as dist
 
-    from .launch import init_from_env, launcher_env, spawn_local
-    from .train.setup import preflight
+    from .launch import choose_device, init_from_env, launcher_env, spawn_local
+    from .train.setup import decide_degrees, preflight, preflight_group
     from .train.trainer import train
 
     info = launcher_env()
     if info is None:
-        preflight(cfg, cfg.trainer.nprocs)  # refuse bad layouts/data before spawning
-        spawn_local(_local_worker, cfg.trainer.nprocs, cfg)
+        nprocs = cfg.trainer.nprocs
+        _, device_type = choose_device(cfg.trainer.device, nprocs, torch.cuda.is_available(),
+                                       torch.cuda.device_count())
+        table = decide_degrees(cfg, nprocs)  # ranks receive integers: none runs detection
+        preflight(cfg, nprocs, device_type)  # refuse bad layouts/data before spawning
+        if table:
+            print(table, flush=True)
+        spawn_local(_local_worker, nprocs, cfg, device_type=device_type)
         return
-    preflight(cfg, info["world"])
-    init_from_env(info, cfg.trainer.device)
+    device = init_from_env(info, cfg.trainer.device)  # refuses a missing GPU before joining
     try:
         # every rank composed its own config; rank 0's run directory is the run's
         run_dir = [cfg.trainer.run_dir]
         dist.broadcast_object_list(run_dir, src=0)
         cfg.trainer.run_dir = run_dir[0]
+        table = preflight_group(cfg, device.type)  # rank 0's degrees, checked on every rank
+        if info["rank"] == 0 and table:
+            print(table, flush=True)
         train(cfg)
     finally:
         dist.destroy_process_group()

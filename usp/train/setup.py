@@ -1,7 +1,9 @@
 """What a run decides before training: degrees (``auto`` via the planner), data, checks.
 
-``preflight`` runs in the launching process, before any process group exists, so a bad
-layout or a missing data file is refused with a clear message and nothing is spawned.
+Degrees are decided once per run and written into ``cfg.parallel`` as integers, so no rank
+runs topology detection on its own. Local spawn: ``decide_degrees`` and ``preflight`` run
+in the launching process, before anything is spawned. torchrun/Slurm: ``preflight_group``
+runs both once the process group exists, with rank 0 deciding for everyone.
 """
 
 from __future__ import annotations
@@ -9,9 +11,10 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 
 from ..config import DataConfig, ModelConfig
-from ..validate import check_degrees, check_heads, check_placement, check_seq_len
+from ..validate import check_degrees, check_heads, check_kernel, check_placement, check_seq_len
 
 
 def _degree(value, name: str):
@@ -91,8 +94,25 @@ def build_dataset(dc: DataConfig, mc: ModelConfig) -> _Sharded:
     raise ValueError(f"data.kind must be recall or memmap, got {dc.kind!r}")
 
 
-def preflight(cfg, world: int) -> tuple[int, int]:
-    """All checks that need no process group; raises ValueError. Returns (ulysses, ring)."""
+def decide_degrees(cfg, world: int, env=None) -> str:
+    """Resolve the degrees once and write them into ``cfg.parallel`` as integers (ulysses,
+    ring, dp); returns the plan table ("" when no degree was ``auto``).
+
+    Afterwards ``resolve_degrees`` (so ``train``) passes them through without detection.
+    """
+    u, r, table = resolve_degrees(cfg, world, env)
+    pc = cfg.parallel
+    dp = check_degrees(world, u, r, _degree(pc.dp_degree, "dp_degree"))
+    pc.ulysses_degree, pc.ring_degree, pc.dp_degree = u, r, dp
+    return table
+
+
+def preflight(cfg, world: int, device_type: str | None = None) -> tuple[int, int]:
+    """All checks that need no process group; raises ValueError. Returns (ulysses, ring).
+
+    ``device_type`` is where the ranks will compute ("cpu" or "cuda", from
+    ``usp.launch.choose_device``); None: cuda when this process sees a GPU.
+    """
     u, r, _ = resolve_degrees(cfg, world)
     pc = cfg.parallel
     check_degrees(world, u, r, _degree(pc.dp_degree, "dp_degree"))
@@ -102,6 +122,50 @@ def preflight(cfg, world: int) -> tuple[int, int]:
     if cfg.trainer.dtype not in ("fp32", "bf16"):
         raise ValueError(f"trainer.dtype must be fp32 or bf16, got {cfg.trainer.dtype!r}")
     build_dataset(cfg.data, cfg.model)  # missing / corrupt data fails here
-    if cfg.parallel.kernel == "flash_attn" and not torch.cuda.is_available():
-        raise ValueError("parallel.kernel=flash_attn needs CUDA; use parallel.kernel=torch")
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if pc.kernel == "flash_attn" and device_type != "cuda":
+        raise ValueError(f"parallel.kernel=flash_attn needs CUDA ranks, these run on "
+                         f"{device_type}; use parallel.kernel=torch (or trainer.device=cuda)")
+    # the kernel and ring engine on this device, dtype and head dim (attention is causal)
+    dtype = torch.bfloat16 if cfg.trainer.dtype == "bf16" else torch.float32
+    try:
+        check_kernel(pc.kernel, device_type, dtype, cfg.model.head_dim, pc.ring_impl,
+                     causal=True, balance=pc.balance)
+    except ValueError as e:
+        raise ValueError(f"parallel.kernel={pc.kernel} parallel.ring_impl={pc.ring_impl} "
+                         f"trainer.dtype={cfg.trainer.dtype} on {device_type}: {e}") from None
     return u, r
+
+
+def preflight_group(cfg, device_type: str, env=None) -> str:
+    """``decide_degrees`` + ``preflight`` for ranks started by torchrun/Slurm (collective).
+
+    Every process composed its own config and reads its own launcher variables and
+    hardware, so only rank 0 resolves ``auto``; every rank writes rank 0's integers into
+    ``cfg.parallel`` and runs ``preflight`` on them. A refusal on any rank is raised on
+    every rank (none is left waiting in a collective). Returns rank 0's plan table.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    table, error = "", None
+    if rank == 0:
+        try:
+            table = decide_degrees(cfg, world, env)
+        except (ValueError, FileNotFoundError) as e:
+            error = str(e)
+    pc = cfg.parallel
+    decided = [(pc.ulysses_degree, pc.ring_degree, pc.dp_degree, table, error)]
+    dist.broadcast_object_list(decided, src=0)  # every rank now holds rank 0's decision
+    u, r, dp, table, error = decided[0]
+    if error is None:
+        pc.ulysses_degree, pc.ring_degree, pc.dp_degree = u, r, dp
+        try:
+            preflight(cfg, world, device_type)
+        except (ValueError, FileNotFoundError) as e:
+            error = f"rank {rank}: {e}"
+    errors = [None] * world
+    dist.all_gather_object(errors, error)
+    refused = [e for e in errors if e is not None]
+    if refused:
+        raise ValueError(refused[0])
+    return table
