@@ -1,35 +1,27 @@
-"""Adapter for the ``flash-attn`` package (CUDA, fp16/bf16). Imported lazily.
+"""Adapter for the ``flash-attn`` package (CUDA, fp16/bf16, GQA native). Imported lazily.
 
-flash-attn changed the private ``_flash_attn_forward/_backward`` signatures between
-2.5 (``window_size`` tuple, 8 return values) and 2.6+ (``window_size_left/right``,
-``softcap``, 4 return values). We call them by keyword, picking the names the installed
-version has: this file is the only place that knows.
+The private ``_flash_attn_forward/_backward`` changed between versions (see
+``usp.compat.flash_attn_ops``): 2.5 takes ``window_size``, 2.6 adds ``softcap``, 2.7+
+(``torch.library.custom_op``s) take ``window_size_left/right``; the forward returns 8
+values (lse at 5) before 2.7 and 4 (lse at 1) from 2.7. We call them by keyword with the
+names the installed version declares, and read dq/dk/dv from the buffers we hand in,
+which every version fills.
 """
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
-
-def _import():
-    try:
-        from flash_attn import flash_attn_interface as fai
-    except ImportError as e:  # pragma: no cover - depends on the machine
-        raise ImportError(
-            "kernel='flash_attn' needs the flash-attn package (CUDA only): "
-            "pip install 'usp[gpu]', or use kernel='torch'"
-        ) from e
-    return fai
+from .. import compat
 
 
-def _window_kwargs(params) -> dict:
-    if "window_size_left" in params:
-        kw = {"window_size_left": -1, "window_size_right": -1}
-    else:
-        kw = {"window_size": (-1, -1)}
-    if "softcap" in params:
+def _common_kwargs(params: frozenset, scale: float, causal: bool) -> dict:
+    kw = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, alibi_slopes=None)
+    if "window_size_left" in params:  # 2.7+
+        kw.update(window_size_left=-1, window_size_right=-1)
+    else:  # 2.5, 2.6
+        kw["window_size"] = (-1, -1)
+    if "softcap" in params:  # 2.6+
         kw["softcap"] = 0.0
     return kw
 
@@ -38,23 +30,21 @@ class FlashAttnKernel:
     name = "flash_attn"
 
     def __init__(self) -> None:
-        fai = _import()
-        self._fwd, self._bwd = fai._flash_attn_forward, fai._flash_attn_backward
-        self._fwd_params = set(inspect.signature(self._fwd).parameters)
-        self._bwd_params = set(inspect.signature(self._bwd).parameters)
+        self._ops = compat.flash_attn_ops()
 
     def forward(self, q, k, v, causal, scale):
-        kw = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, alibi_slopes=None,
-                  return_softmax=False, **_window_kwargs(self._fwd_params))
-        res = self._fwd(q.contiguous(), k.contiguous(), v.contiguous(), **kw)
+        """q [B, S, Hq, d], k/v [B, Sk, Hkv, d] -> out [B, S, Hq, d], lse [B, Hq, S] fp32."""
+        kw = _common_kwargs(self._ops.forward_params, scale, causal)
+        res = self._ops.forward(q.contiguous(), k.contiguous(), v.contiguous(),
+                                return_softmax=False, **kw)
         out, lse = (res[0], res[1]) if len(res) == 4 else (res[0], res[5])
         return out, lse.float()
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
+        """dq [B, S, Hq, d], dk/dv [B, Sk, Hkv, d] from the rows' final ``out`` and ``lse``."""
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        kw = dict(dropout_p=0.0, softmax_scale=scale, causal=causal, alibi_slopes=None,
-                  deterministic=False, rng_state=None, **_window_kwargs(self._bwd_params))
-        kw = {k_: v_ for k_, v_ in kw.items() if k_ in self._bwd_params}
-        self._bwd(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
-                  out.contiguous(), lse.contiguous(), dq, dk, dv, **kw)
+        kw = _common_kwargs(self._ops.backward_params, scale, causal)
+        self._ops.backward(dout.contiguous(), q, k, v, out.contiguous(), lse.contiguous(),
+                           dq, dk, dv, deterministic=False, rng_state=None, **kw)
         return dq, dk, dv

@@ -1,16 +1,19 @@
-"""Adapter for PyTorch's own flash-attention ops that return the LSE.
+"""Adapter for PyTorch's own fused attention ops that return the LSE.
 
-CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``), GQA native.
-CUDA: ``aten._scaled_dot_product_flash_attention`` for fp16/bf16 and
-``aten._scaled_dot_product_efficient_attention`` for fp32; KV heads are expanded for
-GQA because those ops want equal head counts. Every aten-signature quirk lives here.
+CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ backward), GQA native.
+CUDA, fp16/bf16: ``aten._scaled_dot_product_flash_attention`` (+ backward), GQA native:
+K/V go in with their Hkv heads and dK/dV come back with Hkv heads.
+CUDA, fp32: ``aten._scaled_dot_product_efficient_attention`` (+ backward), which wants
+equal head counts: K/V are expanded to Hq heads and dK/dV folded back.
+The ops come from ``usp.compat``; how to call them lives here.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-aten = torch.ops.aten
+from .. import compat
 
 
 def _bhsd(x: torch.Tensor) -> torch.Tensor:
@@ -18,63 +21,83 @@ def _bhsd(x: torch.Tensor) -> torch.Tensor:
 
 
 def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
+    # [B, Sk, Hkv, d] -> [B, Sk, Hkv * groups, d]
     return x if groups == 1 else x.repeat_interleave(groups, dim=2)
+
+
+def _dense_rows(x: torch.Tensor) -> torch.Tensor:
+    # the efficient backward takes out's row stride to be H * d without checking it
+    h, d = x.shape[2:]
+    return x if x.stride(3) == 1 and x.stride(1) == h * d else x.contiguous()
 
 
 def _fold(dx: torch.Tensor, groups: int) -> torch.Tensor:
     if groups == 1:
         return dx
     b, s, h, d = dx.shape
-    return dx.view(b, s, h // groups, groups, d).sum(3)
+    return dx.view(b, s, h // groups, groups, d).sum(3)  # [B, Sk, Hq, d] -> [B, Sk, Hkv, d]
 
 
 class TorchKernel:
+    """The ``torch`` kernel: PyTorch's fused attention ops, per device and dtype.
+
+    ``cuda_ops``: the CUDA ops to call (default ``usp.compat.cuda_sdpa_ops()``). When given,
+    the CUDA branch runs for tensors on any device: the test seam that runs it on CPU
+    tensors against stand-ins enforcing the real ops' contracts.
+    """
+
     name = "torch"
 
+    def __init__(self, cuda_ops: compat.CudaSdpaOps | None = None) -> None:
+        self._forced = cuda_ops is not None
+        self.cuda_ops = cuda_ops if cuda_ops is not None else compat.cuda_sdpa_ops()
+
+    def _cpu(self, q: torch.Tensor) -> bool:
+        return q.device.type == "cpu" and not self._forced
+
     def forward(self, q, k, v, causal, scale):
-        if q.device.type == "cpu":
-            out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+        """q [B, S, Hq, d], k/v [B, Sk, Hkv, d] -> out [B, S, Hq, d], lse [B, Hq, S] fp32."""
+        if self._cpu(q):
+            out, lse = compat.cpu_flash_ops()[0](
                 _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, scale=scale
             )
             return _bhsd(out), lse
-        g = q.shape[2] // k.shape[2]
-        k, v = _expand(k, g), _expand(v, g)
+        ops, sq = self.cuda_ops, q.shape[1]
         if q.dtype in (torch.float16, torch.bfloat16):
-            res = aten._scaled_dot_product_flash_attention(
-                _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, False, scale=scale
-            )
-            out, lse = res[0], res[1]
+            res = ops.flash(_bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, False, scale=scale)
+            out, lse = res[0], res[1]  # lse [B, Hq, S] fp32
         else:
-            out, lse, _, _ = aten._scaled_dot_product_efficient_attention(
-                _bhsd(q), _bhsd(k), _bhsd(v), None, True, 0.0, causal, scale=scale
-            )
-        return _bhsd(out), lse[..., : q.shape[1]].float()
+            g = q.shape[2] // k.shape[2]
+            res = ops.efficient(_bhsd(q), _bhsd(_expand(k, g)), _bhsd(_expand(v, g)), None, True,
+                                0.0, causal, scale=scale)
+            out, lse = res[0], res[1][..., :sq]  # [B, Hq, pad32(S)] -> [B, Hq, S]
+        return _bhsd(out), lse.float()
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
-        if q.device.type == "cpu":
-            dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        """dq [B, S, Hq, d], dk/dv [B, Sk, Hkv, d] from the rows' final ``out`` and ``lse``."""
+        if self._cpu(q):
+            dq, dk, dv = compat.cpu_flash_ops()[1](
                 _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse.contiguous(),
                 0.0, causal, scale=scale,
             )
             return _bhsd(dq), _bhsd(dk), _bhsd(dv)
-        g = q.shape[2] // k.shape[2]
-        ke, ve = _expand(k, g), _expand(v, g)
-        sq, sk = q.shape[1], k.shape[1]
+        ops, sq, sk = self.cuda_ops, q.shape[1], k.shape[1]
         if q.dtype in (torch.float16, torch.bfloat16):
-            empty = torch.empty(0, device=q.device)
-            dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-                _bhsd(dout), _bhsd(q), _bhsd(ke), _bhsd(ve), _bhsd(out),
-                lse.contiguous(), empty, empty, sq, sk, 0.0, causal,
-                torch.zeros(2, dtype=torch.int64, device=q.device), empty, scale=scale,
+            # cum_seq None = the dense path (a defined tensor, even 0-element, means varlen);
+            # seed/offset as the no-dropout forward returned them (see compat)
+            seed, offset = compat.flash_rng_placeholders(q.device)
+            dq, dk, dv = ops.flash_backward(
+                _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse.contiguous(),
+                None, None, sq, sk, 0.0, causal, seed, offset, scale=scale,
             )
-        else:
-            zero = torch.zeros((), dtype=torch.int64, device=q.device)
-            # the efficient kernel's LSE is padded to a multiple of 32 rows; give it back so
-            pad = (-sq) % 32
-            lse_in = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
-            dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-                _bhsd(dout), _bhsd(q), _bhsd(ke), _bhsd(ve), None, _bhsd(out),
-                lse_in.contiguous(), zero, zero, 0.0, [True, True, True, False], causal,
-                scale=scale,
-            )
+            return _bhsd(dq), _bhsd(dk), _bhsd(dv)
+        g = q.shape[2] // k.shape[2]
+        seed, offset = compat.efficient_rng_placeholders()
+        # give the LSE back padded as the forward made it: [B, Hq, S] -> [B, Hq, pad32(S)]
+        lse_in = F.pad(lse, (0, compat.efficient_lse_rows(sq) - sq)).contiguous()
+        dq, dk, dv, _ = ops.efficient_backward(
+            _bhsd(dout), _bhsd(q), _bhsd(_expand(k, g)), _bhsd(_expand(v, g)), None,
+            _bhsd(_dense_rows(out)), lse_in, seed, offset, 0.0, [True, True, True, False], causal,
+            scale=scale,
+        )
         return _bhsd(dq), _fold(_bhsd(dk), g), _fold(_bhsd(dv), g)
