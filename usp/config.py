@@ -91,12 +91,17 @@ class TrainerConfig:
     dtype: str = "fp32"  # fp32 | bf16 (FSDP2 mixed precision: bf16 compute, fp32 master weights)
     activation_checkpointing: bool = False
     log_every: int = 10
-    ckpt_every: int = 0  # 0: only at the end
+    ckpt_every: int = 100  # steps between checkpoints (0: only at the end and on preemption)
+    keep_checkpoints: int = 2  # complete checkpoints kept (the newest ones)
     run_dir: Optional[str] = None  # None: the CLI uses the Hydra run directory
     resume: bool = True  # continue from run_dir's latest checkpoint when there is one
     nprocs: int = 4  # ranks to spawn when launched without torchrun/Slurm
     device: str = "auto"  # auto | cpu | cuda
     stop_after: Optional[int] = None  # stop early at this step (tests: simulate a crash)
+    timeout_s: float = 600.0  # collective timeout: a stuck peer becomes an error after this
+    max_restarts: int = 0  # local launch: relaunch all ranks from the last checkpoint this often
+    preempt_signals: str = "SIGTERM,SIGUSR1"  # checkpoint at the next step, then exit ("" = off)
+    on_nonfinite: str = "stop"  # non-finite loss/grad norm: stop (keep the last good ckpt) | skip
 
 
 @dataclass
