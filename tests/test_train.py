@@ -50,14 +50,15 @@ def test_resume_matches_uninterrupted_and_across_layouts(tmp_path):
     # interrupted at step 3 (checkpoint written), then resumed under the same layout
     _run(small_cfg(tmp_path / "resumed", steps=6, stop_after=3))
     assert (tmp_path / "resumed" / "checkpoints" / "step_000003").is_dir()
-    resumed = _run(small_cfg(tmp_path / "resumed", steps=6))
+    # another init seed: only the checkpoint can give the straight run's losses
+    resumed = _run(small_cfg(tmp_path / "resumed", steps=6, seed=7))
     for s in (4, 5, 6):
         assert abs(resumed[s]["loss"] - straight[s]["loss"]) <= 1e-6 * straight[s]["loss"], s
     # written under (ulysses, ring) = (2, 2), resumed under (4, 1)
     for u, r in ((4, 1),):
         run = tmp_path / f"re_{u}x{r}"
         _run(small_cfg(run, steps=6, stop_after=3))
-        moved = _run(small_cfg(run, u=u, r=r, steps=6))
+        moved = _run(small_cfg(run, u=u, r=r, steps=6, seed=7))
         for s in (4, 5, 6):
             a, b = straight[s]["loss"], moved[s]["loss"]
             assert abs(a - b) <= 1e-4 * a, (u, r, s, a, b)
