@@ -2,7 +2,7 @@
 degrees on rank 0 (torchrun/Slurm) or in the parent of the spawned ranks.
 
 NCCL cannot start here, so CUDA is faked in the launching process and what the launcher
-hands to its workers is captured (``torch.multiprocessing.start_processes``) and replayed
+hands to its workers is captured (``usp.launch._run_once``) and replayed
 in-process with recording fakes for ``set_device`` and ``init_process_group``.
 """
 
@@ -153,8 +153,13 @@ def local_launch(monkeypatch, fake_dist):
     for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID"):
         monkeypatch.delenv(k, raising=False)
     spawned = []
-    monkeypatch.setattr(torch.multiprocessing, "start_processes",
-                        lambda fn, args, nprocs, **kw: spawned.append((fn, args, nprocs)))
+    import usp.launch as launcher
+
+    def run_once(worker_args, nprocs, grace_s):  # what run_local would start, not started
+        spawned.append((launcher._worker, worker_args, nprocs))
+        return 0, "ok", ""
+
+    monkeypatch.setattr(launcher, "_run_once", run_once)
     monkeypatch.setattr(cli, "_local_worker", lambda cfg: fake_dist.append(("train", cfg)))
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     monkeypatch.setattr(dist, "barrier", lambda: None)

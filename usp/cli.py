@@ -6,13 +6,16 @@ validates against the structured schemas below, and hands typed dataclasses to t
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import hydra
 from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from .train.trainer import RunConfig
 
@@ -44,6 +47,44 @@ def _check_config_dir() -> None:
         )
 
 
+def unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
+    """Dotted keys of ``node`` that its dataclass schema lacks.
+
+    Hydra's struct mode refuses ``trainer.foo=1``, but ``+trainer.foo=1`` opens the node to
+    add the key and ``OmegaConf.to_object`` then sets it as a stray attribute nobody reads.
+    """
+    schema = OmegaConf.get_type(node)
+    known = ({f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema)
+             else None)
+    found = []
+    for key in node.keys():
+        name = f"{prefix}{key}"
+        if known is not None and key not in known:
+            near = difflib.get_close_matches(str(key), sorted(known), n=1)
+            hint = f"did you mean {prefix}{near[0]}?" if near else f"known: {', '.join(sorted(known))}"
+            found.append(f"{name} ({hint})")
+        elif OmegaConf.is_dict(node._get_node(key)):
+            found += unknown_keys(node[key], f"{name}.")
+    return found
+
+
+def to_config(dcfg: DictConfig):
+    """Hydra's composed config -> the typed dataclasses; refuses keys the schema lacks and
+    the values the dataclasses refuse (their ``__post_init__``), as ``ValueError``."""
+    stray = unknown_keys(dcfg)
+    if stray:
+        raise ValueError(f"unknown config key {'; '.join(stray)}: the schema has no such field; "
+                         f"drop the override or fix its name")
+    return OmegaConf.to_object(dcfg)
+
+
+def _refuse(prog: str, e: Exception) -> None:
+    """Print one line ``prog: error: ...`` (no traceback) and exit with status 2."""
+    text = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    print(f"{prog}: error: {text}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
 def run_training(cfg: RunConfig) -> None:
     """Launch: torchrun/Slurm environment if present, else spawn ``trainer.nprocs`` local ranks.
 
@@ -54,7 +95,7 @@ def run_training(cfg: RunConfig) -> None:
     import torch
     import torch.distributed as dist
 
-    from .launch import choose_device, init_from_env, launcher_env, spawn_local
+    from .launch import choose_device, init_from_env, launcher_env, run_local
     from .train.setup import decide_degrees, preflight, preflight_group
     from .train.trainer import train
 
@@ -67,9 +108,13 @@ def run_training(cfg: RunConfig) -> None:
         preflight(cfg, nprocs, device_type)  # refuse bad layouts/data before spawning
         if table:
             print(table, flush=True)
-        spawn_local(_local_worker, nprocs, cfg, device_type=device_type)
+        code = run_local(_local_worker, nprocs, cfg, device_type=device_type,
+                         max_restarts=cfg.trainer.max_restarts, timeout_s=cfg.trainer.timeout_s)
+        if code:  # the ranks' own exit code, e.g. preempted after a forwarded SIGTERM
+            raise SystemExit(code)
         return
-    device = init_from_env(info, cfg.trainer.device)  # refuses a missing GPU before joining
+    # refuses a missing GPU before joining; trainer.timeout_s bounds every collective
+    device = init_from_env(info, cfg.trainer.device, timeout_s=cfg.trainer.timeout_s)
     try:
         # every rank composed its own config; rank 0's run directory is the run's
         run_dir = [cfg.trainer.run_dir]
@@ -93,13 +138,13 @@ def _local_worker(cfg: RunConfig) -> None:
 def _train_main(dcfg) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    cfg: RunConfig = OmegaConf.to_object(dcfg)
-    if cfg.trainer.run_dir is None:
-        cfg.trainer.run_dir = HydraConfig.get().runtime.output_dir
     try:
+        cfg: RunConfig = to_config(dcfg)
+        if cfg.trainer.run_dir is None:
+            cfg.trainer.run_dir = HydraConfig.get().runtime.output_dir
         run_training(cfg)
     except (ValueError, FileNotFoundError) as e:  # refused before launch: no traceback
-        raise SystemExit(f"usp-train: error: {e}") from None
+        _refuse("usp-train", e)
 
 
 def train_main() -> None:
@@ -109,9 +154,17 @@ def train_main() -> None:
 
 @hydra.main(config_path=CONFIG_DIR, config_name="plan", version_base="1.3")
 def _plan_main(dcfg) -> None:
+    try:
+        _plan(to_config(dcfg))
+    except (ValueError, FileNotFoundError) as e:
+        _refuse("usp-plan", e)
+
+
+def _plan(cfg: PlanConfig) -> None:
     from .planner import draw_mesh, plan
 
-    cfg: PlanConfig = OmegaConf.to_object(dcfg)
+    if cfg.nodes is not None and cfg.nodes < 1:
+        raise ValueError(f"nodes={cfg.nodes} must be >= 1; pass nodes=1 or more")
     spec = cfg.cluster if cfg.nodes is None else cfg.cluster.replace(nodes=cfg.nodes)
     pc = cfg.parallel
 

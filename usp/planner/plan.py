@@ -39,12 +39,37 @@ class Candidate:
 
 @dataclass
 class Dropped:
-    """An infeasible layout and the rule's message."""
+    """An infeasible layout, the rule that refused it (``RULES``) and the rule's message."""
 
     dp: int
     ring: int
     ulysses: int
     reason: str
+    rule: str = ""
+
+    def line(self) -> str:
+        return f"dp {self.dp} ring {self.ring} ulysses {self.ulysses}: {self.reason}"
+
+
+RULES = ("degrees", "batch", "heads", "seq_len", "memory")  # plan()'s checks, in order
+
+
+def group_dropped(dropped: list[Dropped]) -> dict[str, list[Dropped]]:
+    """Dropped layouts by the rule that refused them, in the order ``plan`` checks them."""
+    order = {rule: i for i, rule in enumerate(RULES)}
+    groups: dict[str, list[Dropped]] = {}
+    for d in sorted(dropped, key=lambda d: order.get(d.rule, len(RULES))):
+        groups.setdefault(d.rule or "other", []).append(d)
+    return groups
+
+
+def summarize_dropped(dropped: list[Dropped], examples: int = 2) -> list[str]:
+    """One line per rule: how many layouts it dropped, then up to ``examples`` of them."""
+    lines = []
+    for rule, ds in group_dropped(dropped).items():
+        lines.append(f"  {rule}: {len(ds)} layout{'s' if len(ds) > 1 else ''}, e.g.")
+        lines += [f"    {d.line()}" for d in ds[:examples]]
+    return lines
 
 
 @dataclass
@@ -112,8 +137,9 @@ class Plan:
     def _vs(self, c: Candidate) -> str:
         return f"{c.cost.step_s / self.best.cost.step_s - 1:+.1%} step time"
 
-    def format_table(self, show_dropped: bool = True) -> str:
-        """Ranked table of feasible layouts, then the dropped ones with their reason."""
+    def format_table(self, show_dropped: bool = True, max_dropped: int = 20) -> str:
+        """Ranked table of feasible layouts, then the dropped ones with their reason: one line
+        each up to ``max_dropped`` of them, else a count per rule with a few examples."""
         c0 = self.cluster
         head = (
             f"plan: world {self.world} ({c0.nodes} x {c0.gpus_per_node} on {c0.name}), "
@@ -129,7 +155,10 @@ class Plan:
                 f"{k.step_s / t0 - 1:>+8.1%} {k.comm_share:>6.1%} "
                 f"{_size(k.mem_bytes):>9}  {'; '.join(c.notes)}"
             )
-        if show_dropped and self.dropped:
+        if show_dropped and len(self.dropped) > max_dropped:
+            rows.append(f"dropped: {len(self.dropped)} layouts, by rule")
+            rows += summarize_dropped(self.dropped)
+        elif show_dropped and self.dropped:
             rows.append("dropped:")
             rows += [f"   {d.dp:>3} {d.ring:>4} {d.ulysses:>7}  {d.reason}" for d in self.dropped]
         rows.append(f"reason: {self.reason}")
@@ -201,15 +230,20 @@ def plan(
             d = world // (u * r)
             if dp is not None and d != dp:
                 continue  # not a layout with the fixed dp
+            rule = "degrees"  # the check running now, kept with a refusal
             try:
                 check_degrees(world, u, r, d)
+                rule = "batch"
                 if global_batch % d:
                     raise ValueError(
                         f"global batch {global_batch} sequences does not split over dp {d}; "
                         f"use a batch that is a multiple of {d} or a larger sequence-parallel group"
                     )
+                rule = "heads"
                 check_heads(model.n_heads, model.n_kv_heads, u)
+                rule = "seq_len"
                 check_seq_len(seq_len, u, r, balance)
+                rule = "memory"
                 cost = estimate(
                     model, cluster, seq_len, d, r, u, global_batch=global_batch,
                     dtype_bytes=dtype_bytes, causal=causal, fsdp=fsdp, balance=balance,
@@ -228,13 +262,13 @@ def plan(
                         f"try {', '.join(fixes)}"
                     )
             except ValueError as e:
-                dropped.append(Dropped(d, r, u, str(e)))
+                dropped.append(Dropped(d, r, u, str(e), rule))
                 continue
             candidates.append(Candidate(d, r, u, cost, _notes(model, cluster, cost, placement)))
     if not candidates:
-        why = "\n".join(f"  dp {x.dp} ring {x.ring} ulysses {x.ulysses}: {x.reason}"
-                        for x in dropped)
-        raise ValueError(f"no feasible layout for world {world}, seq_len {seq_len}:\n{why}")
+        why = "; ".join(f"{rule} refused {len(ds)} (e.g. {ds[0].line()})"
+                        for rule, ds in group_dropped(dropped).items())
+        raise ValueError(f"no feasible layout for world {world}, seq_len {seq_len}: {why}")
     candidates.sort(key=lambda c: (c.cost.step_s, -c.ulysses))
     return Plan(world, seq_len, cluster, model, candidates, dropped, global_batch, balance)
 

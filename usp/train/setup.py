@@ -8,7 +8,10 @@ runs both once the process group exists, with rank 0 deciding for everyone.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -83,7 +86,7 @@ def build_dataset(dc: DataConfig, mc: ModelConfig) -> _Sharded:
         from ..data.memmap import MemmapTokens
 
         if not dc.path:
-            raise ValueError("data.kind=memmap needs data.path (prefix of the .bin/.json files)")
+            raise ValueError("data.path is not set; set it to the prefix of the .bin/.json files")
         ds = MemmapTokens(dc.path, dc.seq_len, seed=dc.seed)
         if ds.vocab_size > mc.vocab_size:
             raise ValueError(
@@ -107,6 +110,27 @@ def decide_degrees(cfg, world: int, env=None) -> str:
     return table
 
 
+def check_run_dir(path: str | None) -> None:
+    """Refuse a run directory this process could not create or write (checkpoints, metrics),
+    before any rank starts. None: the CLI fills it in later (Hydra's run directory)."""
+    if path is None:
+        return
+    p = Path(path).expanduser().absolute()
+    existing = p
+    while not existing.exists():  # the nearest ancestor that exists decides
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"trainer.run_dir={path} cannot be a directory: {existing} is a file; "
+                         f"choose another trainer.run_dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"trainer.run_dir={path} is not writable: this user cannot write "
+                         f"{existing}; choose a writable trainer.run_dir")
+
+
+def _installed(module: str) -> bool:
+    return module in sys.modules or importlib.util.find_spec(module) is not None
+
+
 def preflight(cfg, world: int, device_type: str | None = None) -> tuple[int, int]:
     """All checks that need no process group; raises ValueError. Returns (ulysses, ring).
 
@@ -116,12 +140,20 @@ def preflight(cfg, world: int, device_type: str | None = None) -> tuple[int, int
     u, r, _ = resolve_degrees(cfg, world)
     pc = cfg.parallel
     check_degrees(world, u, r, _degree(pc.dp_degree, "dp_degree"))
+    sim = pc.simulate_ranks_per_node
+    if sim is not None and (sim < 1 or world % sim):
+        raise ValueError(f"parallel.simulate_ranks_per_node={sim} does not divide the {world} "
+                         f"ranks into whole nodes; use a divisor of {world} or null")
     check_placement(pc.placement)
     check_heads(cfg.model.n_heads, cfg.model.n_kv_heads, u)
     check_seq_len(cfg.data.seq_len, u, r, pc.balance)
     if cfg.trainer.dtype not in ("fp32", "bf16"):
         raise ValueError(f"trainer.dtype must be fp32 or bf16, got {cfg.trainer.dtype!r}")
-    build_dataset(cfg.data, cfg.model)  # missing / corrupt data fails here
+    try:
+        build_dataset(cfg.data, cfg.model)  # missing / corrupt data fails here
+    except ValueError as e:
+        raise ValueError(f"data.kind={cfg.data.kind}: {e}") from None
+    check_run_dir(cfg.trainer.run_dir)
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if pc.kernel == "flash_attn" and device_type != "cuda":
@@ -135,6 +167,10 @@ def preflight(cfg, world: int, device_type: str | None = None) -> tuple[int, int
     except ValueError as e:
         raise ValueError(f"parallel.kernel={pc.kernel} parallel.ring_impl={pc.ring_impl} "
                          f"trainer.dtype={cfg.trainer.dtype} on {device_type}: {e}") from None
+    if pc.ring_impl == "ring_flash_attn" and not _installed("ring_flash_attn"):
+        raise ValueError("parallel.ring_impl=ring_flash_attn needs the ring-flash-attn package, "
+                         "which this Python cannot import; pip install ring-flash-attn==0.1.8 "
+                         "flash-attn, or use parallel.ring_impl=usp")
     return u, r
 
 
