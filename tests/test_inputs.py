@@ -171,7 +171,7 @@ def _run(entry, *args):
 def test_usp_train_refuses_in_one_line(tmp_path, override, needle):
     res = _run("train_main", override, f"hydra.run.dir={tmp_path}")
     assert res.returncode == 2
-    assert res.stderr.startswith(f"usp-train: error: ") and needle in res.stderr
+    assert res.stderr.startswith("usp-train: error: ") and needle in res.stderr
     assert res.stderr.strip().count("\n") == 0  # one line, no traceback
     assert "SPMesh" not in res.stdout
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from usp.launch import naming_collectives, run_local
+from usp.comm import CommStats, all_to_all
+from usp.launch import run_local
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -82,8 +83,8 @@ def _hangs_outside_collectives(out_dir):
     _start(out_dir)
     if dist.get_rank() == 1:
         time.sleep(60)  # never joins the all_reduce
-    with naming_collectives("world"):
-        dist.all_reduce(torch.ones(1))
+    # usp's own all-to-all, as the ulysses exchange calls it: its errors name the axis
+    all_to_all(torch.ones(2, 3), None, None, CommStats(), axis="ulysses")
 
 
 def _launcher(fn_name: str, out_dir: Path, **kw) -> subprocess.Popen:
@@ -164,7 +165,7 @@ def test_collective_timeout_fails_fast_naming_the_ranks(tmp_path):
         run_local(_hangs_outside_collectives, 2, str(tmp_path), timeout_s=3, threads=1)
     assert time.monotonic() - t0 < 25  # not the 60 s the hung rank sleeps
     msg = str(e.value)
-    assert "rank 0 raised" in msg and "collective on world ranks [0, 1] timed out after 3s" in msg
+    assert "rank 0 raised" in msg and "collective on ulysses ranks [0, 1] timed out after 3s" in msg
     assert "ranks [1] still running" in msg, msg
     assert not [pid for pid in _pids(tmp_path) if _alive(pid)]
 

@@ -16,6 +16,7 @@ NCCL are untouched (``stage_through_host``).
 
 from __future__ import annotations
 
+import re
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -135,6 +136,40 @@ def _permutation(to_group_rank: tuple[int, ...], device: torch.device):
             torch.tensor(to_group_rank, dtype=torch.long, device=device))
 
 
+PEER_LOST = re.compile(r"timed out|connection (closed|reset|refused)|broken pipe", re.I)
+
+
+def collective_error(err: BaseException, axis: str, ranks: list[int]) -> BaseException:
+    """``err`` from a collective on ``axis`` over global ``ranks``, renamed when it means a
+    peer never answered (gloo: "Timed out waiting 3000ms for recv operation to complete") or
+    went away ("Connection closed by peer"); any other error is returned unchanged."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if not isinstance(err, RuntimeError) or not PEER_LOST.search(text):
+        return err
+    ms = re.search(r"(\d+)\s*ms", text)
+    waited = f" after {int(ms.group(1)) / 1000:g}s" if ms else ""
+    what = "timed out" if "timed out" in text.lower() else "lost a peer"
+    me = dist.get_rank() if dist.is_initialized() else "?"
+    return RuntimeError(
+        f"collective on {axis} ranks {ranks} {what}{waited} on rank {me}: a peer did not "
+        f"answer (hung or dead; the launcher names the ranks still running); raise "
+        f"trainer.timeout_s if that collective is legitimately slow [{text}]")
+
+
+@contextmanager
+def naming_collectives(axis: str, group: dist.ProcessGroup | None = None):
+    """Run collectives on ``axis`` (``group``; None = the world) so that a timeout or a lost
+    peer raises an error naming the axis and its global ranks (see ``collective_error``)."""
+    try:
+        yield
+    except RuntimeError as e:
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        named = collective_error(e, axis, ranks)
+        if named is e:
+            raise
+        raise named from e
+
+
 def all_to_all(
     x: torch.Tensor,
     group: dist.ProcessGroup | None,
@@ -158,7 +193,7 @@ def all_to_all(
         x = x.index_select(0, perm[0])
     wire = on_wire(x.contiguous(), group)
     out = torch.empty_like(wire)
-    with stats.timed(axis, wire.device):
+    with stats.timed(axis, wire.device), naming_collectives(axis, group):
         dist.all_to_all_single(out, wire, group=group)
     stats.record(axis, _nbytes(wire) * (n - 1) // n)
     out = out.to(x.device)  # back from the host copy when staged, else a no-op
@@ -197,7 +232,8 @@ class _Pending:
         self._reqs, self._send, self.recv, self._device, self._comm = reqs, send, recv, device, comm
 
     def wait(self) -> torch.Tensor:
-        with self._comm.stats.timed(self._comm.axis, self.recv.device):
+        comm = self._comm
+        with comm.stats.timed(comm.axis, self.recv.device), naming_collectives(comm.axis, comm.group):
             for r in self._reqs:
                 r.wait()
         self._send = None  # the send buffer may be freed now

@@ -10,7 +10,6 @@ import ctypes
 import json
 import multiprocessing.connection
 import os
-import re
 import signal
 import socket
 import sys
@@ -18,13 +17,14 @@ import tempfile
 import threading
 import time
 import traceback
-from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from .comm import PEER_LOST
 
 
 def free_port() -> int:
@@ -123,38 +123,6 @@ def spawn_local(fn, world_size: int, *args, threads: int | None = None,
 
 FORWARDED_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")  # sent on to every rank by run_local
 _SETTLE_S = 2.0  # after a rank lost its peer: how long the peer may take to report why
-_PEER_LOST = re.compile(r"timed out|connection (closed|reset|refused)|broken pipe", re.I)
-
-
-def collective_error(err: BaseException, axis: str, ranks: list[int]) -> BaseException:
-    """``err`` from a collective on ``axis`` over global ``ranks``, renamed when it means a
-    peer never answered (gloo: "Timed out waiting 3000ms for recv operation to complete") or
-    went away ("Connection closed by peer"); any other error is returned unchanged."""
-    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    if not isinstance(err, RuntimeError) or not _PEER_LOST.search(text):
-        return err
-    ms = re.search(r"(\d+)\s*ms", text)
-    waited = f" after {int(ms.group(1)) / 1000:g}s" if ms else ""
-    what = "timed out" if "timed out" in text.lower() else "lost a peer"
-    me = dist.get_rank() if dist.is_initialized() else "?"
-    return RuntimeError(
-        f"collective on {axis} ranks {ranks} {what}{waited} on rank {me}: a peer did not "
-        f"answer (hung or dead; the launcher names the ranks still running); raise "
-        f"trainer.timeout_s if that collective is legitimately slow [{text}]")
-
-
-@contextmanager
-def naming_collectives(axis: str, group: dist.ProcessGroup | None = None):
-    """Run collectives on ``axis`` (``group``; None = the world) so that a timeout or a lost
-    peer raises an error naming the axis and its global ranks (see ``collective_error``)."""
-    try:
-        yield
-    except RuntimeError as e:
-        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
-        named = collective_error(e, axis, ranks)
-        if named is e:
-            raise
-        raise named from e
 
 
 def _die_with_parent(parent: int) -> None:
@@ -253,7 +221,7 @@ def _run_once(worker_args: tuple, nprocs: int, grace_s: float) -> tuple[int, str
                 if first is None and ended:
                     # a rank that lost its peer is a consequence; prefer the one that caused it
                     found = [(r, *_describe(r, c, report_dir)) for r, c in ended]
-                    cause = [f for f in found if not _PEER_LOST.search(f[2])]
+                    cause = [f for f in found if not PEER_LOST.search(f[2])]
                     if not cause and still and (settle is None or time.monotonic() < settle):
                         settle = settle or time.monotonic() + _SETTLE_S  # cause still reporting?
                         continue
