@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import gc
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,6 +126,7 @@ def run_training(cfg: RunConfig) -> None:
             print(table, flush=True)
         train(cfg)
     finally:
+        gc.collect()  # train() closed its mesh; free what is left before the world goes
         dist.destroy_process_group()
 
 

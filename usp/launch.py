@@ -7,6 +7,7 @@ preemption signals to them and never leaves a rank running (see its docstring)."
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import multiprocessing.connection
 import os
@@ -92,6 +93,9 @@ def _worker(rank, world, port, threads, device_type, fn, args, timeout_s=600.0):
         fn(*args)
         dist.barrier()  # nobody tears down the group while a peer still talks to it
     finally:
+        # free meshes and models fn left in reference cycles now, so their gloo worker
+        # threads are joined here and not during interpreter shutdown (see SPMesh.close)
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -12,6 +12,7 @@ inside a node and ring groups join the same local rank on different nodes (rail-
 
 from __future__ import annotations
 
+import gc
 import socket
 import warnings
 from dataclasses import dataclass, field
@@ -57,6 +58,9 @@ class SPMesh:
     Build with ``SPMesh.build(ulysses=..., ring=...)`` after ``dist.init_process_group``.
     ``ulysses_rank``/``ring_rank``/``dp_rank`` are this rank's mesh coordinates; the
     sequence-parallel rank is ``sp_rank = ring_rank * ulysses + ulysses_rank``.
+
+    Close it before ``dist.destroy_process_group()``: ``mesh.close()``, or build it in a
+    ``with SPMesh.build(...) as mesh:`` block (see ``close`` for why).
     """
 
     ulysses: int
@@ -69,6 +73,7 @@ class SPMesh:
     flat_meshes: dict[str, DeviceMesh] = field(default_factory=dict)  # sp, dp_sp
     comm: CommStats = field(default_factory=CommStats)
     _cache: dict = field(default_factory=dict, repr=False)
+    _closed: bool = field(default=False, repr=False)
 
     # ---- construction -------------------------------------------------------------
     @classmethod
@@ -138,6 +143,7 @@ class SPMesh:
     @property
     def coord(self) -> tuple[int, int, int]:
         """(dp, ring, ulysses) coordinate of this rank."""
+        self._check_open()
         if "coord" not in self._cache:
             idx = (self.ranks == self.rank).nonzero()[0].tolist()
             self._cache["coord"] = (idx[0], idx[1], idx[2])
@@ -166,12 +172,14 @@ class SPMesh:
     # ---- groups -----------------------------------------------------------------------
     def submesh(self, axis: str) -> DeviceMesh:
         """1-D DeviceMesh of ``axis``: dp, ring, ulysses, sp (= ring x ulysses) or dp_sp."""
+        self._check_open()
         if axis in self.flat_meshes:
             return self.flat_meshes[axis]
         return self.device_mesh[axis]
 
     def group(self, axis: str) -> dist.ProcessGroup:
         """Process group of ``axis``: dp, ring, ulysses, sp (= ring x ulysses) or dp_sp."""
+        self._check_open()
         key = ("group", axis)
         if key not in self._cache:  # slicing the DeviceMesh costs ~1 ms; asked every layer
             self._cache[key] = self.submesh(axis).get_group()
@@ -217,3 +225,95 @@ class SPMesh:
                 cells.append(f"r{r}(dp{d},ring{i},uly{j})")
             lines.append(f"  {self.hosts[node[0]]}: " + " ".join(cells))
         return "\n".join(lines)
+
+    # ---- teardown -------------------------------------------------------------------
+    # Why (torch 2.13, CPython 3.11, from a core dump of the abort): a gloo ProcessGroup
+    # runs worker threads (``pt_gloo_runloop``) that are joined only when the
+    # ProcessGroup object is freed; ``pg.shutdown()``, which
+    # ``dist.destroy_process_group()`` calls, leaves them running. The groups this mesh
+    # made are held by ``_cache`` and by the DeviceMesh's ``_pg_registry``; the DeviceMesh
+    # sits in a root <-> flattened mesh cycle (``_flatten_mapping`` / ``_root_mesh``) and
+    # FSDP/DTensor state can keep it alive longer still, so they live until interpreter
+    # shutdown. A worker drops its last reference to a finished collective only after the
+    # caller's ``wait()`` has returned; when that collective (``layout.gather``'s
+    # all_gather) holds tensors that Python created, the drop needs the GIL. If the worker
+    # runs late on a busy machine, the main thread is already in ``Py_FinalizeEx``, which
+    # answers the worker's GIL request with ``pthread_exit``; its forced unwind meets the
+    # noexcept ``~AsyncAllgatherWork``: std::terminate, "terminate called without an
+    # active exception", SIGABRT. Freeing the groups while the interpreter is alive joins
+    # the workers first (the ProcessGroup's pybind holder, IntrusivePtrNoGilDestructor,
+    # releases the GIL while it joins, so a worker waiting for it can finish).
+    def close(self, barrier: bool = True) -> None:
+        """Release the DeviceMesh and every process group this mesh created.
+
+        Collective (all ranks call, before ``dist.destroy_process_group()``):
+
+        1. a barrier on the default group, so that no peer still uses a subgroup
+           (skipped with ``barrier=False``, or once the default group is gone);
+        2. ``dist.destroy_process_group(g)`` for each group of the mesh axes and of the
+           flattened ``sp``/``dp_sp`` meshes, in reverse creation order; the default
+           group, which the DeviceMesh reuses for an axis that spans the whole world,
+           is left to the caller;
+        3. drops the DeviceMesh's group registry and flattened meshes, this mesh's caches
+           and references, then ``gc.collect()``, so the group objects are freed (and
+           gloo joins its worker threads) now rather than at interpreter exit.
+
+        Idempotent. Afterwards ``group``, ``submesh`` and the coordinates raise
+        ``RuntimeError``; the degrees, ``ranks``, ``hosts``, ``comm`` and ``describe()``
+        stay readable.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if dist.is_initialized():  # False when the caller destroyed the world first
+            if barrier:
+                dist.barrier()  # every rank is past its last collective on the subgroups
+            self._destroy_groups()
+        for dm in [self.device_mesh, *self.flat_meshes.values()]:
+            _release_device_mesh(dm)
+        self.device_mesh = None
+        self.flat_meshes = {}
+        self._cache.clear()
+        gc.collect()  # DeviceMesh objects sit in reference cycles: free them now
+
+    def _destroy_groups(self) -> None:
+        # this rank's groups of the mesh in creation order (dp, ring, ulysses, sp, dp_sp),
+        # without the default group, which an axis spanning the whole world reuses
+        found: list[dist.ProcessGroup] = []
+        meshes = [self.device_mesh, *self.flat_meshes.values()]
+        for pg in (g for dm in meshes if dm is not None for g in dm.get_all_groups()):
+            if pg is not dist.group.WORLD and all(pg is not f for f in found):
+                found.append(pg)
+        for pg in reversed(found):  # the same order on every rank
+            if pg in dist.distributed_c10d._world.pg_map:  # not destroyed elsewhere
+                dist.destroy_process_group(pg)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(
+                "this SPMesh was closed (mesh.close() or the end of its `with` block) and "
+                "its process groups destroyed; build a new one with SPMesh.build(...)"
+            )
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> SPMesh:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # after an exception a peer may be blocked in another collective: a barrier here
+        # would turn this rank's error into a hang, so only the local release runs
+        self.close(barrier=exc_type is None)
+
+
+def _release_device_mesh(dm: DeviceMesh | None) -> None:
+    """Drop what a torch 2.13 DeviceMesh holds: its process-group registry and the
+    flattened meshes in the root's ``_flatten_mapping`` (a cycle through ``_root_mesh``).
+    ``_mesh_resources`` holds only a mesh stack used by ``with device_mesh:``, unused here."""
+    if dm is None:
+        return
+    for mesh in (dm, dm._get_root_mesh()):
+        getattr(mesh, "_pg_registry", {}).clear()
+        getattr(mesh, "_flatten_mapping", {}).clear()

@@ -252,7 +252,7 @@ def _usp_worker(device_name: str, seq_len: int, d: int, result_path: str) -> Non
     for (u, r), (hq, hkv), dtype in itertools.product(
         LAYOUTS, ((8, 2), (4, 4)), (torch.float32, torch.bfloat16)
     ):
-        mesh = SPMesh.build(ulysses=u, ring=r, ranks_per_node=u)
+        mesh = SPMesh.build(ulysses=u, ring=r, ranks_per_node=u)  # closed below
         layout = SequenceLayout(mesh, seq_len=seq_len, balance="zigzag")
         gen = torch.Generator().manual_seed(u * 10 + r + hq)
         q, dout = (_randn((2, seq_len, hq, d), gen, device, dtype) for _ in range(2))
@@ -276,6 +276,7 @@ def _usp_worker(device_name: str, seq_len: int, d: int, result_path: str) -> Non
                          ok=bool(flags.item()), err={n: float(f"{e:.3g}") for n, e in errs.items()},
                          single_err={n: float(f"{e:.3g}") for n, e in base.items()},
                          bytes_rank0=sent))
+        mesh.close()  # free its groups now, not at interpreter exit
     if dist.get_rank() == 0:
         Path(result_path).write_text(json.dumps(rows))
 
