@@ -97,6 +97,7 @@ def run_training(cfg: RunConfig) -> None:
     import torch.distributed as dist
 
     from .launch import choose_device, init_from_env, launcher_env, run_local
+    from .train.faults import Preempted
     from .train.setup import decide_degrees, preflight, preflight_group
     from .train.trainer import train
 
@@ -124,7 +125,10 @@ def run_training(cfg: RunConfig) -> None:
         table = preflight_group(cfg, device.type)  # rank 0's degrees, checked on every rank
         if info["rank"] == 0 and table:
             print(table, flush=True)
-        train(cfg)
+        try:
+            train(cfg)
+        except Preempted as e:  # every rank checkpointed at e.step: requeue with resume
+            raise SystemExit(e.exit_code) from None
     finally:
         gc.collect()  # train() closed its mesh; free what is left before the world goes
         dist.destroy_process_group()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -15,12 +16,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ..attention import usp_attention
-from ..config import DataConfig, LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainerConfig
+from ..config import (
+    DataConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainerConfig,
+)
 from ..layout import SequenceLayout
 from ..mesh import SPMesh
 from ..model import Transformer
 from ..planner import ClusterSpec
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import choose_checkpoint, load_checkpoint, run_fingerprint, save_checkpoint
+from .faults import NonFiniteGuard, Preempted, Preemption
 from .metrics import MetricsLogger, PeakMemory
 from .setup import build_dataset, resolve_degrees
 
@@ -88,8 +97,20 @@ def evaluate(model, data, cfg: RunConfig, mesh: SPMesh, positions, device) -> fl
     return (hits[0] / hits[1].clamp(min=1)).item()
 
 
-def train(cfg: RunConfig) -> dict:
-    """Train ``cfg.trainer.steps`` steps; returns the summary of the last step (every rank)."""
+FaultHook = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+def train(cfg: RunConfig, fault_hook: FaultHook | None = None) -> dict:
+    """Train ``cfg.trainer.steps`` steps; returns the summary of the last step (every rank).
+
+    Faults (``usp.train.faults``): a signal in ``trainer.preempt_signals`` on any rank makes
+    every rank checkpoint at the next step boundary and raise ``Preempted`` (its
+    ``exit_code`` is the process's); a non-finite global loss or grad norm raises
+    ``NonFiniteError`` before the optimizer step (``trainer.on_nonfinite=stop``) or skips the
+    step (``skip``). ``fault_hook(step, loss_sum) -> loss_sum`` (tests): called on every rank
+    with the 1-based step and this rank's loss sum before backward; it may send a signal or
+    return a changed loss.
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
         else torch.device("cpu")
@@ -116,9 +137,7 @@ def train(cfg: RunConfig) -> dict:
     model = Transformer(cfg.model, attn, checkpoint_activations=tc.activation_checkpointing)
     model.init_weights(tc.seed)
     model.to(device)
-    shard_mesh = mesh.submesh("dp_sp")
-    shard_model(model, shard_mesh, tc.dtype)
-    n_shard = shard_mesh.size()
+    shard_model(model, mesh.submesh("dp_sp"), tc.dtype)
     oc = cfg.optim
     opt = torch.optim.AdamW(model.parameters(), lr=oc.lr, betas=(oc.beta1, oc.beta2),
                             weight_decay=oc.weight_decay)
@@ -126,87 +145,38 @@ def train(cfg: RunConfig) -> dict:
     data = build_dataset(cfg.data, cfg.model)
 
     start = 0
-    ckpt = latest_checkpoint(tc.run_dir) if tc.resume else None
+    guard = NonFiniteGuard(tc.on_nonfinite)
+    # Sync: every rank verifies a share of the newest checkpoint's files; all take the same
+    # one, and a resume with other settings (lr, seq_len, model shape...) is refused by name
+    ckpt = choose_checkpoint(tc.run_dir) if tc.resume else None
     if ckpt is not None:
-        extra = load_checkpoint(ckpt, model, opt, sched)
+        extra = load_checkpoint(ckpt, model, opt, sched, fingerprint=run_fingerprint(cfg))
         start = extra["step"]
+        guard.skipped = extra.get("skipped_steps", 0)
         if not extra["rng_restored"]:
             torch.manual_seed(tc.seed + 1000 * start + rank)
         if rank == 0:
             print(f"resumed from {ckpt} at step {start}", flush=True)
     run_dir = Path(tc.run_dir)
     logger = MetricsLogger(cfg.logging, run_dir, rank, asdict(cfg), resume_step=start)
-    dp_sp = mesh.group("dp_sp")
-    tokens_per_step = cfg.data.batch_size * mesh.dp * cfg.data.seq_len
-    flops_per_token = model.flops_per_token(cfg.data.seq_len)
-    peak_mem = PeakMemory(device)
     bar = None
     if rank == 0 and cfg.logging.progress:
         from tqdm import tqdm
 
         bar = tqdm(total=tc.steps, initial=start, desc="train", dynamic_ncols=True)
 
-    summary: dict = {}
-    for step in range(start, tc.steps):
-        t0 = time.perf_counter()
-        comm0 = mesh.comm.total_seconds()
-        peak_mem.start()  # the peak below is this step's, not the run's
-        # Data: this rank's tokens only; labels were shifted on the global sequence.
-        tokens, labels = data.batch(step, cfg.data.batch_size, mesh.dp_rank, mesh.dp,
-                                    positions=positions)
-        tokens, labels = tokens.to(device), labels.to(device)  # [B, L/P]
-        # Sync: the number of target tokens over dp x sp normalises the loss.
-        counts = torch.tensor([(labels != -100).sum().item()], dtype=torch.float64, device=device)
-        dist.all_reduce(counts, group=dp_sp)
-        logits = model(tokens, positions).float()  # [B, L/P, V], bf16 -> fp32 for the loss
-        loss_sum = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
-                                   reduction="sum")
-        # grad of sum_r(loss_sum_r) / N: FSDP's mean over the n_shard ranks undoes the scale
-        (loss_sum * (n_shard / counts[0])).backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), oc.grad_clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-
-        # Metrics: global loss and answer accuracy (one all-reduce), throughput.
-        with torch.no_grad():
-            correct, answers = data.answer_accuracy(logits, labels)
-        stats = torch.tensor([loss_sum.item(), correct, answers], dtype=torch.float64, device=device)
-        dist.all_reduce(stats, group=dp_sp)
-        peak = torch.tensor([peak_mem.peak_mb()], dtype=torch.float64, device=device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=dp_sp)  # the busiest rank's peak
-        dt = time.perf_counter() - t0
-        comm = mesh.comm.total_seconds() - comm0
-        gn = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        summary = {
-            "step": step + 1,
-            "loss": stats[0].item() / counts[0].item(),
-            "lr": sched.get_last_lr()[0],
-            "grad_norm": float(gn),
-            "tokens_per_s": tokens_per_step / dt,
-            "mfu": flops_per_token * tokens_per_step / dt / (cfg.cluster.peak_flops * world),
-            "peak_mem_mb": peak.item(),
-            "peak_mem_kind": peak_mem.kind,
-            "attn_comm_share": comm / dt,
-            "attn_comm_clock": mesh.comm.clock,  # host (gloo) or cuda_events (blocked stream time)
-            "step_s": dt,
-        }
-        if data.has_answers:
-            summary["acc"] = stats[1].item() / max(1.0, stats[2].item())
-        logger.log(summary)
+    try:
+        # The handlers only set a flag; the previous ones are back however the loop ends.
+        with Preemption(tc.preempt_signals) as preemption:
+            summary = _loop(cfg, start, model, opt, sched, data, mesh, positions, device,
+                            logger, bar, guard, preemption, fault_hook)
+    except BaseException:  # Preempted, NonFiniteError, a lost peer: flush what was logged
         if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{summary['loss']:.3f}",
-                            **({"acc": f"{summary['acc']:.2f}"} if "acc" in summary else {}))
-        if rank == 0 and tc.log_every and (step + 1) % tc.log_every == 0:
-            line = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                            for k, v in summary.items())
-            bar.write(line) if bar is not None else print(line, flush=True)
-        stopping = tc.stop_after is not None and step + 1 == tc.stop_after
-        if (tc.ckpt_every and (step + 1) % tc.ckpt_every == 0) or step + 1 == tc.steps or stopping:
-            save_checkpoint(run_dir, step + 1, model, opt, sched)  # the step is the data position
-        if stopping:
-            break
+            bar.close()
+        logger.close()
+        del model, opt, sched  # FSDP state holds the mesh's groups
+        mesh.close(barrier=False)  # a peer may be stuck in a collective: no barrier
+        raise
     if bar is not None:
         bar.close()
     if data.has_answers and cfg.data.eval_batches > 0:
@@ -222,4 +192,112 @@ def train(cfg: RunConfig) -> dict:
         print(f"done: step {summary.get('step', start)}, loss {summary.get('loss', float('nan')):.4f}"
               f"{tail}; run directory {run_dir.resolve()}"
               + (f" (plot {plot.name})" if plot else ""), flush=True)
+    # free the mesh's groups while the interpreter is alive (see SPMesh.close); FSDP state
+    # holds the dp_sp group, so the model and optimizer go first
+    del model, opt, sched
+    mesh.close()
+    return summary
+
+
+def _loop(cfg: RunConfig, start: int, model, opt, sched, data, mesh: SPMesh, positions, device,
+          logger: MetricsLogger, bar, guard: NonFiniteGuard, preemption: Preemption,
+          fault_hook: FaultHook | None) -> dict:
+    """Steps ``start`` .. ``trainer.steps`` - 1; returns the last step's summary."""
+    tc, oc = cfg.trainer, cfg.optim
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run_dir = Path(tc.run_dir)
+    dp_sp = mesh.group("dp_sp")
+    n_shard = mesh.submesh("dp_sp").size()
+    tokens_per_step = cfg.data.batch_size * mesh.dp * cfg.data.seq_len
+    flops_per_token = model.flops_per_token(cfg.data.seq_len)
+    peak_mem = PeakMemory(device)
+    summary: dict = {}
+    for step in range(start, tc.steps):
+        t0 = time.perf_counter()
+        comm0 = mesh.comm.total_seconds()
+        peak_mem.start()  # the peak below is this step's, not the run's
+        # Data: this rank's tokens only; labels were shifted on the global sequence.
+        tokens, labels = data.batch(step, cfg.data.batch_size, mesh.dp_rank, mesh.dp,
+                                    positions=positions)
+        tokens, labels = tokens.to(device), labels.to(device)  # [B, L/P]
+        # Sync: the number of target tokens over dp x sp normalises the loss.
+        counts = torch.tensor([(labels != -100).sum().item()], dtype=torch.float64, device=device)
+        dist.all_reduce(counts, group=dp_sp)
+        logits = model(tokens, positions).float()  # [B, L/P, V], bf16 -> fp32 for the loss
+        loss_sum = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
+                                   reduction="sum")
+        if fault_hook is not None:
+            loss_sum = fault_hook(step + 1, loss_sum)
+        # grad of sum_r(loss_sum_r) / N: FSDP's mean over the n_shard ranks undoes the scale
+        (loss_sum * (n_shard / counts[0])).backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), oc.grad_clip)
+        gn = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        gn = float(gn)  # global over dp x sp (FSDP): the same on every rank
+
+        # Sync: global loss and answer accuracy (one all-reduce), read before the optimizer
+        # steps so that a non-finite step never changes the weights.
+        with torch.no_grad():
+            correct, answers = data.answer_accuracy(logits, labels)
+        stats = torch.tensor([loss_sum.item(), correct, answers], dtype=torch.float64, device=device)
+        dist.all_reduce(stats, group=dp_sp)
+        loss = stats[0].item() / counts[0].item()
+        # on_nonfinite: stop raises here (no step, no checkpoint); skip drops the grads
+        skip = guard.check(step + 1, loss, gn)
+        if skip:
+            if rank == 0:
+                print(f"step {step + 1}: non-finite loss {loss} / grad norm {gn}; skipped "
+                      f"(optimizer and schedule not stepped; {guard.skipped} skipped so far)",
+                      flush=True)
+        else:
+            opt.step()
+            sched.step()
+        opt.zero_grad(set_to_none=True)
+
+        # Metrics: throughput, the busiest rank's memory.
+        peak = torch.tensor([peak_mem.peak_mb()], dtype=torch.float64, device=device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=dp_sp)  # the busiest rank's peak
+        dt = time.perf_counter() - t0
+        comm = mesh.comm.total_seconds() - comm0
+        summary = {
+            "step": step + 1,
+            "loss": loss,
+            "lr": sched.get_last_lr()[0],
+            "grad_norm": gn,
+            "tokens_per_s": tokens_per_step / dt,
+            "mfu": flops_per_token * tokens_per_step / dt / (cfg.cluster.peak_flops * world),
+            "peak_mem_mb": peak.item(),
+            "peak_mem_kind": peak_mem.kind,
+            "attn_comm_share": comm / dt,
+            "attn_comm_clock": mesh.comm.clock,  # host (gloo) or cuda_events (blocked stream time)
+            "step_s": dt,
+            "skipped_steps": guard.skipped,
+        }
+        if data.has_answers:
+            summary["acc"] = stats[1].item() / max(1.0, stats[2].item())
+        logger.log(summary)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{summary['loss']:.3f}",
+                            **({"acc": f"{summary['acc']:.2f}"} if "acc" in summary else {}))
+        if rank == 0 and tc.log_every and (step + 1) % tc.log_every == 0:
+            line = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                            for k, v in summary.items())
+            bar.write(line) if bar is not None else print(line, flush=True)
+        last = step + 1 == tc.steps
+        stopping = tc.stop_after is not None and step + 1 == tc.stop_after
+        # Sync: every rank learns whether any rank got a preemption signal (none is needed
+        # after the last step: the run is complete and exits normally).
+        sig = None if last else preemption.agree(device)
+        if (tc.ckpt_every and (step + 1) % tc.ckpt_every == 0) or last or stopping or sig:
+            # the step is the data position
+            ckpt = save_checkpoint(run_dir, step + 1, model, opt, sched, keep=tc.keep_checkpoints,
+                                   extra={"skipped_steps": guard.skipped},
+                                   fingerprint=run_fingerprint(cfg))
+        if sig is not None:
+            err = Preempted(step + 1, sig.name, str(ckpt))
+            if rank == 0:
+                print(f"usp: {err}", flush=True)
+            raise err
+        if stopping:
+            break
     return summary
