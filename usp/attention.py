@@ -67,6 +67,11 @@ def usp_attention(
     else:  # a Kernel object answers for itself; the ring engine is still checked
         check_ring_impl(ring_impl, dev, dtype, d, causal, layout.balance)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if mesh.sp_size > 1:  # once per signature: every SP rank must make the same call
+        kname = kernel if isinstance(kernel, str) else type(kernel).__name__
+        mesh.agree_once("usp_attention(q, k shapes, dtype, seq_len, balance, causal, kernel, "
+                        "ring_impl, scale)", (tuple(q.shape), tuple(k.shape), str(q.dtype),
+                        layout.seq_len, layout.balance, causal, kname, ring_impl, scale))
     kern = get_kernel(kernel)
     u = mesh.ulysses
     axis = None

@@ -79,11 +79,11 @@ def to_config(dcfg: DictConfig):
     return OmegaConf.to_object(dcfg)
 
 
-def _refuse(prog: str, e: Exception) -> None:
-    """Print one line ``prog: error: ...`` (no traceback) and exit with status 2."""
+def _refuse(prog: str, e: Exception, status: int = 2) -> None:
+    """Print one line ``prog: error: ...`` (no traceback) and exit with ``status``."""
     text = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
     print(f"{prog}: error: {text}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
+    raise SystemExit(status)
 
 
 def run_training(cfg: RunConfig) -> None:
@@ -151,6 +151,8 @@ def _train_main(dcfg) -> None:
         run_training(cfg)
     except (ValueError, FileNotFoundError) as e:  # refused before launch: no traceback
         _refuse("usp-train", e)
+    except RuntimeError as e:  # the ranks failed (their tracebacks are above): one last line
+        _refuse("usp-train", e, status=1)
 
 
 def train_main() -> None:

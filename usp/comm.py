@@ -146,6 +146,8 @@ def collective_error(err: BaseException, axis: str, ranks: list[int]) -> BaseExc
     text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     if not isinstance(err, RuntimeError) or not PEER_LOST.search(text):
         return err
+    if text.startswith("collective on "):  # already named by an inner naming_collectives
+        return err
     ms = re.search(r"(\d+)\s*ms", text)
     waited = f" after {int(ms.group(1)) / 1000:g}s" if ms else ""
     what = "timed out" if "timed out" in text.lower() else "lost a peer"
@@ -168,6 +170,26 @@ def naming_collectives(axis: str, group: dist.ProcessGroup | None = None):
         if named is e:
             raise
         raise named from e
+
+
+def check_agreement(what: str, value, group: dist.ProcessGroup | None = None) -> None:
+    """Collective over ``group``: raise ``ValueError`` on every rank unless all pass the same
+    ``value`` (any picklable, compared with ``==``), naming which ranks passed what.
+
+    Different arguments per rank otherwise hang (mismatched groups) or silently compute
+    something else (a different ``causal``); one small all-gather of objects catches it.
+    """
+    values = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    if all(v == values[0] for v in values):
+        return
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(len(values))
+    by_value: dict[str, list[int]] = {}
+    for r, v in zip(ranks, values):
+        by_value.setdefault(repr(v), []).append(r)
+    raise ValueError(f"ranks disagree on {what}: "
+                     + "; ".join(f"ranks {rs}: {v}" for v, rs in by_value.items())
+                     + "; every rank must pass the same arguments")
 
 
 def all_to_all(

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .comm import CommStats
+from .comm import CommStats, check_agreement
 from .validate import check_degrees, check_placement
 
 AXES = ("dp", "ring", "ulysses")
@@ -104,6 +104,9 @@ class SPMesh:
             )
         if hosts is not None and len(hosts) != world:
             raise ValueError(f"hosts lists {len(hosts)} ranks but the world size is {world}")
+        # different degrees per rank would build mismatched groups and hang: agree first
+        check_agreement("SPMesh.build(ulysses, ring, dp, placement, ranks_per_node, hosts)",
+                        (ulysses, ring, dp, placement, ranks_per_node, hosts))
         hosts = list(hosts) if hosts is not None else cls._discover_hosts(world, ranks_per_node)
         ranks = mesh_ranks(hosts, dp, ring, ulysses, placement)
         if device_type is None:
@@ -211,6 +214,14 @@ class SPMesh:
         """Global ranks (previous, next) on this rank's ring."""
         ranks, i = self.axis_ranks("ring"), self.ring_rank
         return ranks[(i - 1) % self.ring], ranks[(i + 1) % self.ring]
+
+    def agree_once(self, what: str, value, axis: str = "sp") -> None:
+        """``check_agreement`` over ``axis`` the first time this rank passes ``value``
+        (collective then; free afterwards): a cheap guard for per-call arguments."""
+        key = ("agreed", axis, value)
+        if key not in self._cache:
+            check_agreement(what, value, self.group(axis))
+            self._cache[key] = True
 
     def describe(self) -> str:
         """Text picture: one line per node with its ranks and their (ring, ulysses) coordinate."""

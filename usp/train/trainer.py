@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ..attention import usp_attention
+from ..comm import naming_collectives
 from ..config import (
     DataConfig,
     LoggingConfig,
@@ -222,15 +223,18 @@ def _loop(cfg: RunConfig, start: int, model, opt, sched, data, mesh: SPMesh, pos
         tokens, labels = tokens.to(device), labels.to(device)  # [B, L/P]
         # Sync: the number of target tokens over dp x sp normalises the loss.
         counts = torch.tensor([(labels != -100).sum().item()], dtype=torch.float64, device=device)
-        dist.all_reduce(counts, group=dp_sp)
-        logits = model(tokens, positions).float()  # [B, L/P, V], bf16 -> fp32 for the loss
-        loss_sum = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100,
-                                   reduction="sum")
-        if fault_hook is not None:
-            loss_sum = fault_hook(step + 1, loss_sum)
-        # grad of sum_r(loss_sum_r) / N: FSDP's mean over the n_shard ranks undoes the scale
-        (loss_sum * (n_shard / counts[0])).backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), oc.grad_clip)
+        # a peer that never answers an FSDP or loss collective is named as a dp_sp timeout
+        # (usp's all-to-all and ring name their own axis inside)
+        with naming_collectives("dp_sp", dp_sp):
+            dist.all_reduce(counts, group=dp_sp)
+            logits = model(tokens, positions).float()  # [B, L/P, V], bf16 -> fp32 for the loss
+            loss_sum = F.cross_entropy(logits.flatten(0, 1), labels.flatten(),
+                                       ignore_index=-100, reduction="sum")
+            if fault_hook is not None:
+                loss_sum = fault_hook(step + 1, loss_sum)
+            # grad of sum_r(loss_sum_r) / N: FSDP's mean over the n_shard ranks undoes the scale
+            (loss_sum * (n_shard / counts[0])).backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), oc.grad_clip)
         gn = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         gn = float(gn)  # global over dp x sp (FSDP): the same on every rank
 
