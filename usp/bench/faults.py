@@ -250,8 +250,10 @@ def diverge(tmp: Path, extra=()) -> Outcome:
     bad_step = int(found.group(1)) if found else None
     ok = (run.rc != 0 and "non-finite" in line and finite and not left
           and all(c < (bad_step or 0) for c in ckpts))
+    said = re.search(r"non-finite \S+ \([^)]*\) at step \d+", line)
     return Outcome("optim.lr=1e6 (loss turns NaN)",
-                   f"rc {run.rc}: \"{line.strip()[:120]}\"; checkpoints {ckpts or 'none'}",
+                   f"rc {run.rc}, one line: \"{said.group(0) if said else line[:80]}\"; "
+                   f"checkpoints kept: {ckpts or 'none'}",
                    0, ok)
 
 
@@ -272,8 +274,12 @@ def stall_rank(tmp: Path, extra=(), at: int = 7, timeout_s: int = 15) -> Outcome
     saved = (_checkpoints(run_dir) or [0])[-1]
     ok = (run.rc != 0 and "timed out" in line.lower() and "still running" in line
           and not left and waited < timeout_s + 60)
+    named = re.search(r"collective on \S+ ranks \[[^\]]*\] timed out after \S+", line)
+    running = re.search(r"ranks \[[^\]]*\] still running", line)
     return Outcome(f"one rank stopped (SIGSTOP), trainer.timeout_s={timeout_s}",
-                   f"rc {run.rc} {waited:.0f} s after the stop: \"{line.strip()[:110]}\"",
+                   f"rc {run.rc}, {waited:.0f} s after the stop, one line: "
+                   f"\"{named.group(0) if named else line[:80]}\" ... "
+                   f"\"{running.group(0) if running else ''} ... were killed\"",
                    t_stop.get("step", 0) - saved, ok)
 
 
@@ -282,8 +288,11 @@ def changed_settings(tmp: Path, extra=()) -> Outcome:
     run_dir = tmp / "baseline"  # the reference run's directory, complete
     run, left = usp_train(run_dir, [*extra, "optim.lr=1e-3"])
     line = (run.err.strip().splitlines() or [""])[-1]
-    ok = run.rc != 0 and "optim.lr" in line and not left
-    return Outcome("resume with a changed optim.lr", f"rc {run.rc}: \"{line[:110]}\"", 0, ok)
+    said = re.search(r"\(optim\.lr: [^)]*\)", line)
+    ok = run.rc != 0 and said is not None and not left
+    return Outcome("resume with a changed optim.lr",
+                   f"rc {run.rc}, refused in one line naming {said.group(0) if said else line[:80]}",
+                   0, ok)
 
 
 SCENARIOS = ("sigterm", "kill_rank", "corrupt_checkpoint", "diverge", "stall_rank",
