@@ -210,7 +210,7 @@ def test_flash_attn_refused_when_ranks_run_on_cpu(monkeypatch):
     fake_gpus(monkeypatch, 8)  # a GPU machine, but trainer.device=cpu
     cfg = fixed_cfg("cpu")
     cfg.parallel.kernel = "flash_attn"
-    with pytest.raises(ValueError, match="flash_attn needs CUDA ranks, these run on cpu"):
+    with pytest.raises(ValueError, match="parallel.kernel=flash_attn .* on cpu: kernel='flash_attn' is CUDA only"):
         preflight(cfg, 2, "cpu")
     with pytest.raises(ValueError, match="flash_attn' needs float16 or bfloat16"):
         preflight(cfg, 2, "cuda")  # fp32 is refused too

@@ -59,7 +59,7 @@ def _mesh_worker():
             (dict(ulysses=3, ring=1), "ulysses (3) x ring (1) = 3 does not divide world size 4"),
             (dict(ulysses=2, ring=2, dp=2), "dp (2) x ring (2) x ulysses (2) = 8 != world size 4"),
             (dict(ulysses=2, ring=2, placement="inner"), "placement"),
-            (dict(ulysses=2, ring=1, ranks_per_node=3), "ranks_per_node (3)"),
+            (dict(ulysses=2, ring=1, ranks_per_node=3), "ranks_per_node=3 does not divide the 4 ranks"),
         ):
             with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
                 SPMesh.build(**kw)

@@ -99,6 +99,13 @@ def _worker(rank, world, port, threads, device_type, fn, args, timeout_s=600.0):
         dist.destroy_process_group()
 
 
+def _threads_per_rank(device_type: str, nprocs: int, threads: int | None) -> int:
+    """Check ``device_type``; torch intra-op threads per rank (default: the CPUs shared evenly)."""
+    if device_type not in BACKENDS:
+        raise ValueError(f"device_type must be cpu or cuda, got {device_type!r}")
+    return threads if threads is not None else max(1, (os.cpu_count() or 1) // nprocs)
+
+
 def spawn_local(fn, world_size: int, *args, threads: int | None = None,
                 device_type: str = "cpu", timeout_s: float = 600.0) -> None:
     """Call ``fn(*args)`` on ``world_size`` fresh processes joined in one process group.
@@ -110,10 +117,7 @@ def spawn_local(fn, world_size: int, *args, threads: int | None = None,
     evenly, at least 1). ``timeout_s``: collective timeout of the group. No restarts, no
     signal forwarding: that is ``run_local``.
     """
-    if device_type not in BACKENDS:
-        raise ValueError(f"device_type must be cpu or cuda, got {device_type!r}")
-    if threads is None:
-        threads = max(1, (os.cpu_count() or 1) // world_size)
+    threads = _threads_per_rank(device_type, world_size, threads)
     mp.start_processes(
         _worker,
         args=(world_size, free_port(), threads, device_type, fn, args, timeout_s),
@@ -275,13 +279,10 @@ def run_local(fn, nprocs: int, *args, max_restarts: int = 0, device_type: str = 
     Returns 0 or the ranks' exit code; raises ``RuntimeError`` naming the last failure
     after ``max_restarts`` restarts. ``fn`` must be importable (module level).
     """
-    if device_type not in BACKENDS:
-        raise ValueError(f"device_type must be cpu or cuda, got {device_type!r}")
+    threads = _threads_per_rank(device_type, nprocs, threads)
     if max_restarts < 0 or timeout_s <= 0:
         raise ValueError(f"need max_restarts >= 0 and timeout_s > 0, got {max_restarts} and "
                          f"{timeout_s}; e.g. trainer.max_restarts=0 trainer.timeout_s=600")
-    if threads is None:
-        threads = max(1, (os.cpu_count() or 1) // nprocs)
     for attempt in range(max_restarts + 1):
         worker_args = (nprocs, free_port(), threads, device_type, fn, args, timeout_s)
         code, kind, line = _run_once(worker_args, nprocs, grace_s)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .comm import CommStats, check_agreement
-from .validate import check_degrees, check_placement
+from .validate import check_degrees, check_placement, check_ranks_per_node
 
 AXES = ("dp", "ring", "ulysses")
 
@@ -98,10 +98,7 @@ class SPMesh:
         world = dist.get_world_size()
         dp = check_degrees(world, ulysses, ring, dp)
         check_placement(placement)
-        if ranks_per_node is not None and (ranks_per_node < 1 or world % ranks_per_node):
-            raise ValueError(
-                f"ranks_per_node ({ranks_per_node}) must divide the world size ({world})"
-            )
+        check_ranks_per_node(world, ranks_per_node)
         if hosts is not None and len(hosts) != world:
             raise ValueError(f"hosts lists {len(hosts)} ranks but the world size is {world}")
         # different degrees per rank would build mismatched groups and hang: agree first

@@ -97,6 +97,14 @@ def check_seq_len(seq_len: int, ulysses: int, ring: int, balance: str) -> None:
         )
 
 
+def check_ranks_per_node(world_size: int, ranks_per_node: int | None,
+                         name: str = "ranks_per_node") -> None:
+    """Simulated nodes of ``ranks_per_node`` ranks must split the world evenly (None: real hosts)."""
+    if ranks_per_node is not None and (ranks_per_node < 1 or world_size % ranks_per_node):
+        raise ValueError(f"{name}={ranks_per_node} does not divide the {world_size} ranks into "
+                         f"whole nodes; use a divisor of {world_size} or null")
+
+
 def check_placement(placement: str) -> None:
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")

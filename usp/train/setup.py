@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import DataConfig, ModelConfig
-from ..validate import check_degrees, check_heads, check_kernel, check_placement, check_seq_len
+from ..validate import (check_degrees, check_heads, check_kernel, check_placement,
+                        check_ranks_per_node, check_seq_len)
 
 
 def _degree(value, name: str):
@@ -140,15 +141,10 @@ def preflight(cfg, world: int, device_type: str | None = None) -> tuple[int, int
     u, r, _ = resolve_degrees(cfg, world)
     pc = cfg.parallel
     check_degrees(world, u, r, _degree(pc.dp_degree, "dp_degree"))
-    sim = pc.simulate_ranks_per_node
-    if sim is not None and (sim < 1 or world % sim):
-        raise ValueError(f"parallel.simulate_ranks_per_node={sim} does not divide the {world} "
-                         f"ranks into whole nodes; use a divisor of {world} or null")
+    check_ranks_per_node(world, pc.simulate_ranks_per_node, "parallel.simulate_ranks_per_node")
     check_placement(pc.placement)
     check_heads(cfg.model.n_heads, cfg.model.n_kv_heads, u)
     check_seq_len(cfg.data.seq_len, u, r, pc.balance)
-    if cfg.trainer.dtype not in ("fp32", "bf16"):
-        raise ValueError(f"trainer.dtype must be fp32 or bf16, got {cfg.trainer.dtype!r}")
     try:
         build_dataset(cfg.data, cfg.model)  # missing / corrupt data fails here
     except ValueError as e:
@@ -156,9 +152,6 @@ def preflight(cfg, world: int, device_type: str | None = None) -> tuple[int, int
     check_run_dir(cfg.trainer.run_dir)
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    if pc.kernel == "flash_attn" and device_type != "cuda":
-        raise ValueError(f"parallel.kernel=flash_attn needs CUDA ranks, these run on "
-                         f"{device_type}; use parallel.kernel=torch (or trainer.device=cuda)")
     # the kernel and ring engine on this device, dtype and head dim (attention is causal)
     dtype = torch.bfloat16 if cfg.trainer.dtype == "bf16" else torch.float32
     try:
