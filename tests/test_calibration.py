@@ -42,7 +42,7 @@ def _fast_links(spec: ClusterSpec) -> ClusterSpec:
 
 @pytest.mark.parametrize("u, r", [(1, 1), (4, 1), (2, 2), (1, 4)])
 def test_attention_model_is_ideal_share_when_links_are_free(cal, u, r):
-    spec = _fast_links(load_cluster("cpu_local")).replace(gpus_per_node=4)
+    spec = _fast_links(load_cluster("cpu_local")).replace(ranks_per_node=4)
     shape = cal.Shape(batch=1, seq_len=4096, heads=8, kv_heads=8, head_dim=64)
     p = cal.predict_attention(spec, shape, u, r, "zigzag")
     rate = spec.peak_flops * spec.mfu
@@ -61,7 +61,7 @@ def test_attention_model_contiguous_ring_waits_for_the_last_rank(cal):
 
 
 def test_attention_model_on_real_spec_adds_positive_comm(cal):
-    spec = load_cluster("cpu_local").replace(gpus_per_node=4)
+    spec = load_cluster("cpu_local").replace(ranks_per_node=4)
     shape = cal.Shape(batch=1, seq_len=8192, heads=8, kv_heads=8, head_dim=64)
     for u, r in [(4, 1), (2, 2), (1, 4)]:
         p = cal.predict_attention(spec, shape, u, r)
@@ -86,8 +86,8 @@ def test_calibrated_yaml_loads_back(cal, tmp_path):
     path = tmp_path / "measured.yaml"
     path.write_text(cal.yaml_lines(spec) + "\n")
     back = load_cluster(path)
-    assert (back.name, back.gpus_per_node, back.nodes, back.mem_bytes) == \
-        (spec.name, spec.gpus_per_node, spec.nodes, spec.mem_bytes)
+    assert (back.name, back.ranks_per_node, back.nodes, back.mem_bytes) == \
+        (spec.name, spec.ranks_per_node, spec.nodes, spec.mem_bytes)
     for f in ("intra_bw", "intra_latency_s", "inter_bw", "inter_latency_s", "hbm_bw", "mfu"):
         assert getattr(back, f) == pytest.approx(getattr(spec, f), rel=1e-3), f
 
@@ -158,7 +158,7 @@ def test_proposed_model_reduces_to_estimate(cal, cluster, nodes, u, r, balance):
 
 
 def test_proposed_model_serial_ring_adds_every_transfer(cal):
-    spec = load_cluster("cpu_local").replace(gpus_per_node=4, hbm_bw=1e18)
+    spec = load_cluster("cpu_local").replace(ranks_per_node=4, hbm_bw=1e18)
     shape = cal.Shape(batch=1, seq_len=8192, heads=8, kv_heads=8, head_dim=64)
     hidden = cal.proposed_attention(spec, shape, 1, 4, overlap=1.0)
     serial = cal.proposed_attention(spec, shape, 1, 4, overlap=0.0)

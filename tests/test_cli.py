@@ -32,7 +32,7 @@ def test_there_are_the_promised_recipes():
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_recipe_composes_and_is_feasible(recipe):
     cfg = _compose(overrides=[f"recipe={recipe}"])
-    world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
+    world = cfg.cluster.nodes * cfg.cluster.ranks_per_node
     if recipe == "tiny_cpu":
         world = cfg.trainer.nprocs
         assert preflight(cfg, world) == (2, 2)
@@ -46,7 +46,7 @@ def test_every_recipe_composes_and_is_feasible(recipe):
     check_degrees(world, u, r)
     check_heads(cfg.model.n_heads, cfg.model.n_kv_heads, u)
     check_seq_len(cfg.data.seq_len, u, r, cfg.parallel.balance)
-    assert u <= cfg.cluster.gpus_per_node  # ulysses stays inside a node
+    assert u <= cfg.cluster.ranks_per_node  # ulysses stays inside a node
 
 
 def test_recipe_specifics():

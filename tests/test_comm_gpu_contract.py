@@ -310,7 +310,7 @@ def _stand_in_module(sent: dict) -> types.ModuleType:
     (4, "zigzag", torch.bfloat16), (2, "contiguous", torch.bfloat16), (1, "zigzag", torch.float16),
 ])
 def test_ring_flash_attn_records_its_traffic(monkeypatch, ring, balance, dtype):
-    from usp.kernels.ring_flash_attn import ring_flash_attn
+    from usp.ring_flash import ring_flash_attn
 
     sent = {"fwd": 0, "bwd": 0, "called": []}
     monkeypatch.setitem(sys.modules, "ring_flash_attn", _stand_in_module(sent))

@@ -81,7 +81,7 @@ NDR = ("400 Gb/sec (4X NDR)", "4: ACTIVE", "InfiniBand")
 def test_torchrun_env():
     found, warns = launcher_layout({"WORLD_SIZE": "32", "LOCAL_WORLD_SIZE": "8",
                                     "GROUP_WORLD_SIZE": "4"})
-    assert found == {"gpus_per_node": (8, "LOCAL_WORLD_SIZE"), "nodes": (4, "GROUP_WORLD_SIZE")}
+    assert found == {"ranks_per_node": (8, "LOCAL_WORLD_SIZE"), "nodes": (4, "GROUP_WORLD_SIZE")}
     assert warns == []
     found, _ = launcher_layout({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"})
     assert found["nodes"] == (2, "WORLD_SIZE/LOCAL_WORLD_SIZE")
@@ -90,22 +90,22 @@ def test_torchrun_env():
 def test_slurm_env_one_launcher_task_per_node_uses_gpus():
     env = {"SLURM_JOB_NUM_NODES": "4", "SLURM_NTASKS_PER_NODE": "1", "SLURM_GPUS_ON_NODE": "8"}
     found, _ = launcher_layout(env)
-    assert found == {"gpus_per_node": (8, "SLURM_GPUS_ON_NODE"),
+    assert found == {"ranks_per_node": (8, "SLURM_GPUS_ON_NODE"),
                      "nodes": (4, "SLURM_JOB_NUM_NODES")}
 
 
 def test_slurm_env_task_per_gpu_and_compact_forms():
     found, _ = launcher_layout({"SLURM_NNODES": "2", "SLURM_TASKS_PER_NODE": "8(x2)"})
-    assert found == {"gpus_per_node": (8, "SLURM_TASKS_PER_NODE"), "nodes": (2, "SLURM_NNODES")}
+    assert found == {"ranks_per_node": (8, "SLURM_TASKS_PER_NODE"), "nodes": (2, "SLURM_NNODES")}
     found, _ = launcher_layout({"SLURM_NNODES": "2", "SLURM_GPUS_PER_NODE": "h100:4"})
-    assert found["gpus_per_node"] == (4, "SLURM_GPUS_PER_NODE")
+    assert found["ranks_per_node"] == (4, "SLURM_GPUS_PER_NODE")
 
 
 def test_torchrun_wins_over_slurm_and_mismatch_warns():
     env = {"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "12", "GROUP_WORLD_SIZE": "2",
            "SLURM_NTASKS_PER_NODE": "8", "SLURM_NNODES": "2"}
     found, warns = launcher_layout(env)
-    assert found["gpus_per_node"] == (4, "LOCAL_WORLD_SIZE")
+    assert found["ranks_per_node"] == (4, "LOCAL_WORLD_SIZE")
     assert warns == ["WORLD_SIZE 12 != nodes 2 x ranks per node 4"]
 
 
@@ -153,13 +153,13 @@ def test_h100_node_detected(tmp_path):
                    "query": "81559, 5, 16"})
     env = {"WORLD_SIZE": "32", "LOCAL_WORLD_SIZE": "8"}
     spec, report = detect_topology(env, load_cluster("h100_ib"), sysfs_root=root, run=smi)
-    assert (spec.nodes, spec.gpus_per_node) == (4, 8)
+    assert (spec.nodes, spec.ranks_per_node) == (4, 8)
     assert report.warnings == ["8 ranks per node but 4 GPUs"]  # the fake topo lists 4
     assert spec.intra_bw == pytest.approx(450e9)
     assert spec.inter_bw == pytest.approx(50e9)  # top 8 NICs = one 400G rail per GPU
     assert spec.gpus_per_nic == 1
     assert spec.mem_bytes == 81559 * 2**20 and spec.peak_flops == 989e12
-    assert set(report.detected) == {"gpus_per_node", "nodes", "intra_bw", "inter_bw",
+    assert set(report.detected) == {"ranks_per_node", "nodes", "intra_bw", "inter_bw",
                                     "gpus_per_nic", "mem_bytes"}
     assert set(report.assumed) == {"intra_latency_s", "inter_latency_s", "peak_flops",
                                    "mfu", "hbm_bw"}
@@ -173,8 +173,8 @@ def test_h100_node_detected(tmp_path):
 def test_nvlink_from_topo_when_status_missing(tmp_path):
     smi = FakeSmi({"topo -m": TOPO_NV18})
     spec, report = detect_topology({}, ClusterSpec(), sysfs_root=tmp_path, run=smi)
-    assert spec.gpus_per_node == 4 and spec.intra_bw == 18 * 25e9
-    assert report.detected["gpus_per_node"] == "4 (nvidia-smi topo -m)"
+    assert spec.ranks_per_node == 4 and spec.intra_bw == 18 * 25e9
+    assert report.detected["ranks_per_node"] == "4 (nvidia-smi topo -m)"
     assert report.detected["intra_bw"] == "450 GB/s (nvidia-smi topo -m: NV18)"
     assert "nvlink -s" in smi.calls
 
@@ -203,11 +203,11 @@ def test_nothing_detected_keeps_the_spec(tmp_path):
     assert report.detected == {} and report.warnings == []
     assert len(report.assumed) == 10
     assert report.line().startswith("topology: detected nothing; assumed from a100_ib: "
-                                    "gpus_per_node=8, nodes=4, intra_bw=3e+11")
+                                    "ranks_per_node=8, nodes=4, intra_bw=3e+11")
 
 
 def test_default_spec_when_none_given(tmp_path):
     spec, report = detect_topology({"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2"}, None,
                                    sysfs_root=tmp_path, run=no_smi)
-    assert (spec.name, spec.gpus_per_node, spec.nodes) == ("unknown", 2, 1)
+    assert (spec.name, spec.ranks_per_node, spec.nodes) == ("unknown", 2, 1)
     assert spec.inter_bw == ClusterSpec().inter_bw and "inter_bw" in report.assumed

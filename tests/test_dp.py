@@ -95,7 +95,7 @@ def _cfg(run_dir, u, r, dp, batch_size, steps=5, **trainer_kw) -> RunConfig:
     return RunConfig(
         model=MODEL,
         parallel=ParallelConfig(ulysses_degree=u, ring_degree=r, dp_degree=dp,
-                                simulate_ranks_per_node=max(u, 1)),
+                                ranks_per_node=max(u, 1)),
         data=DataConfig(seq_len=64, batch_size=batch_size, n_pairs=8, n_queries=4,
                         eval_batches=0),
         optim=OptimConfig(lr=3e-3, warmup_steps=2),

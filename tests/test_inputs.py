@@ -103,9 +103,9 @@ BAD = [
     ("parallel.ring_impl=bogus", "parallel.ring_impl='bogus' is not one of usp, ring_flash_attn"),
     ("parallel.balance=bogus", "parallel.balance='bogus' is not one of contiguous, zigzag"),
     ("parallel.placement=bogus", "parallel.placement='bogus' is not one of ulysses_inner"),
-    ("parallel.simulate_ranks_per_node=3", "parallel.simulate_ranks_per_node=3 does not divide "
+    ("parallel.ranks_per_node=3", "parallel.ranks_per_node=3 does not divide "
                                            "the 4 ranks"),
-    ("parallel.simulate_ranks_per_node=0", "parallel.simulate_ranks_per_node=0 must be >= 1"),
+    ("parallel.ranks_per_node=0", "parallel.ranks_per_node=0 must be >= 1"),
     # logging
     ("logging.wandb=bogus", "logging.wandb='bogus' is not one of offline, online, disabled"),
     # keys the schema lacks
@@ -189,7 +189,7 @@ def test_usp_plan_refuses_in_one_line():
 
 @pytest.fixture
 def h100():
-    return ClusterSpec(name="h100_ib", gpus_per_node=8, nodes=128, intra_bw=450e9, inter_bw=50e9,
+    return ClusterSpec(name="h100_ib", ranks_per_node=8, nodes=128, intra_bw=450e9, inter_bw=50e9,
                        peak_flops=989e12, mem_bytes=80 * 2**30, mfu=0.5, hbm_bw=3.35e12)
 
 

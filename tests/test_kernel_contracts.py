@@ -17,7 +17,7 @@ from fakes_cuda_ops import FakeCudaOps
 from usp.compat import CudaSdpaOps, cuda_sdpa_ops, op_params
 from usp.kernels import get_kernel
 from usp.kernels.reference import ReferenceKernel
-from usp.kernels.torch_sdpa import TorchKernel
+from usp.kernels.aten import TorchKernel
 from usp.ring import diagonal_split, merge
 
 B, D = 2, 16

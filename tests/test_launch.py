@@ -48,7 +48,7 @@ def test_torchrun_end_to_end(tmp_path):
     res = subprocess.run(
         ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "usp.cli",
          "parallel.ulysses_degree=1", "parallel.ring_degree=auto",
-         "parallel.simulate_ranks_per_node=1",
+         "parallel.ranks_per_node=1",
          "trainer.steps=3", "data.seq_len=256", "logging=none", f"trainer.run_dir={run}",
          f"hydra.run.dir={tmp_path / 'hydra'}"],
         capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)

@@ -38,7 +38,7 @@ RANK_ENVS = [{"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
 
 
 def auto_cfg() -> RunConfig:
-    h100 = ClusterSpec(name="h100_ib", gpus_per_node=8, nodes=4, intra_bw=450e9,
+    h100 = ClusterSpec(name="h100_ib", ranks_per_node=8, nodes=4, intra_bw=450e9,
                        inter_bw=50e9, peak_flops=989e12, mem_bytes=80 * 2**30, mfu=0.5,
                        hbm_bw=3.35e12)
     return RunConfig(model=ModelConfig(n_heads=8, n_kv_heads=8),

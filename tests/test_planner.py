@@ -58,7 +58,7 @@ def l40s() -> ClusterSpec:
 )
 def test_cluster_yaml_values(name, intra, inter, flops, mem):
     c = load_cluster(name)
-    assert (c.name, c.gpus_per_node) == (name, 8)
+    assert (c.name, c.ranks_per_node) == (name, 8)
     assert (c.intra_bw, c.inter_bw, c.peak_flops, c.mem_bytes) == (intra, inter, flops, mem)
     assert 1e-6 <= c.intra_latency_s <= c.inter_latency_s <= 50e-6
 
@@ -81,7 +81,7 @@ def test_cluster_yaml_validates_against_structured_schema():
 
 def test_cpu_local_is_one_small_node():
     c = load_cluster("cpu_local")
-    assert (c.nodes, c.gpus_per_node) == (1, 2)
+    assert (c.nodes, c.ranks_per_node) == (1, 2)
     assert c.peak_flops < 1e12 and c.intra_bw < 10e9 and c.intra_latency_s >= 10e-6
 
 
@@ -98,7 +98,7 @@ def test_load_cluster_rejects_bad_files(tmp_path):
         load_cluster("tpu_pod")
 
 
-@pytest.mark.parametrize("field, value", [("inter_bw", 0.0), ("gpus_per_node", -8), ("mfu", 1.5),
+@pytest.mark.parametrize("field, value", [("inter_bw", 0.0), ("ranks_per_node", -8), ("mfu", 1.5),
                                           ("gpus_per_nic", 0), ("gpus_per_intra_link", 1.5)])
 def test_cluster_spec_rejects_nonsense(field, value):
     with pytest.raises(ValueError, match=field):
@@ -147,7 +147,7 @@ def test_group_span_counts_concurrent_senders(u, r, placement, uly, ring):
 
 
 def test_link_bw_splits_a_shared_link_only():
-    rail = ClusterSpec(gpus_per_node=8, inter_bw=50e9, intra_bw=400e9)
+    rail = ClusterSpec(ranks_per_node=8, inter_bw=50e9, intra_bw=400e9)
     assert rail.link_bw(True, 8) == rail.link_bw(True, 1) == 50e9  # one NIC per GPU
     one_nic = rail.replace(gpus_per_nic=8)
     assert one_nic.link_bw(True, 1) == 50e9  # alone on the NIC
@@ -162,7 +162,7 @@ def test_shared_nic_slows_layouts_whose_ranks_leave_the_node_together():
     """2 nodes x 2 GPUs, one NIC per node (like tools/simcluster.py): ring (2,2) has both
     GPUs of a node sending off it every step, ring (1,4) only one."""
     m = ModelConfig()
-    rail = load_cluster("cpu_local").replace(gpus_per_node=2, nodes=2, inter_bw=40e6,
+    rail = load_cluster("cpu_local").replace(ranks_per_node=2, nodes=2, inter_bw=40e6,
                                               intra_bw=400e6, overlap=1.0,
                                               intra_latency_s=1e-9, inter_latency_s=1e-9)
     nic = rail.replace(gpus_per_nic=2)

@@ -29,7 +29,7 @@ def test_two_node_training_through_simcluster(tmp_path):
     cmd = [sys.executable, str(TOOL), "--nodes", "2", "--nproc-per-node", "2",
            "--rate", "1gbit", "--timeout", "120", "--",
            "-m", "usp.cli", "trainer.steps=3", "data.seq_len=256", "logging=none",
-           "parallel.simulate_ranks_per_node=null",  # real host names: one per namespace
+           "parallel.ranks_per_node=null",  # real host names: one per namespace
            f"trainer.run_dir={tmp_path / 'run'}", f"hydra.run.dir={tmp_path / 'run'}"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
     out = p.stdout + p.stderr

@@ -18,7 +18,7 @@ QUIET = LoggingConfig(wandb="disabled", jsonl=True, plot=False, progress=False)
 def small_cfg(run_dir, u=2, r=2, steps=5, **trainer_kw) -> RunConfig:
     return RunConfig(
         model=ModelConfig(vocab_size=320, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128),
-        parallel=ParallelConfig(ulysses_degree=u, ring_degree=r, simulate_ranks_per_node=max(u, 1)),
+        parallel=ParallelConfig(ulysses_degree=u, ring_degree=r, ranks_per_node=max(u, 1)),
         data=DataConfig(seq_len=128, batch_size=2, n_pairs=8, n_queries=8),
         optim=OptimConfig(lr=3e-3, warmup_steps=2),
         trainer=TrainerConfig(steps=steps, run_dir=str(run_dir), nprocs=u * r, **trainer_kw),

@@ -300,7 +300,7 @@ def worker(args) -> None:
 
 def train_step_s(cluster: SimCluster, out: Path, name: str, overrides: list[str], steps: int):
     run_dir = out / f"train_{name}"
-    cmd = ["-m", "usp.cli", *overrides, "parallel.simulate_ranks_per_node=null",
+    cmd = ["-m", "usp.cli", *overrides, "parallel.ranks_per_node=null",
            f"trainer.steps={steps}", "data.eval_batches=0", "logging.wandb=disabled",
            "logging.plot=false", "logging.progress=false", f"trainer.run_dir={run_dir}",
            f"hydra.run.dir={run_dir}",
@@ -459,7 +459,7 @@ def report(args, w: dict, train: dict, out: Path) -> dict:
     # each link (gpus_per_nic = gpus_per_intra_link = ranks per node); the overlap of a
     # cross-node transfer with a kernel is measured on this cluster, not cpu_local's
     overlap = w["overlap"]["share"] if "overlap" in w else base.overlap
-    spec = base.replace(name="simcluster", gpus_per_node=PER_NODE, nodes=NODES,
+    spec = base.replace(name="simcluster", ranks_per_node=PER_NODE, nodes=NODES,
                         intra_bw=links["intra"], inter_bw=links["inter"],
                         peak_flops=flops, mfu=1.0, overlap=overlap,
                         gpus_per_nic=PER_NODE, gpus_per_intra_link=PER_NODE)

@@ -132,7 +132,7 @@ def proposed_attention(spec: ClusterSpec, shape: Shape, ulysses: int, ring: int,
     T, rate = L / (u * r), spec.peak_flops * spec.mfu
     a2a = 0.0
     if u > 1:
-        us = group_span(1, r, u, spec.gpus_per_node, "ulysses", "ulysses_inner")
+        us = group_span(1, r, u, spec.ranks_per_node, "ulysses", "ulysses_inner")
         lat = spec.inter_latency_s if us.remote_peers else spec.intra_latency_s
         intra_bw = spec.link_bw(False, us.intra_senders)
         inter_bw = spec.link_bw(True, us.inter_senders)
@@ -150,7 +150,7 @@ def proposed_attention(spec: ClusterSpec, shape: Shape, ulysses: int, ring: int,
     compute = (1 + FLASH_BWD) * (diag + (r - 1) * later)
     ring_t = 0.0
     if r > 1:
-        rs = group_span(1, r, u, spec.gpus_per_node, "ring", "ulysses_inner")
+        rs = group_span(1, r, u, spec.ranks_per_node, "ring", "ulysses_inner")
         bw, lat = ring_step_link(spec, rs)
         kv_bytes = 2 * blk * kv * hd * eb
         q_el, kv_el = blk * (hq / u) * hd, blk * kv * hd
@@ -269,7 +269,7 @@ def published_specs() -> dict:
         "H800": h100.replace(name="h800_nvlink", nodes=1, intra_bw=200e9),
         "A100": a100.replace(name="a100_nvlink", nodes=1),
         "L20": l20,
-        "L20 2x4": l20.replace(name="l20_2x4", gpus_per_node=4, nodes=2, inter_bw=10e9,
+        "L20 2x4": l20.replace(name="l20_2x4", ranks_per_node=4, nodes=2, inter_bw=10e9,
                                inter_latency_s=20e-6),
     }
 
@@ -281,7 +281,7 @@ def published_rows() -> list[dict]:
     ring8 = Shape(batch=1, seq_len=8 * 8192, heads=32, kv_heads=8, head_dim=128, dtype_bytes=2)
     for (gpu, mode), fig in RFA.items():
         spec = specs[gpu]
-        solo = predict_attention(spec.replace(gpus_per_node=1), one, 1, 1)[mode.replace("+", "_")]
+        solo = predict_attention(spec.replace(ranks_per_node=1), one, 1, 1)[mode.replace("+", "_")]
         for impl, bal in (("zigzag_ring", "zigzag"), ("ring_attn", "contiguous")):
             t = predict_attention(spec, ring8, 1, 8, bal)[mode.replace("+", "_")]
             rows.append(dict(source="ring-flash-attn", hw=f"8x{gpu}",
@@ -570,7 +570,7 @@ def evaluate(args, res: dict, stat: str) -> dict:
     m["kernel_nc_s"] = f(rounds["kernel fwd+bwd non-causal"])
     cal = summarize_micro(m, args.nprocs, args.threads)
     spec = calibrated_spec(load_cluster("cpu_local"), cal)
-    local_spec = spec.replace(gpus_per_node=args.nprocs, nodes=1)  # all ranks on this one host
+    local_spec = spec.replace(ranks_per_node=args.nprocs, nodes=1)  # all ranks on this one host
     # the prototype counts FLOPs at the unmasked rate and charges the diagonal separately
     proto_spec = local_spec.replace(mfu=min(1.0, cal["kernel_nc_flops"] / spec.peak_flops))
     proto_kw = dict(overlap=cal["overlap"], causal_tile=cal["causal_tile"])

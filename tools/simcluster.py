@@ -19,7 +19,7 @@ node-major (rank // K = node). Output lines are prefixed with ``[nodeI]``; the e
 the worst of the nodes'.
 
     sudo python tools/simcluster.py --nodes 2 --nproc-per-node 2 --rate 1gbit -- \\
-        -m usp.cli trainer.steps=3 logging=none parallel.simulate_ranks_per_node=null
+        -m usp.cli trainer.steps=3 logging=none parallel.ranks_per_node=null
     sudo python tools/simcluster.py --rate auto -- tools/bench_attention.py --quick
 
 ``--rate auto`` measures gloo throughput over loopback first and shapes the inter-node

@@ -80,7 +80,7 @@ def usp_attention(
         # [B, L/P, H, d] -> [B, L/r, H/u, d]: all tokens of the ring segment, some heads
         q, k, v = SeqToHead.apply(q, k, v, axis)
     if ring_impl == "ring_flash_attn":
-        from .kernels.ring_flash_attn import ring_flash_attn
+        from .ring_flash import ring_flash_attn
 
         out = ring_flash_attn(q, k, v, mesh, layout.balance, causal, scale)
     else:

@@ -185,7 +185,7 @@ def _plan(cfg: PlanConfig) -> None:
     best = p.best
     print(p.format_table())
     print(f"choice: dp {best.dp} x ring {best.ring} x ulysses {best.ulysses}")
-    drawing = draw_mesh(best.dp, best.ring, best.ulysses, spec.gpus_per_node, pc.placement)
+    drawing = draw_mesh(best.dp, best.ring, best.ulysses, spec.ranks_per_node, pc.placement)
     print(drawing)
     if cfg.png:
         drawing.save_png(cfg.png)

@@ -1,6 +1,6 @@
 """The one home for private torch and flash-attn objects, each with the versions it was read from.
 
-Adapters (``usp.kernels.torch_sdpa``, ``usp.kernels.flash_attn``) get every private op from
+Adapters (``usp.kernels.aten``, ``usp.kernels.flash_attn``) get every private op from
 here and know only how to call it; on a torch or flash-attn upgrade, this file is re-read
 against the new sources first.
 """

@@ -102,7 +102,7 @@ class ParallelConfig:
     balance: str = "zigzag"
     kernel: str = "torch"
     ring_impl: str = "usp"
-    simulate_ranks_per_node: Optional[int] = None  # CPU runs: pretend nodes of N ranks
+    ranks_per_node: Optional[int] = None  # CPU runs: pretend nodes of N ranks
 
     def __post_init__(self) -> None:
         from .validate import BALANCES, PLACEMENTS, RING_IMPLS
@@ -110,8 +110,8 @@ class ParallelConfig:
         _one_of("parallel.placement", self.placement, PLACEMENTS)
         _one_of("parallel.balance", self.balance, BALANCES)
         _one_of("parallel.ring_impl", self.ring_impl, RING_IMPLS)
-        if self.simulate_ranks_per_node is not None:
-            _at_least("parallel", 1, simulate_ranks_per_node=self.simulate_ranks_per_node)
+        if self.ranks_per_node is not None:
+            _at_least("parallel", 1, ranks_per_node=self.ranks_per_node)
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 ``get_kernel(name)`` returns an object following ``usp.kernels.base.Kernel``:
 
-- ``torch``: PyTorch's aten flash attention (CPU ``_for_cpu`` ops, CUDA flash/efficient);
+- ``torch``: PyTorch's aten flash-attention ops (``aten.py``) (CPU ``_for_cpu`` ops, CUDA flash/efficient);
 - ``flash_attn``: the flash-attn package (CUDA; imported only when asked for);
 - ``reference``: plain math in >= fp32, the ground truth in tests.
 """
@@ -13,7 +13,7 @@ import torch
 
 from .base import Kernel
 from .reference import ReferenceKernel
-from .torch_sdpa import TorchKernel
+from .aten import TorchKernel
 
 KERNELS = ("torch", "flash_attn", "reference")
 

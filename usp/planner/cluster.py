@@ -27,14 +27,14 @@ GiB = 1024**3
 
 @dataclass
 class ClusterSpec:
-    """A homogeneous cluster of ``nodes`` x ``gpus_per_node`` accelerators.
+    """A homogeneous cluster of ``nodes`` x ``ranks_per_node`` accelerators.
 
     Defaults describe an unknown PCIe box on a 100G network; they are what detection falls
     back to when no spec is given, and every such value is reported as assumed.
     """
 
     name: str = "unknown"
-    gpus_per_node: int = 1
+    ranks_per_node: int = 1
     nodes: int = 1
     intra_bw: float = 25.0e9  # bytes/s per GPU per direction inside a node
     intra_latency_s: float = 10.0e-6  # one intra-node collective/P2P start-up
@@ -57,7 +57,7 @@ class ClusterSpec:
                 raise ValueError(
                     f"cluster {self.name!r}: {f.name} must be a positive number, got {val!r}"
                 )
-        for name in ("gpus_per_node", "nodes", "gpus_per_nic", "gpus_per_intra_link"):
+        for name in ("ranks_per_node", "nodes", "gpus_per_nic", "gpus_per_intra_link"):
             if int(getattr(self, name)) != getattr(self, name):
                 raise ValueError(
                     f"cluster {self.name!r}: {name} must be a whole number, "
@@ -72,7 +72,7 @@ class ClusterSpec:
 
     @property
     def world(self) -> int:
-        return self.nodes * self.gpus_per_node
+        return self.nodes * self.ranks_per_node
 
     def link_bw(self, remote: bool, senders: int) -> float:
         """Bytes/s one GPU gets on the inter-node (``remote``) or intra-node link while
@@ -81,7 +81,7 @@ class ClusterSpec:
             (self.inter_bw, self.gpus_per_nic) if remote
             else (self.intra_bw, self.gpus_per_intra_link)
         )
-        links = max(1, self.gpus_per_node // share)  # links of this kind per node
+        links = max(1, self.ranks_per_node // share)  # links of this kind per node
         return bw * min(1.0, links / max(1, senders))
 
     def replace(self, **changes) -> "ClusterSpec":
@@ -145,27 +145,27 @@ class GroupSpan:
 
 
 def rank_grid(
-    dp: int, ring: int, ulysses: int, gpus_per_node: int, placement: str = "ulysses_inner"
+    dp: int, ring: int, ulysses: int, ranks_per_node: int, placement: str = "ulysses_inner"
 ) -> list[list[list[int]]]:
     """Global ranks as a nested [dp][ring][ulysses] list, ranks node-major
-    (node n holds ranks n*K .. n*K+K-1 for K = gpus_per_node)."""
+    (node n holds ranks n*K .. n*K+K-1 for K = ranks_per_node)."""
     check_placement(placement)
     world = dp * ring * ulysses
     check_degrees(world, ulysses, ring, dp)
-    if world % gpus_per_node and gpus_per_node < world:
+    if world % ranks_per_node and ranks_per_node < world:
         raise ValueError(
-            f"world size {world} is not a whole number of nodes of {gpus_per_node} GPUs"
+            f"world size {world} is not a whole number of nodes of {ranks_per_node} GPUs"
         )
-    hosts = [f"node{r // gpus_per_node}" for r in range(world)]
+    hosts = [f"node{r // ranks_per_node}" for r in range(world)]
     return mesh_ranks(hosts, dp, ring, ulysses, placement).tolist()
 
 
 def group_span(
-    dp: int, ring: int, ulysses: int, gpus_per_node: int, axis: str, placement: str
+    dp: int, ring: int, ulysses: int, ranks_per_node: int, axis: str, placement: str
 ) -> GroupSpan:
     """Worst-placed group along ``axis`` ('ulysses' or 'ring'): most remote peers, with
     the sender counts of the busiest node (see ``GroupSpan``)."""
-    grid = rank_grid(dp, ring, ulysses, gpus_per_node, placement)
+    grid = rank_grid(dp, ring, ulysses, ranks_per_node, placement)
     if axis == "ulysses":
         groups = [row for plane in grid for row in plane]
     elif axis == "ring":
@@ -176,7 +176,7 @@ def group_span(
     intra: dict[int, int] = {}  # node -> ranks sending inside it
     inter: dict[int, int] = {}  # node -> ranks sending off it
     for g in groups:
-        node = [r // gpus_per_node for r in g]
+        node = [r // ranks_per_node for r in g]
         for m, n in enumerate(node):
             local = sum(1 for x in node if x == n) - 1
             if axis == "ulysses":

@@ -163,7 +163,7 @@ def estimate(
     # ---- ulysses all-to-alls: [B, L/P, H, d] <-> [B, L/r, H/u, d] ---------------------
     a2a_s_layer, a2a_bytes, a2a_link = 0.0, 0.0, "-"
     if u > 1:
-        us = group_span(dp, r, u, cluster.gpus_per_node, "ulysses", placement)
+        us = group_span(dp, r, u, cluster.ranks_per_node, "ulysses", placement)
         a2a_link = "inter" if us.remote_peers else "intra"
 
         intra_bw = cluster.link_bw(False, us.intra_senders)  # shared by concurrent senders
@@ -194,7 +194,7 @@ def estimate(
     ring_comm_layer = ring_exp_layer = merge_layer = dkv_home = 0.0
     ring_link = "-"
     if r > 1:
-        rs = group_span(dp, r, u, cluster.gpus_per_node, "ring", placement)
+        rs = group_span(dp, r, u, cluster.ranks_per_node, "ring", placement)
         ring_link = "inter" if rs.crosses else "intra"
         bw, lat = ring_step_link(cluster, rs)
         send_kv = lat + kv_bytes / bw
@@ -211,7 +211,7 @@ def estimate(
 
     # gradients over all dp x sp ranks: the slowest link the collective touches
     n_params = model.num_params()
-    spans_nodes = world > cluster.gpus_per_node
+    spans_nodes = world > cluster.ranks_per_node
     gbw = cluster.inter_bw if spans_nodes else cluster.intra_bw
     glat = cluster.inter_latency_s if spans_nodes else cluster.intra_latency_s
     frac = (world - 1) / world

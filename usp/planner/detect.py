@@ -82,33 +82,33 @@ def _first(env: Mapping[str, str], keys: Sequence[str]) -> tuple[int, str] | Non
 
 
 def launcher_layout(env: Mapping[str, str]) -> tuple[dict[str, tuple[int, str]], list[str]]:
-    """{'nodes'|'gpus_per_node': (value, env source)} from torchrun, then Slurm; warnings."""
+    """{'nodes'|'ranks_per_node': (value, env source)} from torchrun, then Slurm; warnings."""
     found: dict[str, tuple[int, str]] = {}
     warns: list[str] = []
     world, local = _int(env, "WORLD_SIZE"), _int(env, "LOCAL_WORLD_SIZE")
     if local:  # torchrun: the ranks actually launched on this node
-        found["gpus_per_node"] = (local, "LOCAL_WORLD_SIZE")
+        found["ranks_per_node"] = (local, "LOCAL_WORLD_SIZE")
     else:
         tasks = _first(env, ["SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"])
         gpus = _first(env, ["SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE"])
         if tasks and tasks[0] > 1:
-            found["gpus_per_node"] = tasks
+            found["ranks_per_node"] = tasks
         elif gpus:  # one launcher task per node that will start one rank per GPU
-            found["gpus_per_node"] = gpus
+            found["ranks_per_node"] = gpus
         elif tasks:
-            found["gpus_per_node"] = tasks
+            found["ranks_per_node"] = tasks
         else:
             nproc = _first(env, ["PET_NPROC_PER_NODE", "NPROC_PER_NODE"])
             if nproc:
-                found["gpus_per_node"] = nproc
+                found["ranks_per_node"] = nproc
     nodes = _first(env, ["GROUP_WORLD_SIZE"])
     if nodes is None and world and local and world % local == 0:
         nodes = (world // local, "WORLD_SIZE/LOCAL_WORLD_SIZE")
     nodes = nodes or _first(env, ["SLURM_JOB_NUM_NODES", "SLURM_NNODES", "NNODES", "PET_NNODES"])
     if nodes:
         found["nodes"] = nodes
-    if world and "nodes" in found and "gpus_per_node" in found:
-        n, k = found["nodes"][0], found["gpus_per_node"][0]
+    if world and "nodes" in found and "ranks_per_node" in found:
+        n, k = found["nodes"][0], found["ranks_per_node"][0]
         if n * k != world:
             warns.append(f"WORLD_SIZE {world} != nodes {n} x ranks per node {k}")
     return found, warns
@@ -218,10 +218,10 @@ def detect_topology(
 
     topo = run(["nvidia-smi", "topo", "-m"])
     n_gpus, nv = parse_topo(topo) if topo else (0, None)
-    if n_gpus and "gpus_per_node" not in vals:
-        found("gpus_per_node", n_gpus, str(n_gpus), "nvidia-smi topo -m")
-    elif n_gpus and n_gpus < vals["gpus_per_node"]:
-        report.warnings.append(f"{vals['gpus_per_node']} ranks per node but {n_gpus} GPUs")
+    if n_gpus and "ranks_per_node" not in vals:
+        found("ranks_per_node", n_gpus, str(n_gpus), "nvidia-smi topo -m")
+    elif n_gpus and n_gpus < vals["ranks_per_node"]:
+        report.warnings.append(f"{vals['ranks_per_node']} ranks per node but {n_gpus} GPUs")
     query = run(["nvidia-smi", "--query-gpu=memory.total,pcie.link.gen.max,"
                  "pcie.link.width.max", "--format=csv,noheader,nounits"])
     mem, pcie, pcie_desc = parse_gpu_query(query) if query else (None, None, "")
@@ -243,7 +243,7 @@ def detect_topology(
 
     ports = read_ib_ports(sysfs_root)
     if ports:
-        per_node = int(vals.get("gpus_per_node", spec.gpus_per_node))
+        per_node = int(vals.get("ranks_per_node", spec.ranks_per_node))
         rates = sorted((r for _, r, _ in ports), reverse=True)[:per_node]
         bw = sum(rates) / len(rates) * 1e9 / 8  # one NIC's rate (mean of the fastest)
         share = -(-per_node // len(rates))  # GPUs per NIC: 1 on rail-optimised nodes
@@ -262,10 +262,10 @@ def detect_topology(
             )
     report.assumed = {
         k: f"{getattr(spec, k):.3g}"
-        for k in ("gpus_per_node", "nodes", "intra_bw", "intra_latency_s", "inter_bw",
+        for k in ("ranks_per_node", "nodes", "intra_bw", "intra_latency_s", "inter_bw",
                   "inter_latency_s", "peak_flops", "mem_bytes", "mfu", "hbm_bw")
         if k not in vals
     }
     ints = {k: int(v) for k, v in vals.items()
-            if k in ("nodes", "gpus_per_node", "gpus_per_nic")}
+            if k in ("nodes", "ranks_per_node", "gpus_per_nic")}
     return spec.replace(**{**vals, **ints}), report

@@ -22,12 +22,12 @@ class MeshDrawing:
     dp: int
     ring: int
     ulysses: int
-    gpus_per_node: int
+    ranks_per_node: int
     placement: str = "ulysses_inner"
     max_nodes: int = 8  # nodes shown in text; the rest are summarised
 
     def __post_init__(self) -> None:
-        grid = rank_grid(self.dp, self.ring, self.ulysses, self.gpus_per_node, self.placement)
+        grid = rank_grid(self.dp, self.ring, self.ulysses, self.ranks_per_node, self.placement)
         self.world = self.dp * self.ring * self.ulysses
         self.coords: dict[int, tuple[int, int, int]] = {
             grid[d][i][j]: (d, i, j)
@@ -42,11 +42,11 @@ class MeshDrawing:
         ]
 
     def node(self, rank: int) -> int:
-        return rank // self.gpus_per_node
+        return rank // self.ranks_per_node
 
     @property
     def nodes(self) -> int:
-        return max(1, -(-self.world // self.gpus_per_node))
+        return max(1, -(-self.world // self.ranks_per_node))
 
     def _nodes_of(self, group: list[int]) -> str:
         ns = sorted({self.node(r) for r in group})
@@ -56,7 +56,7 @@ class MeshDrawing:
 
     def text(self) -> str:
         """Per node: each rank as ``rank:U<ulysses group>/R<ring group>``; then the groups."""
-        K = self.gpus_per_node
+        K = self.ranks_per_node
         w = len(str(self.world - 1))
         uw, rw = len(str(self.dp * self.ring - 1)), len(str(self.dp * self.ulysses - 1))
         lines = [
@@ -104,7 +104,7 @@ class MeshDrawing:
         from matplotlib.figure import Figure
         from matplotlib.patches import FancyArrowPatch, Rectangle
 
-        K, nodes = self.gpus_per_node, self.nodes
+        K, nodes = self.ranks_per_node, self.nodes
         fig = Figure(figsize=(1.0 + 1.1 * K, 0.8 + 1.0 * nodes))
         FigureCanvasAgg(fig)
         ax = fig.add_subplot()
@@ -137,7 +137,7 @@ class MeshDrawing:
 
 
 def draw_mesh(
-    dp: int, ring: int, ulysses: int, gpus_per_node: int, placement: str = "ulysses_inner"
+    dp: int, ring: int, ulysses: int, ranks_per_node: int, placement: str = "ulysses_inner"
 ) -> MeshDrawing:
     """The layout as a ``MeshDrawing``: ``str()`` it for text, ``.save_png(path)`` for a picture."""
-    return MeshDrawing(dp, ring, ulysses, gpus_per_node, placement)
+    return MeshDrawing(dp, ring, ulysses, ranks_per_node, placement)

@@ -95,7 +95,7 @@ class Plan:
     @property
     def reason(self) -> str:
         """Why the best layout won, in one line."""
-        b, m, K = self.best, self.model, self.cluster.gpus_per_node
+        b, m, K = self.best, self.model, self.cluster.ranks_per_node
         hkv = m.n_kv_heads
         u, r = b.ulysses, b.ring
         parts = []
@@ -142,7 +142,7 @@ class Plan:
         each up to ``max_dropped`` of them, else a count per rule with a few examples."""
         c0 = self.cluster
         head = (
-            f"plan: world {self.world} ({c0.nodes} x {c0.gpus_per_node} on {c0.name}), "
+            f"plan: world {self.world} ({c0.nodes} x {c0.ranks_per_node} on {c0.name}), "
             f"seq_len {self.seq_len}, global batch {self.global_batch}, {self.balance}"
         )
         rows = [head, f"{'#':>2} {'dp':>3} {'ring':>4} {'ulysses':>7} {'step_s':>9} "
@@ -200,11 +200,11 @@ def plan(
     Raises ``ValueError`` listing every reason when no layout is feasible.
     """
     check_placement(placement)
-    K = cluster.gpus_per_node
+    K = cluster.ranks_per_node
     if world is None:
         world = (nodes or cluster.nodes) * K
     elif nodes is not None and nodes * K != world:
-        raise ValueError(f"world {world} != nodes {nodes} x gpus_per_node {K}; pass one of them")
+        raise ValueError(f"world {world} != nodes {nodes} x ranks_per_node {K}; pass one of them")
     if world > K and world % K:
         raise ValueError(f"world {world} is not a whole number of {K}-GPU nodes")
     cluster = cluster.replace(nodes=max(1, world // K))
@@ -280,7 +280,7 @@ def _notes(model: ModelConfig, cluster: ClusterSpec, cost: StepCost, placement: 
         notes.append(f"KV heads replicated x{u // model.n_kv_heads} (ulysses {u} > "
                      f"{model.n_kv_heads} KV heads)")
     if cost.a2a_link == "inter":
-        span = group_span(cost.dp, r, u, cluster.gpus_per_node, "ulysses", placement)
+        span = group_span(cost.dp, r, u, cluster.ranks_per_node, "ulysses", placement)
         notes.append(f"WARNING ulysses spans {span.nodes} nodes: all-to-all on inter-node link")
     if r > 1:
         notes.append(f"ring {'across nodes' if cost.ring_link == 'inter' else 'in node'}")

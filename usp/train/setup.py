@@ -43,11 +43,11 @@ def resolve_degrees(cfg, world: int, env=None) -> tuple[int, int, str]:
     from ..planner import detect_topology, plan
 
     spec, report = detect_topology(os.environ if env is None else env, spec=cfg.cluster)
-    if pc.simulate_ranks_per_node:
-        spec = spec.replace(gpus_per_node=pc.simulate_ranks_per_node,
-                            nodes=world // pc.simulate_ranks_per_node)
+    if pc.ranks_per_node:
+        spec = spec.replace(ranks_per_node=pc.ranks_per_node,
+                            nodes=world // pc.ranks_per_node)
     elif spec.world != world:
-        spec = spec.replace(nodes=max(1, world // spec.gpus_per_node))
+        spec = spec.replace(nodes=max(1, world // spec.ranks_per_node))
     p = plan(cfg.model, spec, cfg.data.seq_len, world=world, balance=pc.balance,
              ulysses=u, ring=r, dp=dp, global_batch=cfg.data.batch_size * (dp or 1),
              placement=pc.placement, dtype_bytes=2 if cfg.trainer.dtype == "bf16" else 4)
@@ -141,7 +141,7 @@ def preflight(cfg, world: int, device_type: str | None = None) -> tuple[int, int
     u, r, _ = resolve_degrees(cfg, world)
     pc = cfg.parallel
     check_degrees(world, u, r, _degree(pc.dp_degree, "dp_degree"))
-    check_ranks_per_node(world, pc.simulate_ranks_per_node, "parallel.simulate_ranks_per_node")
+    check_ranks_per_node(world, pc.ranks_per_node, "parallel.ranks_per_node")
     check_placement(pc.placement)
     check_heads(cfg.model.n_heads, cfg.model.n_kv_heads, u)
     check_seq_len(cfg.data.seq_len, u, r, pc.balance)

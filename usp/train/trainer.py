@@ -122,7 +122,7 @@ def train(cfg: RunConfig, fault_hook: FaultHook | None = None) -> dict:
     if rank == 0 and plan_table:
         print(plan_table, flush=True)
     mesh = SPMesh.build(ulysses=ulysses, ring=ring, dp=pc.dp_degree, placement=pc.placement,
-                        ranks_per_node=pc.simulate_ranks_per_node)
+                        ranks_per_node=pc.ranks_per_node)
     layout = SequenceLayout(mesh, seq_len=cfg.data.seq_len, balance=pc.balance)
     positions = layout.positions(device)  # global ids of this rank's tokens (RoPE, data)
     if rank == 0:
