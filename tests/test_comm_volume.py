@@ -1,32 +1,12 @@
-"""The bytes one usp_attention call moves equal the formula, forward and backward."""
+"""The bytes one usp_attention call moves equal the planner's formula
+(``usp.planner.traffic``), forward and backward."""
 
 import torch
 import torch.distributed as dist
 
 from usp import SequenceLayout, SPMesh, usp_attention
 from usp.launch import spawn_local
-
-
-def expected_bytes(b, seq_len, hq, hkv, d, u, r, elem):
-    """Bytes this rank sends per call, derived independently of the implementation.
-
-    Ulysses (per rank, to the u-1 others): q,k,v in one all-to-all carrying Hq/u query
-    heads and n = max(Hkv/u, 1) KV heads (x2 for K and V) per destination; the output back
-    carries Hq/u heads. Backward mirrors both. Ring: r-1 hops of a K+V block [B, L/r, n, d]
-    forward and backward, plus r-1 hops of the fp32 dK+dV accumulator in backward (each
-    block's accumulator starts at the rank after its owner and ends at the owner).
-    """
-    P, n_kv = u * r, max(hkv // u, 1)
-    n, s = seq_len // P, seq_len // r
-    a2a_in = (u - 1) * b * n * (hq // u + 2 * n_kv) * d * elem
-    a2a_out = (u - 1) * b * n * (hq // u) * d * elem
-    kv_block = 2 * b * s * n_kv * d * elem
-    fwd = {"ulysses": a2a_in + a2a_out, "ring": (r - 1) * kv_block}
-    bwd = {
-        "ulysses": a2a_out + a2a_in,
-        "ring": (r - 1) * (kv_block + 2 * b * s * n_kv * d * 4),
-    }
-    return fwd, bwd
+from usp.planner.traffic import attention_bytes as expected_bytes
 
 
 def _volume_worker():

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from ..config import ModelConfig
 from ..validate import check_heads
 from .cluster import ClusterSpec, GroupSpan, group_span
+from .traffic import attention_bytes
 
 FP32 = 4  # bytes: LSE, merge accumulators, dK/dV in flight, logits for the loss
 OPTIM_BYTES = 12  # bytes/param: fp32 master weights + Adam m and v
@@ -161,7 +162,9 @@ def estimate(
     head_s = 6 * D * model.vocab_size * T / rate  # LM head fwd+bwd, once per sequence
 
     # ---- ulysses all-to-alls: [B, L/P, H, d] <-> [B, L/r, H/u, d] ---------------------
-    a2a_s_layer, a2a_bytes, a2a_link = 0.0, 0.0, "-"
+    a2a_s_layer, a2a_link = 0.0, "-"
+    sent_f, sent_b = attention_bytes(1, L, hq, hkv, hd, u, r, dtype_bytes)  # one sequence
+    a2a_bytes = sent_f["ulysses"] + sent_b["ulysses"]
     if u > 1:
         us = group_span(dp, r, u, cluster.ranks_per_node, "ulysses", placement)
         a2a_link = "inter" if us.remote_peers else "intra"
@@ -178,7 +181,6 @@ def estimate(
 
         t_in, t_out = a2a_time(hq / u + 2 * kv), a2a_time(hq / u)
         a2a_s_layer = (n_fwd + 1) * (t_in + t_out)  # fwd (x recompute) + bwd mirrors
-        a2a_bytes = 2 * (u - 1) * T * (hq / u + 2 * kv + hq / u) * hd * dtype_bytes
 
     # ---- ring pass: r steps of [L/r queries x L/r keys x Hq/u heads] -----------------
     blk = L / r  # tokens per ring segment
@@ -261,7 +263,7 @@ def estimate(
         grad_exposed_s=grad_exposed,
         step_s=step_s,
         a2a_bytes=a2a_bytes,
-        ring_bytes=(r - 1) * (2 + FP32 / dtype_bytes) * kv_bytes,
+        ring_bytes=sent_f["ring"] + sent_b["ring"],
         mem_bytes=mem_state + mem_act,
         mem_state_bytes=mem_state,
         mem_act_bytes=mem_act,
