@@ -5,8 +5,13 @@ Signatures: the ops' schemas in torch 2.13 (``torch.ops.aten.<op>.default._schem
 in torch 2.11-2.13, read in ``aten/src/ATen/native/transformers/cuda/attention.cu``,
 ``attention_backward.cu``, ``flash_attn/flash_api.cpp`` (``mha_fwd``/``mha_bwd``) and
 ``mem_eff_attention/kernel_backward.h`` (``check_supported``), with their messages. Values:
-fp64 math (``ReferenceKernel`` on doubles). Every call is recorded in ``calls``.
-Dropout, attention bias and the varlen path are not modelled: the stand-ins refuse them.
+fp64 math written out here (``fp64_forward``/``fp64_backward``, with an additive bias), so
+the stand-ins do not lean on usp's own kernels. Every call is recorded in ``calls``.
+``attn_bias`` (the efficient ops): the checks of ``_efficient_attention_forward/_backward``
+(dtype, [B, H, S, Sk] shape, unit last stride) and of the kernels' ``check_supported``
+(batch, head and row strides a multiple of 16 bytes); a row whose bias is -inf everywhere
+comes back NaN (the real kernel's value there is not a contract). Dropout and the varlen
+path are not modelled: the stand-ins refuse them.
 """
 
 from __future__ import annotations
@@ -16,7 +21,6 @@ import math
 import torch
 
 from usp.compat import CudaSdpaOps
-from usp.kernels.reference import ReferenceKernel
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -30,14 +34,54 @@ def _bshd(*xs):
     return [x.transpose(1, 2) for x in xs]  # [B, H, S, d] -> [B, S, H, d] views, as the ops do
 
 
-def _fp64_forward(q, k, v, causal, scale):
-    """BSHD in -> out [B, S, Hq, d] fp64, lse [B, Hq, S] fp64."""
-    return ReferenceKernel().forward(q.double(), k.double(), v.double(), causal, scale)
+def _scores(q, k, causal, scale, bias):
+    """BSHD fp64 -> [B, H, S, Sk] scores (K expanded to q's heads), causal top-left."""
+    g = q.shape[2] // k.shape[2]
+    s = torch.einsum("bshd,bkhd->bhsk", q.double(),
+                     k.double().repeat_interleave(g, 2)) * scale
+    if causal:
+        tril = torch.ones(s.shape[-2:], dtype=torch.bool).tril()
+        s = s.masked_fill(~tril, float("-inf"))
+    return s if bias is None else s + bias.double()
 
 
-def _fp64_backward(dout, q, k, v, out, lse, causal, scale):
-    return ReferenceKernel().backward(*(t.double() for t in (dout, q, k, v, out, lse)),
-                                      causal, scale)
+def fp64_forward(q, k, v, causal, scale, bias=None):
+    """BSHD in -> out [B, S, Hq, d] fp64, lse [B, Hq, S] fp64 (rows without a key: NaN, -inf)."""
+    s = _scores(q, k, causal, scale, bias)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse[..., None])
+    g = q.shape[2] // k.shape[2]
+    return torch.einsum("bhsk,bkhd->bshd", p, v.double().repeat_interleave(g, 2)), lse
+
+
+def fp64_backward(dout, q, k, v, out, lse, causal, scale, bias=None):
+    """dq, dk, dv (fp64, dk/dv with Hkv heads) from the rows' final out and lse."""
+    g = q.shape[2] // k.shape[2]
+    s = _scores(q, k, causal, scale, bias)
+    p = torch.exp(s - lse.double()[..., None])
+    do, ve = dout.double(), v.double().repeat_interleave(g, 2)
+    dv = torch.einsum("bhsk,bshd->bkhd", p, do)
+    delta = (do * out.double()).sum(-1).transpose(1, 2)[..., None]
+    ds = p * (torch.einsum("bshd,bkhd->bhsk", do, ve) - delta) * scale
+    dq = torch.einsum("bhsk,bkhd->bshd", ds, k.double().repeat_interleave(g, 2))
+    dk = torch.einsum("bhsk,bshd->bkhd", ds, q.double())
+    b, sk, h, d = dk.shape
+    return dq, dk.view(b, sk, h // g, g, d).sum(3), dv.view(b, sk, h // g, g, d).sum(3)
+
+
+def _check_bias(bias, q, k):
+    """_efficient_attention_forward/_backward's and check_supported's rules for attn_bias."""
+    b, sq, h, _ = q.shape
+    _require(bias.dtype == q.dtype, "invalid dtype for bias - should match query's dtype")
+    _require(bias.dim() == 4, "Bias expected in BMHK format")
+    for got, want, name in zip(bias.shape, (b, h, sq, k.shape[1]),
+                               ("batch", "head", "seqlenQ", "seqlenKV")):
+        _require(got == want, f"attn_bias: wrong shape ({name} dimension)")
+    _require(bias.stride(3) == 1, "attn_bias: wrong alignment (last dimension must be contiguous)")
+    align = 16 // bias.element_size()
+    for dim, (n, name) in enumerate(((b, "strideB"), (h, "strideH"), (sq, "strideM"))):
+        _require(n <= 1 or bias.stride(dim) % align == 0,
+                 f"attn_bias is not correctly aligned ({name})")
 
 
 def _scale(q, scale):
@@ -73,7 +117,7 @@ class FakeCudaOps:
                  "stand-in: dropout/debug mask not modelled")
         q, k, v = _bshd(query, key, value)
         _check_flash_inputs(q, k, v)
-        out, lse = _fp64_forward(q, k, v, is_causal, _scale(q, scale))
+        out, lse = fp64_forward(q, k, v, is_causal, _scale(q, scale))
         # attention.cu returns Tensor() for cum_seq_q/k (None here); mha_fwd returns rng_state
         # uint64 [2] and _unused uint64 [], unwritten without dropout
         # output: a dense [B, S, H, d] buffer, returned as its [B, H, S, d] view
@@ -107,7 +151,7 @@ class FakeCudaOps:
                  and logsumexp.is_contiguous(),
                  f"softmax_lse must be a contiguous fp32 [{b}, {h}, {sq}], got "
                  f"{logsumexp.dtype} {tuple(logsumexp.shape)} strides {logsumexp.stride()}")
-        dq, dk, dv = _fp64_backward(do, q, k, v, o, logsumexp, is_causal, _scale(q, scale))
+        dq, dk, dv = fp64_backward(do, q, k, v, o, logsumexp, is_causal, _scale(q, scale))
         # dense [B, S, H, d] buffers as [B, H, S, d] views; dk/dv with Hkv heads (mha_bwd
         # sums the expanded groups)
         return tuple(g.to(q.dtype).contiguous().transpose(1, 2) for g in (dq, dk, dv))
@@ -115,15 +159,17 @@ class FakeCudaOps:
     def efficient(self, query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0,
                   is_causal=False, *, scale=None):
         self.calls.append(("efficient", query.shape[1], key.shape[1]))
-        _require(attn_bias is None and dropout_p == 0.0, "stand-in: bias/dropout not modelled")
+        _require(dropout_p == 0.0, "stand-in: dropout not modelled")
         q, k, v = _bshd(query, key, value)
+        if attn_bias is not None:
+            _check_bias(attn_bias, q, k)
         _require(q.dtype in (torch.float32, *HALF), f"efficient attention: no kernel for {q.dtype}")
         _require(q.shape[2] == k.shape[2] and q.shape[2] == v.shape[2],
                  f"TORCH_CHECK(query.size(2) == key.size(2)): efficient attention wants equal "
                  f"head counts, got {q.shape[2]} and {k.shape[2]}")
         for t in (q, k, v):
             _require(t.stride(-1) == 1, "tensor must have a contiguous last dimension")
-        out, lse = _fp64_forward(q, k, v, is_causal, _scale(q, scale))
+        out, lse = fp64_forward(q, k, v, is_causal, _scale(q, scale), attn_bias)
         b, sq, h, _ = q.shape
         # LSE rows padded to kAlignLSE = 32, the kernel writes only the first S (torch's rule,
         # stated here independently of usp.compat.efficient_lse_rows on purpose)
@@ -139,13 +185,15 @@ class FakeCudaOps:
                            philox_seed, philox_offset, dropout_p, grad_input_mask, is_causal=False,
                            *, scale=None):
         self.calls.append(("efficient_backward", query.shape[1], key.shape[1]))
-        _require(attn_bias is None and not grad_input_mask[3], "stand-in: bias not modelled")
+        _require(not grad_input_mask[3], "stand-in: the bias gradient is not modelled")
         _require(dropout_p == 0.0, "stand-in: dropout not modelled")
         _require(philox_seed.dtype == torch.int64 and philox_seed.numel() == 1
                  and philox_offset.dtype == torch.int64 and philox_offset.numel() == 1,
                  "philox_seed/offset must be int64 scalars as the efficient forward returned them")
         q, k, v, o, do = _bshd(query, key, value, out, grad_out_)
         b, sq, h, _ = q.shape
+        if attn_bias is not None:
+            _check_bias(attn_bias, q, k)
         _require(h == k.shape[2] and h == v.shape[2] and h == do.shape[2],
                  f"TORCH_CHECK(query.size(2) == key.size(2)): got {h} and {k.shape[2]} heads")
         for t in (q, k, v):
@@ -162,8 +210,8 @@ class FakeCudaOps:
                  f"{logsumexp.dtype} {tuple(logsumexp.shape)} strides {logsumexp.stride()}")
         _require(h <= 1 or logsumexp.stride(1) % 8 == 0, "LSE is not correctly aligned (strideH)")
         _require(b <= 1 or logsumexp.stride(0) % 8 == 0, "LSE is not correctly aligned (strideB)")
-        dq, dk, dv = _fp64_backward(do, q, k, v, o, logsumexp[..., :sq], is_causal,
-                                    _scale(q, scale))
+        dq, dk, dv = fp64_backward(do, q, k, v, o, logsumexp[..., :sq], is_causal,
+                                   _scale(q, scale), attn_bias)
         # empty_permuted(..., (0, 2, 1, 3)): dense [B, S, H, d] buffers as [B, H, S, d] views
         grads = tuple(g.to(q.dtype).contiguous().transpose(1, 2) for g in (dq, dk, dv))
         return (*grads, None)

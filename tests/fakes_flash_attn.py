@@ -5,7 +5,11 @@ v2.5.0-v2.5.9.post1 ("2.5"), v2.6.0-v2.6.3 ("2.6") and v2.7.0-v2.8.3.post1 ("2.7
 same in 2.8): the 2.7 ones are real ``torch.library.custom_op``s (registered for CPU here,
 "cuda" upstream), so ``inspect.signature`` sees ``(*args, **kwargs)`` as it does there.
 Checks: what ``flash_attn_cuda.fwd/bwd`` (csrc ``mha_fwd``/``mha_bwd``) check, plus the
-no-window, no-softcap, no-dropout arguments our adapter must send. Values: fp64 math.
+no-softcap, no-dropout arguments our adapter must send. ``window_size`` (left, right) as
+``mha_fwd`` reads it: -1 unbounded, a side >= Sk unbounded, ``causal`` sets right = 0;
+query i sees keys i + Sk - S - left .. i + Sk - S + right (bottom-right aligned); a row
+without a key gives out 0 and LSE +inf (``softmax.h``). Values: fp64 math
+(``fakes_cuda_ops.fp64_forward``).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from usp.kernels.reference import ReferenceKernel
+from fakes_cuda_ops import fp64_backward, fp64_forward
 
 VERSIONS = ("2.5", "2.6", "2.7")
 HALF = (torch.float16, torch.bfloat16)
@@ -34,18 +38,46 @@ def _check(q, k, v, dropout_p, window, softcap, alibi_slopes):
     _require(q.shape[-1] % 8 == 0, "head_size must be a multiple of 8")
     _require(q.shape[2] % k.shape[2] == 0,
              "Number of heads in key/value must divide number of heads in query")
-    _require(dropout_p == 0.0 and tuple(window) == (-1, -1) and softcap == 0.0
-             and alibi_slopes is None,
-             f"stand-in expects no dropout/window/softcap/alibi, got {dropout_p}, {window}, "
-             f"{softcap}, {alibi_slopes}")
+    _require(dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None,
+             f"stand-in expects no dropout/softcap/alibi, got {dropout_p}, {softcap}, "
+             f"{alibi_slopes}")
+    _require(all(isinstance(w, int) and w >= -1 for w in window),
+             f"window_size must be ints >= -1, got {window}")
+
+
+def window_visible(s: int, sk: int, left: int, right: int) -> torch.Tensor:
+    """bool [S, Sk]: flash-attn's window, query i sees keys i + Sk - S - left ..
+    i + Sk - S + right (bottom-right aligned; a side of -1 is unbounded)."""
+    i, j = torch.arange(s)[:, None], torch.arange(sk)[None, :]
+    ok = torch.ones(s, sk, dtype=torch.bool)
+    if left >= 0:
+        ok &= j >= i + sk - s - left
+    if right >= 0:
+        ok &= j <= i + sk - s + right
+    return ok
+
+
+def _window_bias(q, k, causal, window):
+    """Additive [1, 1, S, Sk] bias of flash-attn's window (None: no window, no causal)."""
+    s, sk = q.shape[1], k.shape[1]
+    left, right = window
+    left = -1 if left >= sk else left
+    right = 0 if causal else (-1 if right >= sk else right)
+    if left < 0 and right < 0:
+        return None
+    ok = window_visible(s, sk, left, right)
+    return torch.zeros(1, 1, s, sk, dtype=torch.float64).masked_fill(~ok, float("-inf"))
 
 
 def _forward(q, k, v, dropout_p, scale, causal, window, softcap, alibi_slopes, return_softmax):
     """(out [B, S, Hq, d], lse [B, Hq, S] fp32) in fp64 math."""
     _check(q, k, v, dropout_p, window, softcap, alibi_slopes)
     _require(not return_softmax, "stand-in: return_softmax not modelled")
-    out, lse = ReferenceKernel().forward(q.double(), k.double(), v.double(), causal, scale)
-    return out.to(q.dtype), lse.float()
+    bias = _window_bias(q, k, causal, window)
+    out, lse = fp64_forward(q, k, v, causal and bias is None, scale, bias)
+    empty = lse == float("-inf")  # [B, H, S]: rows without a key
+    out = out.masked_fill(empty.transpose(1, 2)[..., None], 0.0)
+    return out.to(q.dtype), lse.masked_fill(empty, float("inf")).float()
 
 
 def _backward(dout, q, k, v, out, lse, dq, dk, dv, dropout_p, scale, causal, window, softcap,
@@ -59,8 +91,8 @@ def _backward(dout, q, k, v, out, lse, dq, dk, dv, dropout_p, scale, causal, win
     for buf, like in ((dq, q), (dk, k), (dv, v)):
         _require(buf.dtype == q.dtype and buf.shape == like.shape and buf.stride(-1) == 1,
                  f"dq/dk/dv must match q/k/v ({tuple(like.shape)}), got {tuple(buf.shape)}")
-    grads = ReferenceKernel().backward(*(t.double() for t in (dout, q, k, v, out, lse)),
-                                       causal, scale)
+    bias = _window_bias(q, k, causal, window)
+    grads = fp64_backward(dout, q, k, v, out, lse, causal and bias is None, scale, bias)
     for buf, g in zip((dq, dk, dv), grads):
         buf.copy_(g)
     return ((dout.double() * out.double()).sum(-1).transpose(1, 2)).float()  # softmax_d [B, H, S]

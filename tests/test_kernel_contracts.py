@@ -12,13 +12,14 @@ import pytest
 import torch
 
 import fakes_flash_attn
-from _cases import TOL, dense_reference
+from _cases import TOL, dense_reference, document_ids
 from fakes_cuda_ops import FakeCudaOps
 from usp.compat import CudaSdpaOps, cuda_sdpa_ops, op_params
 from usp.kernels import get_kernel
-from usp.kernels.reference import ReferenceKernel
 from usp.kernels.aten import TorchKernel
-from usp.ring import diagonal_split, merge
+from usp.kernels.reference import ReferenceKernel
+from usp.masks import BlockMask
+from usp.ring import RingPlan, merge
 
 B, D = 2, 16
 SCALE = D**-0.5  # dense_reference's scale
@@ -40,27 +41,33 @@ def _assert_close(got, want, dtype):
         assert err <= TOL[dtype], (name, err, TOL[dtype])
 
 
-def _ring_pieces(kern, q, k, v, dout, causal):
-    """Attention of the diagonal block in the pieces the ring cuts it into, with the slices
-    it passes (q[:, h:], kv[0][:, :h], out[:, qs], lse[:, :, qs]; odd halves for odd S):
-    forward merged by LSE, backward from the merged out/lse. -> out, dq, dk, dv."""
-    s = q.shape[1]
+def _run_pieces(kern, q, k, v, dout, pieces):
+    """Attention of one block as the given planned calls (``usp.masks.Piece``s): forward
+    merged by LSE, backward from the merged out/lse, with the slices the ring passes
+    (q[:, qs], kv[0][:, ks], out[:, qs], lse[:, :, qs]). -> out, dq, dk, dv."""
     kv = torch.stack([k, v])  # [2, B, S, Hkv, d], as the ring carries K/V
-    pieces = sum(diagonal_split(s, causal), [])
     out = torch.zeros(q.shape)
-    lse = torch.full((B, q.shape[2], s), float("-inf"))
-    for qs, ks, cf in pieces:
-        blk_out, blk_lse = kern.forward(q[:, qs], kv[0][:, ks], kv[1][:, ks], cf, SCALE)
-        merge(out[:, qs], lse[:, :, qs], blk_out, blk_lse)
+    lse = torch.full((B, q.shape[2], q.shape[1]), float("-inf"))
+    for p in pieces:
+        blk_out, blk_lse = kern.forward(q[:, p.qs], kv[0][:, p.ks], kv[1][:, p.ks], p.causal,
+                                        SCALE, mask=p.mask)
+        merge(out[:, p.qs], lse[:, :, p.qs], blk_out, blk_lse)
     out = out.to(q.dtype)
     dq, dkv = torch.zeros(q.shape), torch.zeros(kv.shape)
-    for qs, ks, cf in pieces:
-        dq_b, dk_b, dv_b = kern.backward(dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks],
-                                         out[:, qs], lse[:, :, qs], cf, SCALE)
-        dq[:, qs] += dq_b
-        dkv[0][:, ks] += dk_b
-        dkv[1][:, ks] += dv_b
+    for p in pieces:
+        dq_b, dk_b, dv_b = kern.backward(dout[:, p.qs], q[:, p.qs], kv[0][:, p.ks],
+                                         kv[1][:, p.ks], out[:, p.qs], lse[:, :, p.qs],
+                                         p.causal, SCALE, mask=p.mask)
+        dq[:, p.qs] += dq_b
+        dkv[0][:, p.ks] += dk_b
+        dkv[1][:, p.ks] += dv_b
     return out, dq, dkv[0], dkv[1]
+
+
+def _ring_pieces(kern, q, k, v, dout, causal, window=None, ids=None):
+    """The diagonal block cut as the ring's backward cuts it (odd halves for odd S)."""
+    plan = RingPlan(0, 1, q.shape[1], causal, "contiguous", window, ids, tile=8)
+    return _run_pieces(kern, q, k, v, dout, sum(plan.diagonal_split(), []))
 
 
 # ---- the stand-ins are the real ops' contracts ----------------------------------------------
@@ -119,6 +126,14 @@ REFUSALS = [  # (op, change to a valid call, the CUDA op's complaint)
     ("efficient_backward", lambda a: dict(logsumexp=torch.zeros(B, 4, 33)),
      r"LSE is not correctly aligned \(strideH\)"),
     ("efficient_backward", lambda a: dict(out=a["out"].contiguous()), "out rows must be dense"),
+    # attn_bias: rows of 33 fp32 elements are not 16-byte aligned (sdpa pads them to 48)
+    ("efficient", lambda a: dict(attn_bias=torch.zeros(B, 4, 33, 33)), "not correctly aligned"),
+    ("efficient", lambda a: dict(attn_bias=torch.zeros(B, 4, 33, 48)[..., :33].bfloat16()),
+     "invalid dtype for bias"),
+    ("efficient", lambda a: dict(attn_bias=torch.zeros(1, 1, 33, 48)[..., :33]),
+     r"attn_bias: wrong shape \(batch dimension\)"),
+    ("efficient_backward", lambda a: dict(attn_bias=torch.zeros(B, 4, 33, 48)[..., :32]),
+     r"attn_bias: wrong shape \(seqlenKV dimension\)"),
 ]
 
 
@@ -216,3 +231,48 @@ def test_flash_attn_kernel_per_version(monkeypatch, version, hq, hkv, causal):
     grads = kern.backward(dout, q, k, v, out, lse, causal, SCALE)
     _assert_close((out, *grads), ref, torch.bfloat16)
     _assert_close(_ring_pieces(kern, q, k, v, dout, causal), ref, torch.bfloat16)
+
+
+# ---- masks: the efficient op's attn_bias, flash-attn's window_size --------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 4)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_cuda_branch_with_masks_matches_fp64(dtype, hq, hkv, causal):
+    """Masked calls go to the efficient op with an aligned [B, Hq, S, Sk] bias in q's dtype
+    (the stand-in enforces the CUDA checks), in bf16 too; values as fp64 masked attention."""
+    fake = FakeCudaOps()
+    kern = TorchKernel(cuda_ops=fake.ops())
+    q, k, v, dout = _inputs(33, hq, hkv, dtype)
+    ids = document_ids(B, 33, torch.Generator().manual_seed(1), edge=8)
+    for window, seg in ((5, None), (12, ids), (None, ids)):
+        got = _ring_pieces(kern, q, k, v, dout, causal, window, seg)
+        _assert_close(got, dense_reference(q, k, v, dout, causal, seg, window), dtype)
+    assert ("efficient", hq, hq) in fake.calls and ("efficient_backward", hq, hq) in fake.calls
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_branch_rows_without_keys(dtype):
+    """The stand-in's rows without a key are NaN: the adapter returns out 0, LSE -inf."""
+    kern = TorchKernel(cuda_ops=FakeCudaOps().ops())
+    q, k, v, _ = _inputs(20, 4, 2, dtype)
+    seg = torch.zeros(B, 20, 20, dtype=torch.bool)
+    seg[:, 5:, :9] = True  # rows 0..4 see nothing
+    out, lse = kern.forward(q, k, v, False, SCALE, mask=BlockMask(30, 0, 20, 20, None, None, seg))
+    assert not out.isnan().any() and (out[:, :5] == 0).all()
+    assert (lse[..., :5] == float("-inf")).all() and lse[..., 5:].isfinite().all()
+
+
+@pytest.mark.parametrize("version", fakes_flash_attn.VERSIONS)
+def test_flash_attn_kernel_windows_per_version(monkeypatch, version):
+    """Window pieces reach flash-attn as its own window_size; documents are refused."""
+    fakes_flash_attn.install(monkeypatch, version)
+    kern = get_kernel("flash_attn")
+    q, k, v, dout = _inputs(33, 8, 2, torch.bfloat16)
+    for causal, window in ((True, 5), (True, 17), (False, 6)):
+        got = _ring_pieces(kern, q, k, v, dout, causal, window)
+        _assert_close(got, dense_reference(q, k, v, dout, causal, None, window), torch.bfloat16)
+    docs = BlockMask(0, 0, 33, 33, None, None, torch.ones(B, 33, 33, dtype=torch.bool))
+    with pytest.raises(ValueError, match="not segment_ids.*kernel='torch'"):
+        kern.forward(q, k, v, False, SCALE, mask=docs)

@@ -7,8 +7,9 @@ import torch
 from .comm import RingComm
 from .kernels import Kernel, get_kernel
 from .layout import SequenceLayout
+from .masks import check_masks, gather_segment_ids
 from .mesh import SPMesh
-from .ring import RingAttention
+from .ring import RingAttention, RingPlan
 from .ulysses import HeadToSeq, SeqToHead, _Axis
 from .validate import RING_IMPLS, check_heads, check_kernel, check_ring_impl
 
@@ -51,6 +52,8 @@ def usp_attention(
     kernel: str | Kernel = "torch",
     scale: float | None = None,
     ring_impl: str = "usp",
+    segment_ids: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Exact attention over the whole sequence held across the SP group.
 
@@ -59,8 +62,24 @@ def usp_attention(
     (``torch``, ``flash_attn``, ``reference``); ``ring_impl="ring_flash_attn"`` swaps our
     ring for the ring-flash-attn package's CUDA ring (optional extra). Raises ValueError
     before any collective when the shapes, the kernel or the ring engine cannot work.
+
+    Masks (``usp.masks``), on top of ``causal``, for query position i and key position j:
+
+    - ``segment_ids``: LongTensor [B, L/P], this rank's shard (``layout.shard(ids, dim=1)``)
+      of the global document ids [B, L]: i sees j only when their ids are equal (packed
+      documents; rows of the batch may pack differently). Costs one all-gather of the ids
+      over the SP group per call.
+    - ``window``: causal: i sees j only when 0 <= i - j < window; not causal: |i - j| <
+      window. K/V travel only the ring hops that reach into the window
+      (``usp.planner.traffic.windowed_ring_hops``; with zigzag every hop, see there).
+
+    Every query sees at least its own key, so no output row is undefined. Blocks a mask
+    leaves empty are skipped. The ``torch`` and ``reference`` kernels take both masks,
+    ``flash_attn`` takes ``window`` only; ``ring_impl="ring_flash_attn"`` takes neither.
     """
     check_inputs(q, k, v, mesh, layout)
+    check_masks(segment_ids, window, batch=q.shape[0], seq_len=q.shape[1], device=q.device,
+                kernel=kernel, ring_impl=ring_impl)
     dev, dtype, d = q.device.type, q.dtype, q.shape[-1]
     if isinstance(kernel, str):
         check_kernel(kernel, dev, dtype, d, ring_impl, causal, layout.balance)
@@ -70,9 +89,12 @@ def usp_attention(
     if mesh.sp_size > 1:  # once per signature: every SP rank must make the same call
         kname = kernel if isinstance(kernel, str) else type(kernel).__name__
         mesh.agree_once("usp_attention(q, k shapes, dtype, seq_len, balance, causal, kernel, "
-                        "ring_impl, scale)", (tuple(q.shape), tuple(k.shape), str(q.dtype),
-                        layout.seq_len, layout.balance, causal, kname, ring_impl, scale))
+                        "ring_impl, scale, window, segment_ids given)",
+                        (tuple(q.shape), tuple(k.shape), str(q.dtype), layout.seq_len,
+                         layout.balance, causal, kname, ring_impl, scale, window,
+                         segment_ids is not None))
     kern = get_kernel(kernel)
+    ids = None if segment_ids is None else gather_segment_ids(segment_ids, layout)  # [B, L]
     u = mesh.ulysses
     axis = None
     if u > 1:
@@ -86,12 +108,15 @@ def usp_attention(
     else:
         comm = None
         if mesh.ring > 1:
-            prev_rank, next_rank = mesh.ring_neighbors()
             # the ring's own group: P2P on the world group would queue behind (and on
             # NCCL, serialise with) FSDP's collectives
-            comm = RingComm(prev_rank, next_rank, mesh.group("ring"), mesh.comm)
+            comm = RingComm(mesh.axis_ranks("ring"), mesh.ring_rank, mesh.group("ring"),
+                            mesh.comm)
+        plan = RingPlan(mesh.ring_rank, mesh.ring, layout.segment_len, causal, layout.balance,
+                        window, ids)
         out = RingAttention.apply(
-            q, k, v, comm, mesh.ring_rank, mesh.ring, causal, layout.balance, kern, scale
+            q, k, v, comm, mesh.ring_rank, mesh.ring, causal, layout.balance, kern, scale, plan,
+            mesh.comm,
         )  # [B, L/r, H/u, d]
     if axis is not None:
         out = HeadToSeq.apply(out, axis)  # [B, L/r, H/u, d] -> [B, L/P, H, d]

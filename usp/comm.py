@@ -1,9 +1,9 @@
 """The two communication mechanisms of usp, with byte and time accounting.
 
 - ``all_to_all``: the ulysses seq <-> head exchange (one ``all_to_all_single``).
-- ``RingComm``: send to the next ring rank, receive from the previous one, via
-  ``batch_isend_irecv`` on the ring's own group, so the transfer runs while the caller
-  computes.
+- ``RingComm``: send to the next ring rank, receive from the previous one (or any fixed
+  distance round the ring), via ``batch_isend_irecv`` on the ring's own group, so the
+  transfer runs while the caller computes.
 
 Every call records the bytes this rank *sends to other ranks* in ``CommStats``, per axis,
 and the seconds it spent blocked, so tests can assert volumes and the trainer can report
@@ -39,7 +39,8 @@ def clock_for(device: torch.device | str) -> str:
 
 @dataclass
 class CommStats:
-    """Bytes sent, calls and blocked seconds per mesh axis (``ulysses``, ``ring``, ``sp``...).
+    """Bytes sent, calls and blocked seconds per mesh axis (``ulysses``, ``ring``, ``sp``...),
+    and the ring's local kernel calls per (``"forward"``/``"backward"``, ring step).
 
     Seconds come from ``clock`` ("host": ``perf_counter`` around the call; "cuda_events":
     an event pair on the current stream around it). Event pairs are kept pending and
@@ -52,6 +53,7 @@ class CommStats:
     calls: Counter = field(default_factory=Counter)
     clock: str = "host"
     event_factory: Callable | None = None
+    kernel_calls: Counter = field(default_factory=Counter)
     _seconds: Counter = field(default_factory=Counter, repr=False)
     _pending: list = field(default_factory=list, repr=False)  # (axis, start, end) events
 
@@ -89,6 +91,7 @@ class CommStats:
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
+        self.kernel_calls.clear()
         self._seconds.clear()
         self._pending.clear()
 
@@ -225,24 +228,28 @@ def all_to_all(
 
 
 class RingComm:
-    """Point-to-point ring on ``group``: send to ``next_rank``, receive from ``prev_rank``.
+    """Point-to-point ring on ``group``: ``ranks`` are the ring's global ranks in ring order
+    and this rank is ``ranks[index]``.
 
     Peers are global ranks (``P2POp`` maps them into ``group``); ``group`` is the ring's
     own process group, so ring traffic does not queue behind other collectives.
     """
 
-    def __init__(self, prev_rank: int, next_rank: int, group, stats: CommStats, axis: str = "ring"):
-        self.prev_rank, self.next_rank, self.group = prev_rank, next_rank, group
+    def __init__(self, ranks: list[int], index: int, group, stats: CommStats,
+                 axis: str = "ring"):
+        self.ranks, self.index, self.group = list(ranks), index, group
         self.stats, self.axis = stats, axis
 
-    def start(self, send: torch.Tensor, tag: int = 0) -> "_Pending":
-        """Post the send of ``send`` and the receive of an equally shaped block; returns a handle."""
+    def start(self, send: torch.Tensor, tag: int = 0, shift: int = 1) -> "_Pending":
+        """Post the send of ``send`` to the rank ``shift`` places on and the receive of an
+        equally shaped block from the rank ``shift`` places back; returns a handle."""
         device = send.device
         send = on_wire(send.contiguous(), self.group)
         recv = torch.empty_like(send)
+        n = len(self.ranks)
         ops = [
-            dist.P2POp(dist.isend, send, self.next_rank, self.group, tag),
-            dist.P2POp(dist.irecv, recv, self.prev_rank, self.group, tag),
+            dist.P2POp(dist.isend, send, self.ranks[(self.index + shift) % n], self.group, tag),
+            dist.P2POp(dist.irecv, recv, self.ranks[(self.index - shift) % n], self.group, tag),
         ]
         reqs = dist.batch_isend_irecv(ops)
         self.stats.record(self.axis, _nbytes(send))

@@ -5,158 +5,279 @@ Key/value blocks travel around the ring: at step s rank i holds the block of rin
 ``src = (i - s) mod r``, computes its queries against it while the next block is already
 in flight, and merges the partial result into the running (out, lse) in fp32.
 
-Backward mirrors it: the same KV ring, plus one fp32 dK/dV accumulator per block that
-starts at the rank after the block's owner, collects every other rank's share on its way
-round and arrives home after r-1 hops. The owner keeps its own (diagonal) share locally
-and computes half of it only after its last send, so that last hop home travels while
-the owner still has work.
+Which calls a block needs (none, one whole or causal call, masked tiles) is
+``usp.masks.block_pieces``'s answer, asked per step by ``RingPlan`` on the segments' global
+positions (``segment_runs``, from the layout); the ring never decides visibility itself.
+The plan also says how far K/V travel (``ring_hops``): r - 1 hops, or fewer when a sliding
+window leaves the farther blocks empty for every rank.
 
-Causal masking by layout (i = this ring rank, src = owner of the KV block):
+Backward mirrors it: the same K/V hops, plus one fp32 dK/dV accumulator per block that
+starts at the rank after the block's owner, collects the share of every rank the block
+reached, and after ``hops`` steps jumps home to the owner (the next rank when
+hops = r - 1). The owner keeps its own (diagonal) share locally and computes part of it
+only after its last send, so that last hop travels while the owner still has work.
 
-- contiguous: src == i diagonal (causal), src < i full, src > i skipped;
-- zigzag (segment = chunk i ++ chunk 2r-1-i, halves of S/2): src == i diagonal;
-  src < i: all queries see the first half of the block (chunk src) fully;
-  src > i: the second half of the queries (chunk 2r-1-i) sees the whole block fully.
+Kernel calls per step are counted in ``CommStats.kernel_calls`` when a stats object is
+given: a benchmark can see the blocks a mask skips.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
+from types import SimpleNamespace
+
 import torch
 
-from .comm import RingComm
+from .comm import CommStats, RingComm
 from .kernels import Kernel
+from .layout import SequenceLayout
+from .masks import Piece, Run, block_pieces, bounds, tile_size
 
-_ALL = slice(None)
+
+@lru_cache(maxsize=256)
+def segment_positions(seq_len: int, ring: int, balance: str, ring_rank: int) -> torch.Tensor:
+    """Global positions of ring rank ``ring_rank``'s segment, in segment order: [L/r] (CPU,
+    shared: do not modify). The ulysses degree does not change them: a 1 x ring layout
+    gives them."""
+    lay = SequenceLayout(SimpleNamespace(ring=ring, ulysses=1, sp_size=ring), seq_len, balance)
+    return lay.segment_indices(ring_rank)
+
+
+@lru_cache(maxsize=256)
+def segment_runs(seq_len: int, ring: int, balance: str, ring_rank: int) -> tuple[Run, ...]:
+    """The segment's positions as runs of consecutive positions, in segment order."""
+    pos = segment_positions(seq_len, ring, balance, ring_rank).tolist()
+    runs, first = [], 0
+    for i in range(1, len(pos) + 1):
+        if i == len(pos) or pos[i] != pos[i - 1] + 1:
+            runs.append((first, pos[first], i - first))
+            first = i
+    return tuple(runs)
+
+
+def _split_at(runs, offset: int) -> list[Run]:
+    """Runs cut at block offset ``offset``."""
+    out = []
+    for off, start, n in runs:
+        if off < offset < off + n:
+            out += [(off, start, offset - off), (offset, start + offset - off, off + n - offset)]
+        else:
+            out.append((off, start, n))
+    return out
+
+
+@lru_cache(maxsize=1024)
+def ring_hops(seq_len: int, ring: int, balance: str, causal: bool, window: int | None) -> int:
+    """How many hops K/V travel round the ring: the last step at which some ring rank has
+    something to compute (``block_pieces`` on positions alone; documents never shorten it,
+    so every rank knows it without looking at data). ``ring - 1`` without a window."""
+    lo, hi = bounds(causal, window)
+    for step in range(ring - 1, 0, -1):
+        for rank in range(ring):
+            q = segment_runs(seq_len, ring, balance, rank)
+            k = segment_runs(seq_len, ring, balance, (rank - step) % ring)
+            if block_pieces(q, k, lo, hi, merge_diagonal=False):
+                return step
+    return 0
+
+
+class RingPlan:
+    """The kernel calls of one ring rank for one attention call.
+
+    rank/size: ring coordinate and degree; seg_len: tokens per ring segment (L/r);
+    ``window``, ``segment_ids`` (the whole [B, L] on every rank: ``masks.gather_segment_ids``)
+    as in ``usp_attention``; ``tile``: tile edge for masked run pairs (default
+    ``tile_size``). ``hops``: K/V hops the ring makes; ``step(s)``: the calls for
+    the block of ring rank ``rank - s``; ``diagonal()`` / ``diagonal_split()``: the own
+    block, whole (forward) or as (now, later) around the key half (backward).
+    """
+
+    def __init__(self, rank: int, size: int, seg_len: int, causal: bool, balance: str,
+                 window: int | None = None, segment_ids: torch.Tensor | None = None,
+                 tile: int | None = None):
+        seq_len = seg_len * size
+        balance = "contiguous" if size == 1 else balance  # one segment: the sequence in order
+        if window is not None and window >= seq_len:
+            window = None  # sees everything the causal order allows
+        self.rank, self.size, self.seq_len, self.balance = rank, size, seq_len, balance
+        self.lo, self.hi = bounds(causal, window)
+        masked = window is not None or segment_ids is not None
+        self.tile = (tile or tile_size(window, segment_ids is not None)) if masked else None
+        self.hops = ring_hops(seq_len, size, balance, causal, window) if size > 1 else 0
+        self.ids = None if segment_ids is None else segment_ids.cpu()  # planned on the host
+        self._steps: dict = {}
+
+    def runs(self, ring_rank: int) -> tuple[Run, ...]:
+        return segment_runs(self.seq_len, self.size, self.balance, ring_rank)
+
+    def _ids(self, ring_rank: int):
+        if self.ids is None:
+            return None  # [B, L] -> [B, L/r]: the segment's ids in segment order
+        pos = segment_positions(self.seq_len, self.size, self.balance, ring_rank)
+        return self.ids.index_select(1, pos)
+
+    def _pieces(self, src: int, **kw) -> list[Piece]:
+        return block_pieces(self.runs(self.rank), self.runs(src), self.lo, self.hi,
+                            self._ids(self.rank), self._ids(src), self.tile, **kw)
+
+    def step(self, s: int) -> list[Piece]:
+        """Calls for the block that arrives at step ``s`` (from ring rank ``rank - s``)."""
+        if s not in self._steps:
+            self._steps[s] = self._pieces((self.rank - s) % self.size)
+        return self._steps[s]
+
+    def diagonal(self) -> list[Piece]:
+        return self.step(0)
+
+    def diagonal_split(self) -> tuple[list[Piece], list[Piece]]:
+        """The own block as (now, later): ``later`` holds the calls whose keys lie in the
+        first half and that need no causal flag (the unmasked lower-left quarter under
+        causal order, the first key half otherwise); backward runs them last."""
+        seg = self.seq_len // self.size
+        h = seg // 2
+        if h == 0:
+            return self.diagonal(), []
+        runs = _split_at(self.runs(self.rank), h)
+        pieces = block_pieces(runs, runs, self.lo, self.hi, *(2 * [self._ids(self.rank)]),
+                              self.tile, merge_diagonal=False, k_barrier=h)
+        later = [p for p in pieces if p.ks.stop <= h and not p.causal]
+        return [p for p in pieces if p.ks.stop > h or p.causal], later
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor):
     """Fold one block's result into the running result, in place, by log-sum-exp.
 
     out [B, S, H, d] fp32, lse [B, H, S] fp32 (views may be slices); block_* likewise in
-    any dtype. The one place where partial attention results are combined.
+    any dtype. A row whose block LSE is -inf (no visible key) is left as it was. The one
+    place where partial attention results are combined.
     """
+    if out.dtype != torch.float32 or lse.dtype != torch.float32:
+        raise ValueError(f"merge accumulates in float32, got out {out.dtype}, lse {lse.dtype}")
     block_lse = block_lse.float()
-    new_lse = torch.logaddexp(lse, block_lse)  # [B, H, S]
-    w_old = torch.exp(lse - new_lse).transpose(1, 2).unsqueeze(-1)  # [B, S, H, 1]
-    w_new = torch.exp(block_lse - new_lse).transpose(1, 2).unsqueeze(-1)
+    new_lse = torch.logaddexp(lse, block_lse)  # [B, H, S]; -inf only if both are
+    base = new_lse.masked_fill(new_lse == float("-inf"), 0.0)  # rows nobody has seen yet
+    w_old = torch.exp(lse - base).transpose(1, 2).unsqueeze(-1)  # [B, S, H, 1]
+    w_new = torch.exp(block_lse - base).transpose(1, 2).unsqueeze(-1)
     out.mul_(w_old).add_(block_out.float() * w_new)
     lse.copy_(new_lse)
 
 
-def block_plan(src: int, rank: int, seg_len: int, causal: bool, balance: str):
-    """(query slice, key slice, causal flag) for the block from ``src``, or None to skip."""
-    if not causal:
-        return _ALL, _ALL, False
-    if src == rank:
-        return _ALL, _ALL, True
-    if balance == "contiguous":
-        return (_ALL, _ALL, False) if src < rank else None
-    half = seg_len // 2
-    if src < rank:
-        return _ALL, slice(0, half), False
-    return slice(half, None), _ALL, False
+def _plan(plan: RingPlan | None, rank, size, seg_len, causal, balance) -> RingPlan:
+    return plan if plan is not None else RingPlan(rank, size, seg_len, causal, balance)
+
+
+def _forward(kernel: Kernel, q, k, v, p: Piece, scale):
+    if p.mask is None:  # a mask-free call keeps the plain Kernel signature
+        return kernel.forward(q[:, p.qs], k[:, p.ks], v[:, p.ks], p.causal, scale)
+    return kernel.forward(q[:, p.qs], k[:, p.ks], v[:, p.ks], p.causal, scale, mask=p.mask)
+
+
+def _count(stats: CommStats | None, phase: str, step: int, pieces) -> None:
+    if stats is not None:
+        stats.kernel_calls[(phase, step)] += len(pieces)
 
 
 def ring_forward(q, k, v, comm: RingComm | None, rank: int, size: int, causal: bool,
-                 balance: str, kernel: Kernel, scale: float):
-    """q [B, S, Hq, d], k/v [B, S, Hkv, d] -> out [B, S, Hq, d] (q.dtype), lse [B, Hq, S] fp32."""
-    if size == 1:  # no ring: the local kernel is the whole answer
-        return kernel.forward(q, k, v, causal, scale)
+                 balance: str, kernel: Kernel, scale: float, plan: RingPlan | None = None,
+                 stats: CommStats | None = None):
+    """q [B, S, Hq, d], k/v [B, S, Hkv, d] -> out [B, S, Hq, d] (q.dtype), lse [B, Hq, S] fp32.
+
+    ``plan``: the masks (default: ``causal`` order alone on ``balance``'s segments).
+    """
     s = q.shape[1]
-    kv = torch.stack([k, v])  # [2, B, S, Hkv, d]: one message per step
-    pending = comm.start(kv, tag=0)  # the next block travels while we compute ours
-    # step 0 is always the diagonal block (src == rank): it initialises out and lse
-    out, lse = kernel.forward(q, k, v, causal, scale)
-    out = out.float()  # fp32 accumulator
-    kv = pending.wait()
-    for step in range(1, size):
-        pending = comm.start(kv, tag=0) if step + 1 < size else None  # overlaps the compute
-        plan = block_plan((rank - step) % size, rank, s, causal, balance)
-        if plan is not None:
-            qs, ks, cf = plan
-            blk_out, blk_lse = kernel.forward(q[:, qs], kv[0][:, ks], kv[1][:, ks], cf, scale)
-            merge(out[:, qs], lse[:, :, qs], blk_out, blk_lse)
-        if pending is not None:
-            kv = pending.wait()
+    plan = _plan(plan, rank, size, s, causal, balance)
+    diag = plan.diagonal()
+    _count(stats, "forward", 0, diag)
+    pending = None
+    if plan.hops:
+        kv = torch.stack([k, v])  # [2, B, S, Hkv, d]: one message per step
+        pending = comm.start(kv, tag=0)  # the next block travels while we compute ours
+    if len(diag) == 1 and diag[0].qs == slice(0, s):  # the whole diagonal in one call
+        out, lse = _forward(kernel, q, k, v, diag[0], scale)
+        out, lse = out.float(), lse.float()  # fp32 accumulators
+    else:
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full((q.shape[0], q.shape[2], s), float("-inf"), device=q.device)
+        for p in diag:
+            merge(out[:, p.qs], lse[:, :, p.qs], *_forward(kernel, q, k, v, p, scale))
+    for step in range(1, plan.hops + 1):
+        kv = pending.wait()
+        pending = comm.start(kv, tag=0) if step < plan.hops else None  # overlaps the compute
+        pieces = plan.step(step)
+        _count(stats, "forward", step, pieces)
+        for p in pieces:
+            merge(out[:, p.qs], lse[:, :, p.qs], *_forward(kernel, q, kv[0], kv[1], p, scale))
     return out.to(q.dtype), lse
 
 
-def diagonal_split(seg_len: int, causal: bool):
-    """The diagonal block as (now, later) lists of (query slice, key slice, causal flag).
-
-    Causal: the segment's positions increase, so with h = S/2 it is [:h]x[:h] and
-    [h:]x[h:] (causal, square) plus [h:]x[:h] (unmasked), which backward runs last.
-    Not causal: the two key halves. Every piece's backward is exact on its own given the
-    full (out, lse): dQ sums over pieces and dK/dV rows belong to one piece each.
-    """
-    h = seg_len // 2
-    if h == 0:
-        return [(_ALL, _ALL, causal)], []
-    lo, hi = slice(0, h), slice(h, None)
-    if causal:
-        return [(lo, lo, True), (hi, hi, True)], [(hi, lo, False)]
-    return [(_ALL, lo, False)], [(_ALL, hi, False)]
-
-
 def ring_backward(dout, q, k, v, out, lse, comm: RingComm | None, rank: int, size: int,
-                  causal: bool, balance: str, kernel: Kernel, scale: float):
+                  causal: bool, balance: str, kernel: Kernel, scale: float,
+                  plan: RingPlan | None = None, stats: CommStats | None = None):
     """Exact grads of ``ring_forward``: returns dq, dk, dv in the input dtypes.
 
-    Step 0 runs half of the diagonal block while the first K/V block travels; step s
-    (1..r-1) runs the block of ring rank ``src = i - s``, adds the accumulator for that
-    block received from the previous rank and sends it on; after r-1 hops the accumulator
-    reaches the block's owner, which meanwhile runs the other half of its diagonal.
+    Step 0 runs the "now" part of the diagonal block while the first K/V block travels;
+    step s (1..hops) runs the block of ring rank ``src = i - s``, adds the accumulator for
+    that block received from the previous rank and sends it on; after step ``hops`` it
+    goes to the block's owner, which meanwhile runs the "later" part of its diagonal.
     """
-    if size == 1:
-        return kernel.backward(dout, q, k, v, out, lse, causal, scale)
-    s = q.shape[1]
+    plan = _plan(plan, rank, size, q.shape[1], causal, balance)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     own = torch.stack([k, v])  # [2, B, S, Hkv, d]
     dkv_own = torch.zeros(own.shape, dtype=torch.float32, device=q.device)
 
     def run(pieces, kv, dkv):
-        for qs, ks, cf in pieces:
-            dq_b, dk_b, dv_b = kernel.backward(
-                dout[:, qs], q[:, qs], kv[0][:, ks], kv[1][:, ks], out[:, qs],
-                lse[:, :, qs], cf, scale,
-            )
-            dq[:, qs] += dq_b
-            dkv[0][:, ks] += dk_b
-            dkv[1][:, ks] += dv_b
+        for p in pieces:
+            args = (dout[:, p.qs], q[:, p.qs], kv[0][:, p.ks], kv[1][:, p.ks], out[:, p.qs],
+                    lse[:, :, p.qs], p.causal, scale)
+            grads = kernel.backward(*args) if p.mask is None else \
+                kernel.backward(*args, mask=p.mask)
+            dq[:, p.qs] += grads[0]
+            dkv[0][:, p.ks] += grads[1]
+            dkv[1][:, p.ks] += grads[2]
 
-    now, later = diagonal_split(s, causal)
-    kv_pending = comm.start(own, tag=0)
+    hops = plan.hops
+    now, later = plan.diagonal_split() if hops else (plan.diagonal(), [])
+    _count(stats, "backward", 0, now + later)
+    kv_pending = comm.start(own, tag=0) if hops else None
     run(now, own, dkv_own)
-    kv = kv_pending.wait()
     acc_pending = None  # the accumulator in flight to the next rank
-    for step in range(1, size):
-        kv_pending = comm.start(kv, tag=0) if step + 1 < size else None
+    for step in range(1, hops + 1):
+        kv = kv_pending.wait()
+        kv_pending = comm.start(kv, tag=0) if step < hops else None
         acc = torch.zeros(own.shape, dtype=torch.float32, device=q.device)
-        plan = block_plan((rank - step) % size, rank, s, causal, balance)
-        if plan is not None:
-            run([plan], kv, acc)
+        pieces = plan.step(step)
+        _count(stats, "backward", step, pieces)
+        run(pieces, kv, acc)
         if acc_pending is not None:  # the same block's shares of the ranks before us
             acc += acc_pending.wait()
-        acc_pending = comm.start(acc, tag=1)  # after the last step: to the block's owner
-        if kv_pending is not None:
-            kv = kv_pending.wait()
+        if step < hops or hops == size - 1:  # on to the next rank (the owner after r-1 hops)
+            acc_pending = comm.start(acc, tag=1)
+        else:  # home to the owner, ``hops`` ranks back
+            acc_pending = comm.start(acc, tag=1, shift=size - hops)
     run(later, own, dkv_own)  # while our own accumulator makes its last hop
-    dkv_own += acc_pending.wait()
+    if acc_pending is not None:
+        dkv_own += acc_pending.wait()
     return dq.to(q.dtype), dkv_own[0].to(k.dtype), dkv_own[1].to(v.dtype)
 
 
 class RingAttention(torch.autograd.Function):
-    """Autograd wrapper: forward saves (q, k, v, out, lse) and backward runs the dK/dV ring."""
+    """Autograd wrapper: forward saves (q, k, v, out, lse) and backward runs the dK/dV ring.
+
+    apply(q, k, v, comm, rank, size, causal, balance, kernel, scale[, plan[, stats]]).
+    """
 
     @staticmethod
-    def forward(ctx, q, k, v, comm, rank, size, causal, balance, kernel, scale):
-        out, lse = ring_forward(q, k, v, comm, rank, size, causal, balance, kernel, scale)
+    def forward(ctx, q, k, v, comm, rank, size, causal, balance, kernel, scale, plan=None,
+                stats=None):
+        plan = _plan(plan, rank, size, q.shape[1], causal, balance)
+        out, lse = ring_forward(q, k, v, comm, rank, size, causal, balance, kernel, scale,
+                                plan, stats)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (comm, rank, size, causal, balance, kernel, scale)
+        ctx.args = (comm, rank, size, causal, balance, kernel, scale, plan, stats)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return (dq, dk, dv) + (None,) * (len(ctx.needs_input_grad) - 3)

@@ -7,22 +7,33 @@ results over several KV blocks can be merged exactly (see ``usp.ring.merge``).
 Layout everywhere: ``[B, S, H, d]`` (batch, sequence, heads, head dim). GQA: ``k``/``v``
 may have fewer heads than ``q``; query head ``h`` uses KV head ``h // (Hq // Hkv)``.
 ``causal`` is top-left aligned and is only used on square (diagonal) blocks.
+
+Masks: ``mask`` is a ``usp.masks.BlockMask`` (or None: every pair visible), given only to
+kernels whose ``masks`` names what it carries ("window": positions only, "segment_ids":
+documents too). A query row that sees no key in the block returns out 0 and LSE -inf
+(``settle_empty_rows``), so merging it changes nothing.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from ..masks import BlockMask
 
 
 class Kernel(Protocol):
     name: str
+    masks: frozenset  # the mask kinds it applies: subset of usp.masks.MASK_KINDS
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+        mask: BlockMask | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [B, S, Hq, d], k/v [B, Sk, Hkv, d] -> out [B, S, Hq, d] (q.dtype), lse [B, Hq, S] fp32."""
+        """q [B, S, Hq, d], k/v [B, Sk, Hkv, d] -> out [B, S, Hq, d] (q.dtype), lse [B, Hq, S]
+        fp32."""
         ...
 
     def backward(
@@ -35,6 +46,7 @@ class Kernel(Protocol):
         lse: torch.Tensor,
         causal: bool,
         scale: float,
+        mask: BlockMask | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients of this block given the *final* ``out`` and ``lse`` of the rows.
 
@@ -42,3 +54,13 @@ class Kernel(Protocol):
         dq [B, S, Hq, d], dk/dv [B, Sk, Hkv, d].
         """
         ...
+
+
+def settle_empty_rows(out: torch.Tensor, lse: torch.Tensor, mask: BlockMask | None):
+    """out [B, S, H, d], lse [B, H, S] with the rows ``mask`` leaves without a key set to
+    0 and -inf, whatever the backend wrote there (0, NaN; LSE 0 or +inf)."""
+    rows = None if mask is None else mask.empty_rows(out.device)  # [B or 1, S]
+    if rows is None:
+        return out, lse
+    return (out.masked_fill(rows[:, :, None, None], 0.0),
+            lse.masked_fill(rows[:, None, :], float("-inf")))

@@ -3,30 +3,86 @@
 The planner's cost model prices these bytes, and ``tests/test_comm_volume.py`` checks the
 ``CommStats`` that real calls record against them, so the planner is tied to real traffic.
 
-Ulysses (per rank, to its u-1 peers): the fused q/k/v all-to-all carries Hq/u query heads
-and ``kv = max(Hkv/u, 1)`` KV heads (x2 for K and V) per destination; the output all-to-all
-carries Hq/u heads back. Backward mirrors both. Ring: r-1 hops of a K+V block [B, L/r, kv,
-d] forward; backward the same K/V hops plus r-1 hops of the fp32 dK+dV accumulator (each
-block's accumulator starts at the rank after its owner and ends at the owner).
+Heads per ulysses rank come from ``usp.validate.head_split``: rank j computes ``q_j`` query
+heads and receives ``kv_j`` KV heads (Hq/u and max(Hkv/u, 1) when the heads divide).
+Ulysses, rank i, per token of a peer's chunk (``n = L/P`` tokens per rank): the fused
+q/k/v all-to-all sends ``q_j + 2 kv_j`` heads to each peer j; the output all-to-all sends
+its own ``q_i`` heads to each of the u-1 peers. Backward mirrors both: ``q_j`` heads to each
+peer j (the output's grads), ``q_i + 2 kv_i`` to each peer (dq, dk, dv). Ring: r-1 hops of
+a K+V block [B, L/r, kv_i, d] forward; backward the same K/V hops plus r-1 hops of the fp32
+dK+dV accumulator (each block's accumulator starts at the rank after its owner and ends at
+the owner).
 """
 
 from __future__ import annotations
 
-from ..validate import check_heads
+from ..validate import head_split
 
 FP32 = 4
 
 
 def attention_bytes(batch: int, seq_len: int, hq: int, hkv: int, head_dim: int, ulysses: int,
-                    ring: int, elem_bytes: int) -> tuple[dict, dict]:
-    """({"ulysses": bytes, "ring": bytes} forward, the same backward) sent by one rank."""
+                    ring: int, elem_bytes: int, rank: int | None = None) -> tuple[dict, dict]:
+    """({"ulysses": bytes, "ring": bytes} forward, the same backward) sent by ulysses rank
+    ``rank``; ``rank=None``: each entry's maximum over the ulysses ranks (the slowest
+    rank, which the planner prices; equal to every rank's bytes when the heads divide)."""
     u, r = ulysses, ring
-    kv = check_heads(hq, hkv, u)
+    split = head_split(hq, hkv, u)
+    if rank is None:
+        per_rank = [attention_bytes(batch, seq_len, hq, hkv, head_dim, u, r, elem_bytes, j)
+                    for j in range(u)]
+        return tuple({a: max(p[i][a] for p in per_rank) for a in ("ulysses", "ring")}
+                     for i in (0, 1))
+    if not 0 <= rank < u:
+        raise ValueError(f"rank {rank} is not a ulysses coordinate; use 0..{u - 1} or None")
+    qc, kc = split.q_counts, split.kv_counts
     n, s = seq_len // (u * r), seq_len // r  # tokens per rank, per ring segment
-    a2a_in = (u - 1) * batch * n * (hq // u + 2 * kv) * head_dim * elem_bytes
-    a2a_out = (u - 1) * batch * n * (hq // u) * head_dim * elem_bytes
-    kv_block = 2 * batch * s * kv * head_dim * elem_bytes
-    acc_block = 2 * batch * s * kv * head_dim * FP32
-    fwd = {"ulysses": a2a_in + a2a_out, "ring": (r - 1) * kv_block}
-    bwd = {"ulysses": a2a_out + a2a_in, "ring": (r - 1) * (kv_block + acc_block)}
+    token = batch * n * head_dim * elem_bytes  # one head of one peer's chunk
+    peers = [j for j in range(u) if j != rank]
+    fwd_a2a = sum(qc[j] + 2 * kc[j] for j in peers) + (u - 1) * qc[rank]
+    bwd_a2a = sum(qc[j] for j in peers) + (u - 1) * (qc[rank] + 2 * kc[rank])
+    kv_block = 2 * batch * s * kc[rank] * head_dim * elem_bytes
+    acc_block = 2 * batch * s * kc[rank] * head_dim * FP32
+    fwd = {"ulysses": fwd_a2a * token, "ring": (r - 1) * kv_block}
+    bwd = {"ulysses": bwd_a2a * token, "ring": (r - 1) * (kv_block + acc_block)}
+    return fwd, bwd
+
+
+def windowed_ring_hops(seq_len: int, ring: int, balance: str, causal: bool,
+                       window: int | None) -> int:
+    """K/V hops of the usp ring per pass when queries see only ``window`` tokens (``window``
+    as in ``usp_attention``; None: r - 1).
+
+    The ring sends one way, so a block from ring rank i - s arrives after s hops. Causal,
+    contiguous: a query's keys reach ``window - 1`` tokens back, into the
+    ceil((window - 1) / (L/r)) segments before its own. Zigzag: the second chunk of ring
+    rank i (chunk 2r-1-i) follows the second chunk of rank i + 1, which is r - 1 hops
+    away, so any window of 2 or more needs every hop; not causal likewise (the next
+    segment is r - 1 hops away). ``usp.ring.ring_hops`` derives the same from the plan.
+    """
+    r = ring
+    if r == 1 or window == 1:
+        return 0
+    if window is None or window >= seq_len or balance == "zigzag" or not causal:
+        return r - 1
+    seg = seq_len // r
+    return min(r - 1, -(-(window - 1) // seg))
+
+
+def masked_attention_bytes(batch: int, seq_len: int, hq: int, hkv: int, head_dim: int,
+                           ulysses: int, ring: int, elem_bytes: int, *, balance: str,
+                           causal: bool, window: int | None = None, segment_ids: bool = False,
+                           rank: int | None = None) -> tuple[dict, dict]:
+    """``attention_bytes`` for a call with masks: ({"ulysses", "ring", "sp"} forward, the
+    same backward). The ring makes ``windowed_ring_hops`` hops instead of r - 1 (K/V each
+    pass, the fp32 dK/dV accumulators in backward); ``segment_ids`` adds the forward's
+    all-gather of the int64 ids over the SP group: each rank's [B, L/P] to P - 1 peers."""
+    fwd, bwd = attention_bytes(batch, seq_len, hq, hkv, head_dim, ulysses, ring, elem_bytes, rank)
+    if ring > 1:
+        hops = windowed_ring_hops(seq_len, ring, balance, causal, window)
+        fwd["ring"] = fwd["ring"] // (ring - 1) * hops
+        bwd["ring"] = bwd["ring"] // (ring - 1) * hops
+    p = ulysses * ring
+    fwd["sp"] = batch * (seq_len // p) * 8 * (p - 1) if segment_ids else 0
+    bwd["sp"] = 0
     return fwd, bwd

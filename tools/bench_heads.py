@@ -1,0 +1,71 @@
+"""Time an uneven head split against the nearest even ones on the same ranks.
+
+    python tools/bench_heads.py --quick                  # 6 heads vs 4 and 8 on ulysses 4
+    python tools/bench_heads.py --heads 6 --kv-heads 2   # GQA: 6/2 vs 12/4
+    python tools/bench_heads.py --heads 8 --kv-heads 2 --ulysses 3
+
+Rows: the given (heads, KV heads) first, then ``usp.bench.heads.even_neighbours`` (same
+query heads per KV head, dividing evenly over ulysses), or ``--compare 8:8,4:4``. All rows
+run interleaved in one set of processes; see ``usp.bench.heads`` for what is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+from usp.bench.heads import DTYPES, HeadsBench, even_neighbours, report, run  # noqa: E402
+
+QUICK = dict(seq_len=1024, rounds=5, head_dim=32)
+FULL = dict(seq_len=4096, rounds=7, head_dim=64)
+
+
+def parse_pairs(text: str) -> list[tuple[int, int]]:
+    try:
+        return [tuple(int(x) for x in item.split(":")) for item in text.split(",")]
+    except ValueError:
+        raise ValueError(f"bad --compare {text!r}: write HEADS:KV_HEADS,..., e.g. 8:8,4:4") from None
+
+
+def parse_args(argv=None) -> HeadsBench:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--heads", type=int, default=6, help="query heads of the uneven row")
+    p.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: --heads)")
+    p.add_argument("--compare", default=None, help="rows to compare with, HEADS:KV,...")
+    p.add_argument("--ulysses", type=int, default=4)
+    p.add_argument("--ring", type=int, default=1)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=None, help=f"default {FULL['seq_len']}")
+    p.add_argument("--head-dim", type=int, default=None, help=f"default {FULL['head_dim']}")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--balance", choices=("zigzag", "contiguous"), default="zigzag")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=None, help=f"default {FULL['rounds']}")
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads per process")
+    p.add_argument("--quick", action="store_true",
+                   help=f"smoke-test size {QUICK} (explicit flags still win)")
+    args = p.parse_args(argv)
+    for key, val in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, val)
+    uneven = (args.heads, args.kv_heads or args.heads)
+    try:
+        others = parse_pairs(args.compare) if args.compare else even_neighbours(*uneven, args.ulysses)
+        return HeadsBench(heads=(uneven, *others), ulysses=args.ulysses, ring=args.ring,
+                          batch=args.batch, seq_len=args.seq_len, head_dim=args.head_dim,
+                          dtype=args.dtype, balance=args.balance, warmup=args.warmup,
+                          rounds=args.rounds, threads=args.threads)
+    except ValueError as e:  # refuse before any process starts
+        p.error(str(e))
+
+
+def main(argv=None) -> None:
+    cfg = parse_args(argv)
+    print(report(cfg, run(cfg)))
+
+
+if __name__ == "__main__":
+    main()
