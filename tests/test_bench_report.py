@@ -1,27 +1,15 @@
-"""tools/bench_cluster.py's report (the part that needs no root): tables, PNGs and the
-planner's verdict from a worker's measurements."""
+"""usp.bench.cluster_report: tables, PNGs and the planner's verdict from a worker's
+measurements (the part of the cluster benchmarks that needs no root)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import SimpleNamespace
-
 import pytest
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
+from usp.bench.cluster import ClusterBench
+from usp.bench.cluster_report import report
 
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_cluster", TOOLS / "bench_cluster.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ARGS = SimpleNamespace(seq_len=2048, heads=8, kv_heads=2, head_dim=64, mem_seq_len=2048,
-                       train_seq_len=2048, train_batch=2)
+CFG = ClusterBench(seq_len=2048, heads=8, kv_heads=2, head_dim=64, mem_seq_len=2048,
+                   train_seq_len=2048, train_batch=2)
 
 
 def worker_result(inter_bw: float) -> dict:
@@ -44,13 +32,13 @@ def worker_result(inter_bw: float) -> dict:
     }
 
 
-TRAIN = {"(2,2) ulysses_inner": (0.461, []), "(2,2) ring_inner": (0.504, []),
-         "(4,1)": (0.529, []), "(1,4)": (0.422, [])}
+TRAIN = {"(2,2) ulysses_inner": 0.461, "(2,2) ring_inner": 0.504, "(4,1)": 0.529, "(1,4)": 0.422}
 
 
-def test_report_tables_plots_and_planner_verdict(bench, tmp_path):
-    s = bench.report(ARGS, worker_result(37e6), TRAIN, tmp_path)
+def test_report_tables_plots_and_planner_verdict(tmp_path):
+    s, lines = report(CFG, worker_result(37e6), TRAIN, tmp_path)
     assert s["placement"]["attn_ratio"] == pytest.approx(278.0 / 180.0)
+    assert s["placement"]["train_ratio"] == pytest.approx(0.504 / 0.461)
     assert s["bytes_max_rel_err"] == pytest.approx(1 / 4718592)
     assert s["act_ratio"][2] == pytest.approx(24276992 / (46456832 / 2))
     eff = s["ring_eff"]["1 rank per core, L=4096"]
@@ -60,16 +48,24 @@ def test_report_tables_plots_and_planner_verdict(bench, tmp_path):
     # one shared 37 MB/s link per node: (1,4) sends off a node from one rank, (2,2) from two
     assert s["planner"] == {"choice": [1, 4], "best": [1, 4], "gap": 0.0}
     text = (tmp_path / "tables.txt").read_text()
+    assert text == "\n".join(lines) + "\n"
     assert "planner choice (1, 4): measured +0.0% vs best (1, 4)" in text
+    e_row = next(ln.split() for ln in lines if ln.lstrip().startswith("(1,4)") and "%" in ln)
+    assert e_row[3:6] == ["4718593", "4718592", "+0.00%"]  # (e): measured, formula, diff
     for png in ("a_placement", "b_degree_sweep", "c_ring_efficiency", "d_activation_memory",
                 "e_bytes"):
         assert (tmp_path / f"{png}.png").stat().st_size > 1000
 
 
-def test_report_states_the_gap_when_the_planner_misses(bench, tmp_path):
-    # a link 10x faster: comm barely matters, the planner's compute-bound pick is (2,2)
-    s = bench.report(ARGS, worker_result(370e6), TRAIN, tmp_path)
-    choice = tuple(s["planner"]["choice"])
-    measured = {(2, 2): 0.461, (4, 1): 0.529, (1, 4): 0.422}
-    assert s["planner"]["gap"] == pytest.approx(measured[choice] / 0.422 - 1)
-    assert "vs best (1, 4)" in (tmp_path / "tables.txt").read_text()
+def test_report_states_the_gap_when_the_planner_misses(tmp_path):
+    # the same links (the planner still picks (1,4)), but (2,2) measured fastest:
+    # (1,4)'s 0.450 s is 12.5% over (2,2)'s 0.400 s
+    train = {**TRAIN, "(2,2) ulysses_inner": 0.400, "(1,4)": 0.450}
+    s, lines = report(CFG, worker_result(37e6), train, tmp_path)
+    assert s["planner"]["choice"] == [1, 4]
+    assert s["planner"]["best"] == [2, 2]
+    assert s["planner"]["gap"] == pytest.approx(0.125)
+    assert "planner choice (1, 4): measured +12.5% vs best (2, 2)" in lines
+    ranks = {ln.split()[0]: ln.split()[3] for ln in lines if ln.startswith("(")
+             and len(ln.split()) == 6}  # (b): (u,r) -> measured rank
+    assert ranks == {"(4,1)": "3", "(2,2)": "1", "(1,4)": "2"}

@@ -1,8 +1,8 @@
-"""Single-process tests of usp.data (recall task, memmap tokens) and tools/prepare_data.py."""
+"""Single-process tests of usp.data: the recall task, memmap tokens, and ``prepare`` (the
+library behind tools/prepare_data.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,17 +12,10 @@ import pytest
 import torch
 
 from usp.data import IGNORE_INDEX, MemmapTokens, RecallTask, TokenWriter, answer_accuracy
+from usp.data.prepare import list_files, prepare
 from usp.layout import SequenceLayout
 
-ROOT = Path(__file__).resolve().parents[1]
 L = 256
-
-
-def _prepare_module():
-    spec = importlib.util.spec_from_file_location("prepare_data", ROOT / "tools/prepare_data.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _four_shards(seq_len):
@@ -36,7 +29,7 @@ def _four_shards(seq_len):
 
 def test_recall_labels_are_next_token_answers_and_survive_sharding():
     task = RecallTask(vocab_size=256, seq_len=L, n_pairs=8, n_queries=6, seed=3)
-    tokens, labels = task.batch(step=0, batch_size=4)
+    tokens, labels = task.batch(step=0, batch_per_dp_rank=4)
     assert tokens.shape == labels.shape == (4, L) and tokens.dtype == labels.dtype == torch.long
     scored = labels != IGNORE_INDEX
     assert scored.sum(1).tolist() == [6, 6, 6, 6]
@@ -49,7 +42,7 @@ def test_recall_labels_are_next_token_answers_and_survive_sharding():
     assert sorted(torch.cat(shards).tolist()) == list(range(L))
     total = 0
     for pos in shards:
-        t, lab = task.batch(step=0, batch_size=4, positions=pos)
+        t, lab = task.batch(step=0, batch_per_dp_rank=4, positions=pos)
         assert torch.equal(t, tokens[:, pos]) and torch.equal(lab, labels[:, pos])
         total += int((lab != IGNORE_INDEX).sum())
     assert total == int(scored.sum())
@@ -59,7 +52,7 @@ def test_recall_answers_match_pairs_far_back():
     task = RecallTask(vocab_size=256, seq_len=L, n_pairs=8, n_queries=8, seed=0)
     assert (task.n_keys, task.n_values) == (8, 8)
     assert task.min_distance >= L // 2 - 2 * task.n_queries
-    tokens, labels = task.batch(step=5, batch_size=3)
+    tokens, labels = task.batch(step=5, batch_per_dp_rank=3)
     V = task.n_values
     closest = L
     for row, lab in zip(tokens.tolist(), labels.tolist()):
@@ -86,7 +79,7 @@ def test_recall_answers_match_pairs_far_back():
 
 def test_recall_pairs_and_queries_sit_in_different_ring_segments():
     task = RecallTask(vocab_size=256, seq_len=L, n_pairs=8, n_queries=8, seed=1)
-    tokens, _ = task.batch(step=0, batch_size=2)
+    tokens, _ = task.batch(step=0, batch_per_dp_rank=2)
     is_pair = (tokens >= task.pair_base) & (tokens < task.filler_base)
     is_query = (tokens >= task.query_base) & (tokens < task.pair_base)
     for ring in (2, 4):
@@ -149,8 +142,7 @@ def corpus(tmp_path_factory):
         (src / name).write_bytes(data)
     (src / "skip.md").write_bytes(b"not matched")
     out = tmp_path_factory.mktemp("data") / "corpus"
-    # the CLI entry point, in-process (a subprocess would pay for a second torch import)
-    _prepare_module().main(["--src", str(src), "--glob", "**/*.txt", "--out", str(out)])
+    prepare(src, "**/*.txt", out)
     return SimpleNamespace(src=src, out=out, files=files)
 
 
@@ -165,14 +157,27 @@ def test_prepare_data_roundtrip(corpus):
     assert meta["dtype"] == "uint16" and meta["eos_id"] == 256 and meta["max_token"] == 256
     assert meta["source"]["num_files"] == 3 and meta["tokenizer"] == "bytes+eos"
     assert not list(Path(corpus.out).parent.glob("*.tmp"))
-    capped = _prepare_module().prepare(corpus.src, "**/*.txt", corpus.out.parent / "cap", 800)
+    capped = prepare(corpus.src, "**/*.txt", corpus.out.parent / "cap", 800)
     assert capped["num_tokens"] == 800 + 2 and capped["source"]["num_bytes"] == 800
+
+
+def test_prepare_refuses_bad_input_before_writing(corpus, tmp_path):
+    names = [p.relative_to(corpus.src).as_posix() for p in list_files(corpus.src, "**/*.txt")]
+    assert names == ["a.txt", "b.txt", "sub/c.txt"]  # sorted by relative path, .md left out
+    out = tmp_path / "never"
+    with pytest.raises(ValueError, match=r"'.*missing' is not a directory.*--src"):
+        prepare(tmp_path / "missing", "**/*.txt", out)
+    with pytest.raises(ValueError, match=r"no files under .* match the pattern '\*\*/\*\.rst'"):
+        prepare(corpus.src, "**/*.rst", out)
+    with pytest.raises(ValueError, match=r"max_bytes=-1 is negative"):
+        prepare(corpus.src, "**/*.txt", out, max_bytes=-1)
+    assert not list(tmp_path.iterdir())  # refused before TokenWriter made any file
 
 
 def test_memmap_windows_labels_and_positions(corpus):
     ds = MemmapTokens(corpus.out, seq_len=64, seed=1)
     mm = np.fromfile(f"{corpus.out}.bin", dtype=np.uint16).astype(np.int64)
-    tokens, labels = ds.batch(step=2, batch_size=3)
+    tokens, labels = ds.batch(step=2, batch_per_dp_rank=3)
     assert tokens.shape == labels.shape == (3, 64) and tokens.dtype == torch.long
     for i in range(3):
         s = ds.window_start(2 * 3 + i)
@@ -180,7 +185,7 @@ def test_memmap_windows_labels_and_positions(corpus):
         assert torch.equal(labels[i], torch.from_numpy(mm[s + 1 : s + 65]))
     # sharded reads equal slicing the full window; the last label is the token after it
     for pos in _four_shards(64):
-        t, lab = ds.batch(step=2, batch_size=3, positions=pos)
+        t, lab = ds.batch(step=2, batch_per_dp_rank=3, positions=pos)
         assert torch.equal(t, tokens[:, pos]) and torch.equal(lab, labels[:, pos])
     assert torch.equal(labels[:, :-1], tokens[:, 1:])
     assert torch.equal(ds.batch(2, 3)[0], tokens) and not torch.equal(ds.batch(3, 3)[0], tokens)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from _cases import check_case
 from usp import SequenceLayout, SPMesh
-from usp.config import DataConfig, LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainerConfig
+from usp.config import MemmapData, RecallData, LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainerConfig
 from usp.launch import spawn_local
 from usp.train.setup import build_dataset
 from usp.train.trainer import RunConfig, train
@@ -58,8 +58,8 @@ def _check_data(mesh, memmap_prefix):
     together are one process's batch of ``batch * dp``, in order, for both datasets."""
     seq_len, batch = 64, 3
     layout = SequenceLayout(mesh, seq_len=seq_len, balance="zigzag")
-    for dc in (DataConfig(kind="recall", seq_len=seq_len, n_pairs=8, n_queries=4),
-               DataConfig(kind="memmap", path=memmap_prefix, seq_len=seq_len)):
+    for dc in (RecallData(seq_len=seq_len, n_pairs=8, n_queries=4),
+               MemmapData(path=memmap_prefix, seq_len=seq_len)):
         data = build_dataset(dc, MODEL)
         for step in (0, 3):
             tokens, labels = data.batch(step, batch, mesh.dp_rank, mesh.dp,
@@ -96,7 +96,7 @@ def _cfg(run_dir, u, r, dp, batch_size, steps=5, **trainer_kw) -> RunConfig:
         model=MODEL,
         parallel=ParallelConfig(ulysses_degree=u, ring_degree=r, dp_degree=dp,
                                 ranks_per_node=max(u, 1)),
-        data=DataConfig(seq_len=64, batch_size=batch_size, n_pairs=8, n_queries=4,
+        data=RecallData(seq_len=64, batch_per_dp_rank=batch_size, n_pairs=8, n_queries=4,
                         eval_batches=0),
         optim=OptimConfig(lr=3e-3, warmup_steps=2),
         trainer=TrainerConfig(steps=steps, run_dir=str(run_dir), nprocs=u * r * dp,

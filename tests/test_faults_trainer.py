@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from usp.config import (
-    DataConfig,
+    RecallData,
     LoggingConfig,
     ModelConfig,
     OptimConfig,
@@ -42,7 +42,7 @@ def tiny_cfg(run_dir, steps=6, **trainer_kw) -> RunConfig:
     return RunConfig(
         model=ModelConfig(vocab_size=320, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64),
         parallel=ParallelConfig(ulysses_degree=1, ring_degree=2, ranks_per_node=1),
-        data=DataConfig(seq_len=64, batch_size=2, n_pairs=4, n_queries=4, eval_batches=0),
+        data=RecallData(seq_len=64, batch_per_dp_rank=2, n_pairs=4, n_queries=4, eval_batches=0),
         optim=OptimConfig(lr=3e-3, warmup_steps=2),
         trainer=TrainerConfig(steps=steps, run_dir=str(run_dir), nprocs=2, log_every=0,
                               **trainer_kw),

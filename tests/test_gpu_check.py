@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from usp.bench import gpu_check
+from usp.bench import gpu_check, gpu_checks_attention
 from usp.kernels import get_kernel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,9 +48,9 @@ class _Off:
 
 def test_the_check_fails_on_a_wrong_kernel(monkeypatch):
     sizes = gpu_check.Sizes.dry()
-    monkeypatch.setattr(gpu_check, "get_kernel", lambda name: _Off(1e-4))
-    rows = gpu_check.check_kernels(torch.device("cpu"), sizes)
+    monkeypatch.setattr(gpu_checks_attention, "get_kernel", lambda name: _Off(1e-4))
+    rows = gpu_check.SECTIONS["kernels"](torch.device("cpu"), sizes)
     fp32 = [r for r in rows if r["dtype"] == "float32"]
     assert fp32 and not any(r["ok"] for r in fp32)  # 1e-4 > the 2e-5 fp32 bound
-    monkeypatch.setattr(gpu_check, "get_kernel", lambda name: _Off(0.0))
-    assert all(r["ok"] for r in gpu_check.check_kernels(torch.device("cpu"), sizes))
+    monkeypatch.setattr(gpu_checks_attention, "get_kernel", lambda name: _Off(0.0))
+    assert all(r["ok"] for r in gpu_check.SECTIONS["kernels"](torch.device("cpu"), sizes))

@@ -17,6 +17,7 @@ import usp.launch
 from usp.config import ModelConfig
 from usp.planner import ClusterSpec, plan
 from usp.train.setup import preflight
+from usp.validate import check_heads
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -83,13 +84,16 @@ BAD = [
     ("optim.beta2=-0.5", "optim.beta2=-0.5 must be >= 0"),
     ("optim.grad_clip=0", "optim.grad_clip=0.0 must be > 0"),
     # data
-    ("data.batch_size=0", "data.batch_size=0 must be >= 1"),
+    ("data.batch_per_dp_rank=0", "data.batch_per_dp_rank=0 must be >= 1"),
     ("data.seq_len=0", "data.seq_len=0 must be >= 1"),
     ("data.eval_batches=-1", "data.eval_batches=-1 must be >= 0"),
     ("data.n_queries=0", "data.n_queries=0 must be >= 1"),
     ("data.n_pairs=0", "data.n_pairs=0 must be >= 1"),
     ("data.n_queries=9", "data.n_queries=9 > data.n_pairs=8"),
-    ("data.kind=text", "data.kind='text' is not one of recall, memmap"),
+    ("data.kind=text", "data.kind='text' does not name this data config (recall); choose the "
+                       "dataset with the group: data=recall or data=memmap"),
+    ("data=memmap data.path=null", "data.path is not set"),
+    ("data=memmap data.seq_len=0", "data.seq_len=0 must be >= 1"),
     ("data.n_queries=8 data.seq_len=64", "data.kind=recall: query section (2*n_queries+1 = 17"),
     # model
     ("model.n_kv_heads=0", "model.n_kv_heads=0 must be >= 1"),
@@ -138,8 +142,7 @@ def test_a_read_only_run_dir_is_refused(launch, tmp_path):
 
 
 def test_ring_flash_attn_without_the_package_is_refused(monkeypatch):
-    from usp.config import ParallelConfig, TrainerConfig
-    from usp.train.trainer import RunConfig
+    from usp.config import ParallelConfig, RunConfig, TrainerConfig
 
     monkeypatch.delitem(sys.modules, "ring_flash_attn", raising=False)
     real = importlib.util.find_spec
@@ -204,7 +207,10 @@ def test_many_dropped_layouts_are_summarised_by_rule(h100):
     assert len(p.dropped) > 20
     assert {d.rule for d in p.dropped} == {"batch", "heads"}
     assert all("does not split over dp" in d.reason for d in p.dropped if d.rule == "batch")
-    assert all("not divisible by ulysses" in d.reason for d in p.dropped if d.rule == "heads")
+    for d in (d for d in p.dropped if d.rule == "heads"):  # the heads rule's own message
+        with pytest.raises(ValueError) as e:
+            check_heads(LLAMA.n_heads, LLAMA.n_kv_heads, d.ulysses)
+        assert d.reason == str(e.value), d
     lines = p.format_table().splitlines()
     assert f"dropped: {len(p.dropped)} layouts, by rule" in lines
     counts = {ln.split(":")[0].strip(): int(ln.split()[1]) for ln in lines

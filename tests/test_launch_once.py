@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import usp.planner
-from usp.config import DataConfig, ModelConfig, ParallelConfig, TrainerConfig
+from usp.config import RecallData, ModelConfig, ParallelConfig, TrainerConfig
 from usp.launch import choose_device, cuda_index, init_from_env, launcher_env, spawn_local
 from usp.planner import ClusterSpec
 from usp.train.setup import preflight, preflight_group, resolve_degrees
@@ -43,7 +43,7 @@ def auto_cfg() -> RunConfig:
                        hbm_bw=3.35e12)
     return RunConfig(model=ModelConfig(n_heads=8, n_kv_heads=8),
                      parallel=ParallelConfig(ulysses_degree="auto", ring_degree="auto"),
-                     cluster=h100, data=DataConfig(seq_len=16384, batch_size=1),
+                     cluster=h100, data=RecallData(seq_len=16384, batch_per_dp_rank=1),
                      trainer=TrainerConfig(nprocs=2, device="cpu"))
 
 

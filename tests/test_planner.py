@@ -20,6 +20,7 @@ from usp.planner import (
     rank_grid,
 )
 from usp.planner.cluster import GiB, cluster_dir
+from usp.planner.cost import attention_cost, layer_matmul_params, layer_params
 from usp.validate import check_heads, check_seq_len
 
 LLAMA3_8B = ModelConfig(
@@ -232,6 +233,30 @@ def test_fsdp_shards_state_over_dp_times_sp(h100):
     assert sh.mem_state_bytes > 16 * n / 32
 
 
+def test_layer_params_follow_the_model_config():
+    # Llama-3-8B: q, o 4096x4096; k, v 4096x1024; gate, up, down 4096x14336; 2 norms
+    assert layer_matmul_params(LLAMA3_8B) == 2 * 4096**2 + 2 * 4096 * 1024 + 3 * 4096 * 14336
+    assert layer_params(LLAMA3_8B) == layer_matmul_params(LLAMA3_8B) + 2 * 4096
+    emb = 2 * 128256 * 4096  # untied input and output embeddings
+    assert LLAMA3_8B.num_params() == 32 * layer_params(LLAMA3_8B) + emb + 4096  # + final norm
+
+
+def test_attention_cost_is_the_attention_part_of_estimate(h100):
+    """``estimate``'s attention fields are ``attention_cost`` per layer x layers x sequences
+    per dp rank, with the recompute forward under activation checkpointing."""
+    for ckpt, n_fwd in ((True, 2), (False, 1)):
+        c = estimate(LLAMA3_8B, h100, 1 << 18, 2, 4, 8, global_batch=6, act_checkpoint=ckpt)
+        a = attention_cost(h100, 1 << 18, 32, 8, 128, 8, 4, dp=2, n_fwd=n_fwd)
+        n = 3 * 32  # sequences per dp rank x layers
+        assert (c.attn_s, c.a2a_s, c.merge_s, c.ring_exposed_s) == pytest.approx(
+            (n * a.compute_s, n * a.a2a_s, n * a.merge_s, n * a.ring_exposed_s), rel=1e-12)
+        assert (c.a2a_link, c.ring_link) == (a.a2a_link, a.ring_link)
+    with pytest.raises(ValueError, match="balance in"):
+        attention_cost(h100, 1 << 18, 32, 8, 128, 8, 4, balance="zig")
+    with pytest.raises(ValueError, match="causal_tile >= 0"):
+        attention_cost(h100, 1 << 18, 32, 8, 128, 8, 4, causal_tile=-1)
+
+
 def test_step_breakdown_is_consistent(h100):
     c = estimate(LLAMA3_8B, h100, M, 1, 4, 8)
     assert c.step_s == pytest.approx(
@@ -302,19 +327,18 @@ def test_plan_enumerates_every_layout_once(h100):
 
 
 def test_heads_rule_drops_with_check_heads_message(h100):
-    m = ModelConfig(dim=1536, n_heads=12, n_kv_heads=6, ffn_dim=4096, n_layers=4)
+    m = ModelConfig(dim=1536, n_heads=6, n_kv_heads=2, ffn_dim=4096, n_layers=4)
     p = plan(m, h100, 1 << 15, nodes=1)
-    dropped = {x.ulysses: x.reason for x in p.dropped}
-    assert dropped[4] == _reason(check_heads, 12, 6, 4)  # KV 6 vs ulysses 4
-    assert dropped[8] == _reason(check_heads, 12, 6, 8)  # 12 query heads over 8
-    assert {c.ulysses for c in p.candidates} == {1, 2}
+    heads = {x.ulysses: x.reason for x in p.dropped if x.rule == "heads"}
+    assert heads == {8: _reason(check_heads, 6, 2, 8)}  # 6 query heads over 8 ranks
+    assert (1, 2, 4) in [c.degrees for c in p.candidates]  # 6 over 4: an uneven split
 
 
 def test_kv_replication_is_a_note_not_a_drop(h100):
     p = plan(llama_like(4), h100, 1 << 18, nodes=1)
     c8 = next(c for c in p.candidates if c.ulysses == 8)
     assert c8.cost.kv_per_rank == 1
-    assert "KV heads replicated x2 (ulysses 8 > 4 KV heads)" in c8.notes
+    assert "KV heads replicated x2 (ulysses 8, 4 KV heads)" in c8.notes
     assert not any("replicated" in n for c in p.candidates if c.ulysses <= 4 for n in c.notes)
 
 

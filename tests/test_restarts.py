@@ -88,15 +88,19 @@ def _hangs_outside_collectives(out_dir):
 
 
 def _launcher(fn_name: str, out_dir: Path, **kw) -> subprocess.Popen:
-    """``run_local`` in its own process (signals are sent to it); exits with its code."""
+    """``run_local`` in its own process (signals are sent to it); exits with its code.
+
+    The launcher and the ranks it spawns import this file as ``test_restarts`` from
+    ``PYTHONPATH`` (the tests folder, then this checkout for ``usp``).
+    """
     code = textwrap.dedent(f"""
         import sys
-        sys.path.insert(0, {str(TESTS)!r})
         import test_restarts as t
         from usp.launch import run_local
         sys.exit(run_local(t.{fn_name}, 2, {str(out_dir)!r}, threads=1, **{kw!r}))
     """)
-    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env)
 
 
 def _wait_for(paths, seconds=30.0):

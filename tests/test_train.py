@@ -1,6 +1,7 @@
 """Training app: layout-independent losses, resume, crash-safe checkpoints, memmap data."""
 
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from usp.config import DataConfig, LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainerConfig
+from usp.config import MemmapData, RecallData, LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainerConfig
 from usp.launch import spawn_local
 from usp.train.trainer import RunConfig, train
 
@@ -19,7 +20,7 @@ def small_cfg(run_dir, u=2, r=2, steps=5, **trainer_kw) -> RunConfig:
     return RunConfig(
         model=ModelConfig(vocab_size=320, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128),
         parallel=ParallelConfig(ulysses_degree=u, ring_degree=r, ranks_per_node=max(u, 1)),
-        data=DataConfig(seq_len=128, batch_size=2, n_pairs=8, n_queries=8),
+        data=RecallData(seq_len=128, batch_per_dp_rank=2, n_pairs=8, n_queries=8),
         optim=OptimConfig(lr=3e-3, warmup_steps=2),
         trainer=TrainerConfig(steps=steps, run_dir=str(run_dir), nprocs=u * r, **trainer_kw),
         logging=QUIET,
@@ -45,20 +46,23 @@ def test_same_losses_1x1_and_2x2(tmp_path):
         assert rec["attn_comm_clock"] == "host" and 0 < rec["attn_comm_share"] < 1  # gloo
 
 
+LAYOUTS = [(4, 1), (1, 4)]  # (ulysses, ring) a (2, 2) checkpoint resumes under
+
+
 def test_resume_matches_uninterrupted_and_across_layouts(tmp_path):
     straight = _run(small_cfg(tmp_path / "straight", steps=6))
-    # interrupted at step 3 (checkpoint written), then resumed under the same layout
+    # interrupted at step 3 (checkpoint written) under (ulysses, ring) = (2, 2)
     _run(small_cfg(tmp_path / "resumed", steps=6, stop_after=3))
     assert (tmp_path / "resumed" / "checkpoints" / "step_000003").is_dir()
+    # copies of that run directory resume under the other layouts
+    for u, r in LAYOUTS:
+        shutil.copytree(tmp_path / "resumed", tmp_path / f"re_{u}x{r}")
     # another init seed: only the checkpoint can give the straight run's losses
     resumed = _run(small_cfg(tmp_path / "resumed", steps=6, seed=7))
     for s in (4, 5, 6):
         assert abs(resumed[s]["loss"] - straight[s]["loss"]) <= 1e-6 * straight[s]["loss"], s
-    # written under (ulysses, ring) = (2, 2), resumed under (4, 1)
-    for u, r in ((4, 1),):
-        run = tmp_path / f"re_{u}x{r}"
-        _run(small_cfg(run, steps=6, stop_after=3))
-        moved = _run(small_cfg(run, u=u, r=r, steps=6, seed=7))
+    for u, r in LAYOUTS:
+        moved = _run(small_cfg(tmp_path / f"re_{u}x{r}", u=u, r=r, steps=6, seed=7))
         for s in (4, 5, 6):
             a, b = straight[s]["loss"], moved[s]["loss"]
             assert abs(a - b) <= 1e-4 * a, (u, r, s, a, b)
@@ -113,7 +117,7 @@ def test_memmap_text_trains_and_loss_falls(tmp_path):
          "--out", str(out)], check=True, cwd=Path(__file__).resolve().parent.parent,
     )
     cfg = small_cfg(tmp_path / "mm", steps=30)
-    cfg = replace(cfg, data=DataConfig(kind="memmap", path=str(out), seq_len=128, batch_size=4),
+    cfg = replace(cfg, data=MemmapData(path=str(out), seq_len=128, batch_per_dp_rank=4),
                   optim=OptimConfig(lr=3e-3, warmup_steps=5))
     hist = _run(cfg)
     first = sum(hist[s]["loss"] for s in (1, 2, 3)) / 3

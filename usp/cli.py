@@ -12,29 +12,38 @@ import gc
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any
 
 import hydra
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
-from .train.trainer import RunConfig
+from .config import DATA_KINDS, PlanConfig, RunConfig
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 
 
+# OmegaConf cannot type a union of dataclasses, so in the schemas Hydra holds ``data`` is
+# open: each configs/data/<kind>.yaml extends /schema/data/<kind>, the dataclass of its kind.
 @dataclass
-class PlanConfig(RunConfig):
-    """``usp-plan``: the same groups as training, plus the cluster size and outputs."""
+class _TrainSchema(RunConfig):
+    data: Any = MISSING
 
-    nodes: Optional[int] = None  # overrides cluster.nodes
-    png: Optional[str] = None  # also draw the mesh to this PNG
+
+@dataclass
+class _PlanSchema(PlanConfig):
+    data: Any = MISSING
+
+
+_LIBRARY_TYPE = {_TrainSchema: RunConfig, _PlanSchema: PlanConfig}
 
 
 def register_schemas() -> None:
     cs = ConfigStore.instance()
-    cs.store(name="train_schema", node=RunConfig)
-    cs.store(name="plan_schema", node=PlanConfig)
+    cs.store(name="train_schema", node=_TrainSchema)
+    cs.store(name="plan_schema", node=_PlanSchema)
+    for kind, cls in DATA_KINDS.items():
+        cs.store(group="schema/data", name=kind, node=cls)
 
 
 register_schemas()
@@ -69,14 +78,17 @@ def unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
     return found
 
 
-def to_config(dcfg: DictConfig):
-    """Hydra's composed config -> the typed dataclasses; refuses keys the schema lacks and
-    the values the dataclasses refuse (their ``__post_init__``), as ``ValueError``."""
+def to_config(dcfg: DictConfig) -> RunConfig:
+    """Hydra's composed config -> a ``RunConfig`` (``PlanConfig`` for usp-plan); refuses keys
+    the schema lacks and the values the dataclasses refuse (their ``__post_init__``), as
+    ``ValueError``."""
     stray = unknown_keys(dcfg)
     if stray:
         raise ValueError(f"unknown config key {'; '.join(stray)}: the schema has no such field; "
                          f"drop the override or fix its name")
-    return OmegaConf.to_object(dcfg)
+    composed = OmegaConf.to_object(dcfg)
+    cls = _LIBRARY_TYPE[type(composed)]
+    return cls(**{f.name: getattr(composed, f.name) for f in dataclasses.fields(cls)})
 
 
 def _refuse(prog: str, e: Exception, status: int = 2) -> None:
@@ -169,23 +181,16 @@ def _plan_main(dcfg) -> None:
 
 
 def _plan(cfg: PlanConfig) -> None:
-    from .planner import draw_mesh, plan
+    from .planner import draw_mesh
+    from .train.setup import plan_run
 
-    if cfg.nodes is not None and cfg.nodes < 1:
-        raise ValueError(f"nodes={cfg.nodes} must be >= 1; pass nodes=1 or more")
     spec = cfg.cluster if cfg.nodes is None else cfg.cluster.replace(nodes=cfg.nodes)
-    pc = cfg.parallel
-
-    def fixed(v):
-        return None if v in (None, "auto") else int(v)
-
-    p = plan(cfg.model, spec, cfg.data.seq_len, world=spec.world, balance=pc.balance,
-             ulysses=fixed(pc.ulysses_degree), ring=fixed(pc.ring_degree), dp=fixed(pc.dp_degree),
-             global_batch=cfg.data.batch_size, placement=pc.placement)
+    p = plan_run(cfg, spec, spec.world)
     best = p.best
     print(p.format_table())
     print(f"choice: dp {best.dp} x ring {best.ring} x ulysses {best.ulysses}")
-    drawing = draw_mesh(best.dp, best.ring, best.ulysses, spec.ranks_per_node, pc.placement)
+    drawing = draw_mesh(best.dp, best.ring, best.ulysses, spec.ranks_per_node,
+                        cfg.parallel.placement)
     print(drawing)
     if cfg.png:
         drawing.save_png(cfg.png)

@@ -1,8 +1,9 @@
 """The one home for private torch and flash-attn objects, each with the versions it was read from.
 
 Adapters (``usp.kernels.aten``, ``usp.kernels.flash_attn``) get every private op from
-here and know only how to call it; on a torch or flash-attn upgrade, this file is re-read
-against the new sources first.
+here and know only how to call it, and ``usp.mesh`` reaches DeviceMesh and c10d internals
+only through the functions at the end; on a torch or flash-attn upgrade, this file is
+re-read against the new sources first.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import math
 from typing import Callable, NamedTuple
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 
 class CudaSdpaOps(NamedTuple):
@@ -119,3 +122,45 @@ def flash_attn_ops() -> FlashAttnOps:
         ) from e
     fwd, bwd = fai._flash_attn_forward, fai._flash_attn_backward
     return FlashAttnOps(fwd, bwd, op_params(fwd), op_params(bwd))
+
+
+# ---- DeviceMesh and c10d internals (read in the torch 2.13.0 and 2.14.1 sources) ---------
+
+def flatten_mesh(dm: DeviceMesh, name: str) -> DeviceMesh:
+    """``dm`` (all its axes) as one 1-D DeviceMesh named ``name``, with one process group.
+
+    ``DeviceMesh._flatten(name)``: private up to 2.14.1 at least; it creates the group once
+    and keeps the flattened mesh in the root mesh's ``_flatten_mapping``, so a second call
+    returns the same mesh. If it is renamed or made public, call that here; if it is gone,
+    build the mesh from ``dist.new_group`` over the ranks of ``dm.mesh`` (every rank must
+    create every group, in the same order) with ``DeviceMesh.from_group``.
+    """
+    return dm._flatten(name)
+
+
+def release_device_mesh(dm: DeviceMesh | None) -> None:
+    """Drop what a DeviceMesh holds, so that its process groups can be freed now.
+
+    In 2.13.0 and 2.14.1 a mesh keeps its groups in ``_pg_registry``, and the root mesh keeps
+    its flattened meshes in ``_flatten_mapping`` while each of them points back through
+    ``_root_mesh`` (``_get_root_mesh()``): a reference cycle. ``_mesh_resources`` holds only
+    the stack of ``with device_mesh:`` blocks, unused by usp. Missing attributes are skipped.
+    When these names change, find where the new mesh stores its groups and flattened meshes
+    and clear those; ``tests/test_clean_exit.py`` fails while any gloo worker thread of a
+    closed mesh is still alive.
+    """
+    if dm is None:
+        return
+    for mesh in (dm, dm._get_root_mesh()):
+        getattr(mesh, "_pg_registry", {}).clear()
+        getattr(mesh, "_flatten_mapping", {}).clear()
+
+
+def process_group_alive(pg: dist.ProcessGroup) -> bool:
+    """Whether ``pg`` is still registered, i.e. not yet destroyed by
+    ``dist.destroy_process_group`` (which refuses a group it does not know).
+
+    ``dist.distributed_c10d._world.pg_map`` (2.13.0, 2.14.1): the registry of live groups.
+    If it moves, ask the new registry here.
+    """
+    return pg in dist.distributed_c10d._world.pg_map

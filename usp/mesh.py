@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .comm import CommStats, check_agreement
+from .compat import flatten_mesh, process_group_alive, release_device_mesh
 from .validate import check_degrees, check_placement, check_ranks_per_node
 
 AXES = ("dp", "ring", "ulysses")
@@ -109,7 +110,8 @@ class SPMesh:
         if device_type is None:
             device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         dm = DeviceMesh(device_type, ranks, mesh_dim_names=AXES)
-        flat = {"sp": dm[("ring", "ulysses")]._flatten("sp"), "dp_sp": dm._flatten("dp_sp")}
+        flat = {"sp": flatten_mesh(dm[("ring", "ulysses")], "sp"),
+                "dp_sp": flatten_mesh(dm, "dp_sp")}
         mesh = cls(ulysses, ring, dp, placement, ranks, hosts, dm, flat)
         mesh._warn_if_ulysses_spans_nodes()
         return mesh
@@ -239,8 +241,8 @@ class SPMesh:
     # runs worker threads (``pt_gloo_runloop``) that are joined only when the
     # ProcessGroup object is freed; ``pg.shutdown()``, which
     # ``dist.destroy_process_group()`` calls, leaves them running. The groups this mesh
-    # made are held by ``_cache`` and by the DeviceMesh's ``_pg_registry``; the DeviceMesh
-    # sits in a root <-> flattened mesh cycle (``_flatten_mapping`` / ``_root_mesh``) and
+    # made are held by ``_cache`` and by the DeviceMesh's group registry; the DeviceMesh
+    # sits in a root <-> flattened mesh cycle (``compat.release_device_mesh``) and
     # FSDP/DTensor state can keep it alive longer still, so they live until interpreter
     # shutdown. A worker drops its last reference to a finished collective only after the
     # caller's ``wait()`` has returned; when that collective (``layout.gather``'s
@@ -278,7 +280,7 @@ class SPMesh:
                 dist.barrier()  # every rank is past its last collective on the subgroups
             self._destroy_groups()
         for dm in [self.device_mesh, *self.flat_meshes.values()]:
-            _release_device_mesh(dm)
+            release_device_mesh(dm)
         self.device_mesh = None
         self.flat_meshes = {}
         self._cache.clear()
@@ -293,7 +295,7 @@ class SPMesh:
             if pg is not dist.group.WORLD and all(pg is not f for f in found):
                 found.append(pg)
         for pg in reversed(found):  # the same order on every rank
-            if pg in dist.distributed_c10d._world.pg_map:  # not destroyed elsewhere
+            if process_group_alive(pg):  # not destroyed elsewhere
                 dist.destroy_process_group(pg)
 
     def _check_open(self) -> None:
@@ -315,13 +317,3 @@ class SPMesh:
         # would turn this rank's error into a hang, so only the local release runs
         self.close(barrier=exc_type is None)
 
-
-def _release_device_mesh(dm: DeviceMesh | None) -> None:
-    """Drop what a torch 2.13 DeviceMesh holds: its process-group registry and the
-    flattened meshes in the root's ``_flatten_mapping`` (a cycle through ``_root_mesh``).
-    ``_mesh_resources`` holds only a mesh stack used by ``with device_mesh:``, unused here."""
-    if dm is None:
-        return
-    for mesh in (dm, dm._get_root_mesh()):
-        getattr(mesh, "_pg_registry", {}).clear()
-        getattr(mesh, "_flatten_mapping", {}).clear()

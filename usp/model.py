@@ -1,8 +1,9 @@
 """A Llama-style GQA decoder whose attention is a pluggable function.
 
 RMSNorm, RoPE, SwiGLU, no biases, tied or untied embeddings. Attention is whatever
-``attn_fn(q, k, v) -> out`` the caller passes (q [B, n, Hq, hd], k/v [B, n, Hkv, hd],
-out [B, n, Hq, hd]), e.g.
+``attn_fn(q, k, v, **masks) -> out`` the caller passes (q [B, n, Hq, hd], k/v [B, n, Hkv,
+hd], out [B, n, Hq, hd]; ``masks``: ``segment_ids`` [B, n] when documents are packed and
+``window`` on sliding-window layers, passed only when set), e.g.
 
 - one process: ``functools.partial(usp.kernels.local_attention, causal=True)``;
 - sequence parallel: ``functools.partial(usp_attention, mesh=mesh, layout=layout,
@@ -11,7 +12,10 @@ out [B, n, Hq, hd]), e.g.
 
 Everything except attention is token-wise, so under sequence parallelism the model sees
 only this rank's ``n = L/P`` tokens; RoPE rotates them by their *global* positions (not
-contiguous under zigzag), which is why ``forward`` takes ``positions``.
+contiguous under zigzag), which is why ``forward`` takes ``positions``: [n] shared by the
+batch, or [B, n] when each row has its own (positions restarting per packed document).
+Layer ``i`` attends within ``cfg.sliding_window`` tokens when ``cfg.layer_window(i)`` says
+so (every layer, or all but every k-th: ``full_attention_every``).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ class RMSNorm(nn.Module):
 def rope_cos_sin(
     positions: torch.Tensor, head_dim: int, theta: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [n] long (global ids) -> (cos, sin), each [n, head_dim/2] fp32.
+    """positions [*, n] long (global ids) -> (cos, sin), each [*, n, head_dim/2] fp32.
 
     Frequency i is ``theta ** (-2i / head_dim)``; the angle depends only on the position
     value, so any order or subset of positions gives the same rotation per token.
@@ -58,16 +62,16 @@ def rope_cos_sin(
         -torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim
     )  # [hd/2]
     # fp64 outer product: exact angles even at positions in the millions
-    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [n, hd/2]
+    angles = positions.to(torch.float64)[..., None] * inv_freq  # [*, n, hd/2]
     return angles.cos().float(), angles.sin().float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, n, H, hd] by (cos, sin) [n, hd/2] ("rotate half" pairing: i with i+hd/2)."""
+    """Rotate x [B, n, H, hd] by (cos, sin) [n or B, n, hd/2] ("rotate half": i with i+hd/2)."""
     half = x.shape[-1] // 2
     xf = x.float()
     x1, x2 = xf[..., :half], xf[..., half:]  # [B, n, H, hd/2] each
-    c, s = cos[None, :, None, :], sin[None, :, None, :]  # [n, hd/2] -> [1, n, 1, hd/2]
+    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [(B,) n, 1, hd/2]: broadcast over heads
     out = torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)  # [B, n, H, hd]
     return out.to(x.dtype)
 
@@ -75,22 +79,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     """GQA self-attention projections around ``attn_fn``: x [B, n, D] -> [B, n, D]."""
 
-    def __init__(self, cfg: ModelConfig, attn_fn: AttnFn):
+    def __init__(self, cfg: ModelConfig, attn_fn: AttnFn, window: int | None = None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.window = window  # sliding window of this layer (None: full attention)
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.attn_fn = attn_fn
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         b, n, _ = x.shape
         q = self.wq(x).view(b, n, self.n_heads, self.head_dim)  # [B, n, D] -> [B, n, Hq, hd]
         k = self.wk(x).view(b, n, self.n_kv_heads, self.head_dim)  # -> [B, n, Hkv, hd]
         v = self.wv(x).view(b, n, self.n_kv_heads, self.head_dim)  # -> [B, n, Hkv, hd]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.attn_fn(q, k, v)  # [B, n, Hq, hd]
+        masks = {}
+        if segment_ids is not None:
+            masks["segment_ids"] = segment_ids
+        if self.window is not None:
+            masks["window"] = self.window
+        out = self.attn_fn(q, k, v, **masks)  # [B, n, Hq, hd]
         return self.wo(out.reshape(b, n, self.n_heads * self.head_dim))  # -> [B, n, D]
 
 
@@ -110,20 +121,22 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     """Pre-norm decoder block: h + attn(norm(h)), then + ffn(norm(.)); [B, n, D] -> [B, n, D]."""
 
-    def __init__(self, cfg: ModelConfig, attn_fn: AttnFn):
+    def __init__(self, cfg: ModelConfig, attn_fn: AttnFn, window: int | None = None):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg, attn_fn)
+        self.attention = Attention(cfg, attn_fn, window)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = h + self.attention(self.attention_norm(h), cos, sin)
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        h = h + self.attention(self.attention_norm(h), cos, sin, segment_ids)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
 class Transformer(nn.Module):
-    """Decoder-only LM: ``forward(tokens [B, n], positions [n]) -> logits [B, n, V]``.
+    """Decoder-only LM: ``forward(tokens [B, n], positions [n] | [B, n], segment_ids [B, n]
+    | None) -> logits [B, n, V]``.
 
     ``self.layers`` is an ``nn.ModuleList`` of ``Block`` so a trainer can wrap each block
     (FSDP2 ``fully_shard``); with ``checkpoint_activations`` every block's activations are
@@ -139,7 +152,8 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.checkpoint_activations = checkpoint_activations
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg, attn_fn) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, attn_fn, cfg.layer_window(i))
+                                    for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.init_weights(0)
@@ -163,23 +177,30 @@ class Transformer(nn.Module):
             gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """tokens [B, n] long, positions [n] long (global ids of these tokens) -> logits [B, n, V].
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, n] long; positions [n] or [B, n] long (the RoPE positions of these
+        tokens); segment_ids [B, n] long or None (packed documents: a token attends only
+        within its document) -> logits [B, n, V].
 
         Logits come in the parameter dtype; call ``.float()`` before the loss in low precision.
         """
-        if tokens.dim() != 2 or positions.dim() != 1 or positions.shape[0] != tokens.shape[1]:
+        b, n = tokens.shape if tokens.dim() == 2 else (None, None)
+        if n is None or positions.shape not in ((n,), (b, n)):
             raise ValueError(
-                f"expected tokens [B, n] and positions [n], got tokens {tuple(tokens.shape)} "
-                f"and positions {tuple(positions.shape)}"
+                f"expected tokens [B, n] and positions [n] or [B, n], got tokens "
+                f"{tuple(tokens.shape)} and positions {tuple(positions.shape)}"
             )
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)  # [n, hd/2]
+        if segment_ids is not None and segment_ids.shape != tokens.shape:
+            raise ValueError(f"segment_ids {tuple(segment_ids.shape)} must match tokens "
+                             f"{tuple(tokens.shape)}: one document id per token")
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)  # [*, n, hd/2]
         h = self.tok_embeddings(tokens)  # [B, n] -> [B, n, D]
         for layer in self.layers:
             if self.checkpoint_activations and torch.is_grad_enabled():
-                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+                h = checkpoint(layer, h, cos, sin, segment_ids, use_reentrant=False)
             else:
-                h = layer(h, cos, sin)
+                h = layer(h, cos, sin, segment_ids)
         h = self.norm(h)
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight)  # [B, n, D] -> [B, n, V]
@@ -211,9 +232,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> floa
     "model FLOPs", the numerator of MFU.
     """
     d, hd = cfg.dim, cfg.head_dim
-    per_layer = d * cfg.n_heads * hd + 2 * d * cfg.n_kv_heads * hd + cfg.n_heads * hd * d
-    per_layer += 3 * d * cfg.ffn_dim
-    n_mm = cfg.n_layers * per_layer + cfg.vocab_size * d
+    n_mm = cfg.n_layers * cfg.layer_matmul_params() + cfg.vocab_size * d
     keys_per_query = (seq_len + 1) / 2 if causal else float(seq_len)
     attn = cfg.n_layers * 12 * cfg.n_heads * hd * keys_per_query
     return 6.0 * n_mm + attn

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BASE = ["parallel.ulysses_degree=2", "parallel.ring_degree=2",
         "parallel.ranks_per_node=2", "trainer.nprocs=4", "trainer.device=cpu",
         "trainer.steps=24", "trainer.ckpt_every=6", "trainer.log_every=0", "data.seq_len=128",
-        "data.batch_size=4", "data.eval_batches=0", "logging.wandb=disabled", "logging.plot=false",
+        "data.batch_per_dp_rank=4", "data.eval_batches=0", "logging.wandb=disabled", "logging.plot=false",
         "logging.progress=false", "optim.warmup_steps=4"]
 
 

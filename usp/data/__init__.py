@@ -1,9 +1,9 @@
 """Training batches: a synthetic long-range recall task and memory-mapped token files.
 
-Both give ``batch(step, batch_size, dp_rank, dp_size, positions=None) -> (tokens, labels)``,
-long tensors [B, L] (or [B, len(positions)]), labels already shifted on the global
-sequence (-100 = ignored), drawn deterministically from (seed, global sample index) so the
-global batch does not depend on the dp split or the SP layout.
+Both give ``batch(step, batch_per_dp_rank, dp_rank, dp_size, positions=None)`` ->
+``(tokens, labels)``, long tensors [B, L] (or [B, len(positions)]), labels already shifted
+on the global sequence (-100 = ignored), drawn deterministically from (seed, global sample
+index) so the global batch does not depend on the dp split or the SP layout.
 """
 
 from .memmap import MemmapTokens, TokenWriter, data_paths

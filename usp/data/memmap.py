@@ -176,16 +176,16 @@ class MemmapTokens:
     def batch(
         self,
         step: int,
-        batch_size: int,
+        batch_per_dp_rank: int,
         dp_rank: int = 0,
         dp_size: int = 1,
         positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, labels) long, each [B, L] or, with ``positions`` [n], [B, n].
 
-        ``batch_size`` is per dp rank; sample i is global sample
-        ``(step * dp_size + dp_rank) * batch_size + i``, whose window start depends only on
-        (seed, that index). ``labels[:, j]`` is the token after ``tokens[:, j]`` in the
+        Sample i of this rank is global sample
+        ``(step * dp_size + dp_rank) * batch_per_dp_rank + i``, whose window start depends
+        only on (seed, that index). ``labels[:, j]`` is the token after ``tokens[:, j]`` in the
         file (shifted before sharding, so no label is lost at a shard boundary).
         ``positions`` (global ids, e.g. ``layout.positions()``) selects columns; only
         those tokens and their successors are read from disk.
@@ -197,8 +197,8 @@ class MemmapTokens:
             if cols.size and (cols.min() < 0 or cols.max() >= self.seq_len):
                 raise ValueError(f"positions must lie in [0, {self.seq_len}), got "
                                  f"[{cols.min()}, {cols.max()}]")
-        starts = np.array([self.window_start(i)
-                           for i in sample_indices(step, batch_size, dp_rank, dp_size)])
+        ids = sample_indices(step, batch_per_dp_rank, dp_rank, dp_size)
+        starts = np.array([self.window_start(i) for i in ids])
         idx = starts[:, None] + cols[None, :]  # [B, n] absolute offsets into the file
         offsets = np.stack([idx, idx + 1])  # [2, B, n]: each token and the one after it
         ids = np.asarray(self.tokens[offsets]).astype(np.int64)  # reads only these entries

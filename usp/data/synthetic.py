@@ -140,21 +140,23 @@ class RecallTask:
     def batch(
         self,
         step: int,
-        batch_size: int,
+        batch_per_dp_rank: int,
         dp_rank: int = 0,
         dp_size: int = 1,
         positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, labels), each [B, L] long (or [B, len(positions)] with ``positions``).
 
-        ``batch_size`` is per dp rank. Sample ``i`` of this rank is global sample
-        ``(step * dp_size + dp_rank) * batch_size + i``, drawn from (seed, that index): the
-        global batch is the same for any dp split of it, and independent of the SP layout.
+        Sample ``i`` of this rank is global sample
+        ``(step * dp_size + dp_rank) * batch_per_dp_rank + i``, drawn from (seed, that
+        index): the global batch is the same for any dp split of it, and independent of the
+        SP layout.
         ``labels[t]`` is the target for the prediction made at token t (already shifted
         on the global sequence), -100 except at query tokens. ``positions`` (global ids,
         e.g. ``layout.positions()``) selects this rank's columns.
         """
-        pairs = [self.sample(i) for i in sample_indices(step, batch_size, dp_rank, dp_size)]
+        ids = sample_indices(step, batch_per_dp_rank, dp_rank, dp_size)
+        pairs = [self.sample(i) for i in ids]
         tokens = torch.from_numpy(np.stack([t for t, _ in pairs]))  # [B, L]
         labels = torch.from_numpy(np.stack([lab for _, lab in pairs]))  # [B, L]
         if positions is not None:

@@ -2,16 +2,19 @@
 
 Pure functions and dataclasses, no process group: ``plan()`` ranks layouts with the cost
 model in ``cost``, ``detect_topology()`` fills a ``ClusterSpec`` from the launcher and the
-machine, ``draw_mesh()`` pictures a layout.
+machine, ``draw_mesh()`` pictures a layout. ``cost.attention_cost`` is the model's
+attention part; ``calibration`` sets it beside measured times, ``published`` beside
+published benchmark figures.
 """
 
 from .cluster import ClusterSpec, GroupSpan, group_span, load_cluster, rank_grid
-from .cost import StepCost, estimate
+from .cost import AttentionCost, StepCost, attention_cost, estimate
 from .detect import DetectReport, detect_topology
 from .draw import MeshDrawing, draw_mesh
 from .plan import Candidate, Dropped, Plan, plan
 
 __all__ = [
+    "AttentionCost",
     "Candidate",
     "ClusterSpec",
     "DetectReport",
@@ -20,6 +23,7 @@ __all__ = [
     "MeshDrawing",
     "Plan",
     "StepCost",
+    "attention_cost",
     "detect_topology",
     "draw_mesh",
     "estimate",

@@ -5,11 +5,12 @@ Per rank, per layer, per sequence (``T = L/P`` tokens, ``P = ring * ulysses``):
 - token-wise matmuls: ``2 N_layer`` FLOPs per token forward, ``4 N_layer`` backward (and a
   second forward under activation checkpointing);
 - ulysses: two blocking all-to-alls forward (q/k/v in, out back) and their mirrors in
-  backward. The in-a2a sends ``(u-1) T (Hq/u + 2 kv) d`` elements, ``kv = max(Hkv/u, 1)``
-  (from ``check_heads``), the out-a2a ``(u-1) T (Hq/u) d``. Peers on the same node go over
+  backward. The in-a2a sends ``(u-1) T (h + 2 kv) d`` elements, with ``h`` the query
+  heads and ``kv`` the KV heads of the busiest rank (``head_split``/``check_heads``; ``h =
+  Hq/u`` when the heads divide), the out-a2a ``(u-1) T h d``. Peers on the same node go over
   ``intra_bw``, peers on other nodes over ``inter_bw``, in parallel; where GPUs share a
   link (``gpus_per_nic``, ``gpus_per_intra_link``) the node's concurrent senders split it;
-- ring: ``r`` steps over query block ``L/r`` x key block ``L/r`` with ``Hq/u`` heads. Step
+- ring: ``r`` steps over query block ``L/r`` x key block ``L/r`` with ``h`` heads. Step
   ``i`` computes block ``i`` while block ``i+1``'s K/V travel (backward: K/V plus the fp32
   dK/dV accumulators) over the ring's slowest hop, so a step costs
   ``max(compute + merge, transfer)``; what a transfer adds beyond the compute it hides
@@ -23,6 +24,9 @@ Per rank, per layer, per sequence (``T = L/P`` tokens, ``P = ring * ulysses``):
   gradients over all ``dp x sp`` ranks, overlapped with compute except the last layer;
   replicated data parallel all-reduces once.
 
+``attention_cost`` is the attention part (all-to-alls, ring pass, merges) alone; the
+calibration (``usp.planner.calibration``) compares it with measured attention calls.
+
 The model is a ranking tool: absolute times are optimistic by the usual kernel and NCCL
 inefficiencies folded into ``mfu`` and line-rate bandwidths.
 """
@@ -32,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ModelConfig
-from ..validate import check_heads
+from ..validate import BALANCES, check_heads, head_split
 from .cluster import ClusterSpec, GroupSpan, group_span
 from .traffic import attention_bytes
 
@@ -74,10 +78,14 @@ class StepCost:
         return waits / self.step_s if self.step_s > 0 else 0.0
 
 
+def layer_params(model: ModelConfig) -> int:
+    """Weights of one decoder layer: its matmuls and its two RMSNorm vectors."""
+    return model.layer_matmul_params() + 2 * model.dim
+
+
 def layer_matmul_params(model: ModelConfig) -> int:
-    """Weights one token multiplies through in a layer (q, k, v, o, gate, up, down)."""
-    d, hd = model.dim, model.head_dim
-    return 2 * d * model.n_heads * hd + 2 * d * model.n_kv_heads * hd + 3 * d * model.ffn_dim
+    """Weights one token multiplies through in a layer (``ModelConfig.layer_matmul_params``)."""
+    return model.layer_matmul_params()
 
 
 def act_bytes_per_token_layer(model: ModelConfig, dtype_bytes: int) -> float:
@@ -126,6 +134,97 @@ def ring_pass(r: int, n_fwd: int, send_kv: float, send_acc: float, diag: float, 
     return comm, n_fwd * exp_f + exp_b + tail, tail
 
 
+@dataclass(frozen=True)
+class AttentionCost:
+    """One attention layer on one rank for one sequence: ``n_fwd`` forward passes and one
+    backward. Times in seconds."""
+
+    compute_s: float  # kernel FLOPs / (peak * mfu)
+    merge_s: float  # ring out/LSE and gradient accumulation (HBM-bound)
+    a2a_s: float  # ulysses all-to-alls (blocking, fully exposed)
+    ring_comm_s: float  # K/V (and dK/dV) transfer time, hidden or not
+    ring_exposed_s: float  # the part of ring_comm_s not hidden behind block compute
+    ring_tail_s: float  # of which: the last dK/dV hop home
+    a2a_link: str  # "intra", "inter" or "-" (ulysses 1)
+    ring_link: str  # "intra", "inter" or "-" (ring 1)
+
+    @property
+    def total_s(self) -> float:
+        """What the layer's attention adds to the step: compute, merges and waits."""
+        return self.compute_s + self.merge_s + self.a2a_s + self.ring_exposed_s
+
+
+def attention_cost(cluster: ClusterSpec, seq_len: int, hq: int, hkv: int, head_dim: int,
+                   ulysses: int, ring: int, *, dp: int = 1, dtype_bytes: int = 2,
+                   causal: bool = True, balance: str = "zigzag",
+                   placement: str = "ulysses_inner", n_fwd: int = 1,
+                   overlap: float | None = None, causal_tile: float = 0.0) -> AttentionCost:
+    """The attention part of ``estimate``: ``[1, L, hq|hkv, head_dim]`` over ``ulysses x
+    ring`` ranks (``dp`` replicas placed by ``placement``).
+
+    ``overlap``: share of a ring transfer that the block computed beside it hides (default
+    ``cluster.overlap``). ``causal_tile``: tokens of extra work on a causal diagonal block,
+    whose cost is ``(1 + causal_tile / block)`` times its half square (the mask's cut tiles
+    computed whole); 0 counts the half square only.
+    """
+    overlap = cluster.overlap if overlap is None else overlap
+    if balance not in BALANCES or n_fwd < 1 or not 0 <= overlap <= 1 or causal_tile < 0:
+        raise ValueError(f"attention_cost needs balance in {BALANCES}, n_fwd >= 1, overlap in "
+                         f"[0, 1] and causal_tile >= 0; got balance={balance!r}, "
+                         f"n_fwd={n_fwd}, overlap={overlap}, causal_tile={causal_tile}")
+    L, r, u, hd = seq_len, ring, ulysses, head_dim
+    kv = check_heads(hq, hkv, u)
+    # the busiest ulysses rank sets the pace: with an uneven head split (``head_split``)
+    # it holds more than Hq/u query heads
+    hq_u = max(head_split(hq, hkv, u).q_counts)
+    T = L / (r * u)  # tokens per rank
+    rate = cluster.peak_flops * cluster.mfu  # FLOP/s
+
+    # ---- ulysses all-to-alls: [B, L/P, H, d] <-> [B, L/r, H/u, d] ---------------------
+    a2a_s, a2a_link = 0.0, "-"
+    if u > 1:
+        us = group_span(dp, r, u, cluster.ranks_per_node, "ulysses", placement)
+        a2a_link = "inter" if us.remote_peers else "intra"
+        intra_bw = cluster.link_bw(False, us.intra_senders)  # shared by concurrent senders
+        inter_bw = cluster.link_bw(True, us.inter_senders)
+
+        def a2a_time(heads: float) -> float:  # one all-to-all moving `heads` heads per token
+            chunk = T * heads * hd * dtype_bytes  # bytes to each peer
+            local = us.local_peers * chunk / intra_bw
+            remote = us.remote_peers * chunk / inter_bw
+            lat = cluster.inter_latency_s if us.remote_peers else cluster.intra_latency_s
+            return lat + max(local, remote)
+
+        t_in, t_out = a2a_time(hq_u + 2 * kv), a2a_time(hq_u)
+        a2a_s = (n_fwd + 1) * (t_in + t_out)  # fwd (x recompute) + bwd mirrors
+
+    # ---- ring pass: r steps of [L/r queries x L/r keys x h heads] ---------------------
+    blk = L / r  # tokens per ring segment
+    blk_flops = 4 * blk * blk * hq_u * hd  # QK^T and PV, one full block
+    full = blk_flops / rate
+    first = full / 2 * (1 + causal_tile / blk) if causal else full  # the diagonal block
+    later = full / 2 if causal and balance == "zigzag" else full  # slowest rank's block
+    attn_fwd = first + (r - 1) * later
+    kv_bytes = 2 * blk * kv * hd * dtype_bytes  # one K/V block in flight
+    q_elems, kv_elems = blk * hq_u * hd, blk * kv * hd
+    merge_f = 3 * FP32 * q_elems / cluster.hbm_bw  # read acc + block, write acc
+    merge_b = 3 * FP32 * (q_elems + 2 * kv_elems) / cluster.hbm_bw  # dQ, dK, dV
+    comm = exposed = merge = tail = 0.0
+    ring_link = "-"
+    if r > 1:
+        rs = group_span(dp, r, u, cluster.ranks_per_node, "ring", placement)
+        ring_link = "inter" if rs.crosses else "intra"
+        bw, lat = ring_step_link(cluster, rs)
+        send_kv = lat + kv_bytes / bw
+        send_acc = lat + kv_bytes * FP32 / dtype_bytes / bw  # fp32 dK/dV accumulator
+        comm, exposed, tail = ring_pass(r, n_fwd, send_kv, send_acc, first, later, merge_f,
+                                        merge_b, overlap)
+        merge = (r - 1) * (n_fwd * merge_f + merge_b)
+    return AttentionCost(compute_s=(n_fwd + FLASH_BWD) * attn_fwd, merge_s=merge, a2a_s=a2a_s,
+                         ring_comm_s=comm, ring_exposed_s=exposed, ring_tail_s=tail,
+                         a2a_link=a2a_link, ring_link=ring_link)
+
+
 def estimate(
     model: ModelConfig,
     cluster: ClusterSpec,
@@ -145,13 +244,15 @@ def estimate(
     """Predict one step of ``global_batch`` sequences of ``seq_len`` tokens.
 
     Each dp rank runs ``global_batch / dp`` sequences one after another (one sequence per
-    micro-batch); memory is for one micro-batch. Raises ``ValueError`` when the heads do
-    not split over ``ulysses`` (see ``usp.validate.check_heads``).
+    micro-batch); memory is for one micro-batch, on the busiest ulysses rank when the
+    heads split unevenly. Raises ``ValueError`` when the heads cannot split over
+    ``ulysses`` (see ``usp.validate.head_split``).
     """
     L, r, u, P = seq_len, ring, ulysses, ring * ulysses
     world = dp * P
     hq, hkv, hd, D = model.n_heads, model.n_kv_heads, model.head_dim, model.dim
     kv = check_heads(hq, hkv, u)
+    hq_u = max(head_split(hq, hkv, u).q_counts)  # query heads on the busiest ulysses rank
     seqs = global_batch / dp  # micro-batches of one sequence per dp rank
     T = L / P  # tokens per rank
     rate = cluster.peak_flops * cluster.mfu  # FLOP/s
@@ -161,55 +262,15 @@ def estimate(
     lin_s = (2 * n_fwd + 4) * layer_matmul_params(model) * T / rate
     head_s = 6 * D * model.vocab_size * T / rate  # LM head fwd+bwd, once per sequence
 
-    # ---- ulysses all-to-alls: [B, L/P, H, d] <-> [B, L/r, H/u, d] ---------------------
-    a2a_s_layer, a2a_link = 0.0, "-"
+    # ---- attention: ulysses all-to-alls and the ring pass, per layer per sequence ---------
     sent_f, sent_b = attention_bytes(1, L, hq, hkv, hd, u, r, dtype_bytes)  # one sequence
-    a2a_bytes = sent_f["ulysses"] + sent_b["ulysses"]
-    if u > 1:
-        us = group_span(dp, r, u, cluster.ranks_per_node, "ulysses", placement)
-        a2a_link = "inter" if us.remote_peers else "intra"
-
-        intra_bw = cluster.link_bw(False, us.intra_senders)  # shared by concurrent senders
-        inter_bw = cluster.link_bw(True, us.inter_senders)
-
-        def a2a_time(heads: float) -> float:  # one all-to-all moving `heads` heads per token
-            chunk = T * heads * hd * dtype_bytes  # bytes to each peer
-            local = us.local_peers * chunk / intra_bw
-            remote = us.remote_peers * chunk / inter_bw
-            lat = cluster.inter_latency_s if us.remote_peers else cluster.intra_latency_s
-            return lat + max(local, remote)
-
-        t_in, t_out = a2a_time(hq / u + 2 * kv), a2a_time(hq / u)
-        a2a_s_layer = (n_fwd + 1) * (t_in + t_out)  # fwd (x recompute) + bwd mirrors
-
-    # ---- ring pass: r steps of [L/r queries x L/r keys x Hq/u heads] -----------------
-    blk = L / r  # tokens per ring segment
-    blk_flops = 4 * blk * blk * (hq / u) * hd  # QK^T and PV, one full block
-    full = blk_flops / rate
-    first = full / 2 if causal else full  # the diagonal block
-    later = full / 2 if causal and balance == "zigzag" else full  # slowest rank's block
-    attn_fwd = first + (r - 1) * later
-    kv_bytes = 2 * blk * kv * hd * dtype_bytes  # one K/V block in flight
-    q_elems, kv_elems = blk * (hq / u) * hd, blk * kv * hd
-    merge_f = 3 * FP32 * q_elems / cluster.hbm_bw  # read acc + block, write acc
-    merge_b = 3 * FP32 * (q_elems + 2 * kv_elems) / cluster.hbm_bw  # dQ, dK, dV
-    ring_comm_layer = ring_exp_layer = merge_layer = dkv_home = 0.0
-    ring_link = "-"
-    if r > 1:
-        rs = group_span(dp, r, u, cluster.ranks_per_node, "ring", placement)
-        ring_link = "inter" if rs.crosses else "intra"
-        bw, lat = ring_step_link(cluster, rs)
-        send_kv = lat + kv_bytes / bw
-        send_acc = lat + kv_bytes * FP32 / dtype_bytes / bw  # fp32 dK/dV accumulator
-        ring_comm_layer, ring_exp_layer, dkv_home = ring_pass(
-            r, n_fwd, send_kv, send_acc, first, later, merge_f, merge_b, cluster.overlap)
-        merge_layer = (r - 1) * (n_fwd * merge_f + merge_b)
-    attn_layer = (n_fwd + FLASH_BWD) * attn_fwd
+    att = attention_cost(cluster, L, hq, hkv, hd, u, r, dp=dp, dtype_bytes=dtype_bytes,
+                         causal=causal, balance=balance, placement=placement, n_fwd=n_fwd)
 
     # ---- one step ------------------------------------------------------------------------
     nl = model.n_layers
-    per_seq = nl * (lin_s + attn_layer + a2a_s_layer + ring_exp_layer + merge_layer) + head_s
-    compute_s = seqs * (nl * (lin_s + attn_layer) + head_s)
+    per_seq = nl * (lin_s + att.compute_s + att.a2a_s + att.ring_exposed_s + att.merge_s) + head_s
+    compute_s = seqs * (nl * (lin_s + att.compute_s) + head_s)
 
     # gradients over all dp x sp ranks: the slowest link the collective touches
     n_params = model.num_params()
@@ -227,10 +288,9 @@ def estimate(
     step_s = seqs * per_seq + grad_exposed
 
     # ---- memory per rank, one micro-batch -----------------------------------------------
-    layer_params = layer_matmul_params(model) + 2 * D
     state_per_param = 2 * dtype_bytes + OPTIM_BYTES  # param + grad + fp32 optimizer
     if fsdp:  # sharded over every rank, plus the current and the prefetched layer gathered
-        mem_state = state_per_param * n_params / world + 2 * layer_params * dtype_bytes
+        mem_state = state_per_param * n_params / world + 2 * layer_params(model) * dtype_bytes
     else:
         mem_state = state_per_param * n_params
     per_tok_layer = act_bytes_per_token_layer(model, dtype_bytes)
@@ -238,10 +298,11 @@ def estimate(
         acts = nl * T * D * dtype_bytes + T * per_tok_layer
     else:
         acts = nl * T * per_tok_layer
+    blk = L / r  # tokens per ring segment
     attn_buf = blk * hd * (
-        (2 * hq / u + 2 * kv) * dtype_bytes  # q, out, k, v in head layout
+        (2 * hq_u + 2 * kv) * dtype_bytes  # q, out, k, v in head layout
         + 2 * 2 * kv * dtype_bytes  # next K/V block (double buffer)
-        + (hq / u) * FP32  # fp32 output accumulator
+        + hq_u * FP32  # fp32 output accumulator
         + 2 * 2 * kv * FP32  # fp32 dK/dV accumulator and the one in flight
     )
     logits = T * model.vocab_size * (dtype_bytes + FP32)  # logits and fp32 loss copy
@@ -253,20 +314,20 @@ def estimate(
         ulysses=u,
         kv_per_rank=kv,
         compute_s=compute_s,
-        attn_s=seqs * nl * attn_layer,
-        a2a_s=seqs * nl * a2a_s_layer,
-        ring_comm_s=seqs * nl * ring_comm_layer,
-        ring_exposed_s=seqs * nl * ring_exp_layer,
-        ring_tail_s=seqs * nl * dkv_home,
-        merge_s=seqs * nl * merge_layer,
+        attn_s=seqs * nl * att.compute_s,
+        a2a_s=seqs * nl * att.a2a_s,
+        ring_comm_s=seqs * nl * att.ring_comm_s,
+        ring_exposed_s=seqs * nl * att.ring_exposed_s,
+        ring_tail_s=seqs * nl * att.ring_tail_s,
+        merge_s=seqs * nl * att.merge_s,
         grad_s=grad_s,
         grad_exposed_s=grad_exposed,
         step_s=step_s,
-        a2a_bytes=a2a_bytes,
+        a2a_bytes=sent_f["ulysses"] + sent_b["ulysses"],
         ring_bytes=sent_f["ring"] + sent_b["ring"],
         mem_bytes=mem_state + mem_act,
         mem_state_bytes=mem_state,
         mem_act_bytes=mem_act,
-        a2a_link=a2a_link,
-        ring_link=ring_link,
+        a2a_link=att.a2a_link,
+        ring_link=att.ring_link,
     )

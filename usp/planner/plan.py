@@ -3,8 +3,8 @@ ones with the rule that refused them, rank the rest by predicted step time.
 
 Rules, in order (each a ``ValueError`` text kept in ``Plan.dropped``):
 degrees multiply to the world (``check_degrees``); the global batch splits over dp; query
-and KV heads split over ulysses (``check_heads``; KV replication when ulysses > KV heads
-is allowed and noted); the sequence splits over ``2 x ring x ulysses`` for zigzag
+and KV heads split over ulysses (``check_heads``: every rank needs a query head; uneven
+splits and KV replication are allowed and noted); the sequence splits over ``2 x ring x ulysses`` for zigzag
 (``check_seq_len``); the predicted memory fits. A ulysses group that spans nodes stays
 feasible but is noted, and pays for its all-to-all on the inter-node link in the model.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig
-from ..validate import check_degrees, check_heads, check_placement, check_seq_len
+from ..validate import check_degrees, check_heads, check_placement, check_seq_len, head_split
 from .cluster import GiB, ClusterSpec, group_span
 from .cost import StepCost, estimate
 
@@ -101,7 +101,8 @@ class Plan:
         parts = []
         node = " = GPUs per node" if u == K else ""
         if u > hkv:
-            why = f"ulysses {u}{node} > {hkv} KV heads: KV heads replicated x{u // hkv}"
+            rep = sum(head_split(m.n_heads, hkv, u).kv_counts) / hkv
+            why = f"ulysses {u}{node} > {hkv} KV heads: KV heads replicated x{rep:g}"
         elif u == hkv:
             why = f"ulysses capped at {u} = KV heads{node}"
         else:
@@ -276,9 +277,14 @@ def plan(
 def _notes(model: ModelConfig, cluster: ClusterSpec, cost: StepCost, placement: str) -> list[str]:
     notes = []
     u, r = cost.ulysses, cost.ring
-    if u > model.n_kv_heads:
-        notes.append(f"KV heads replicated x{u // model.n_kv_heads} (ulysses {u} > "
+    split = head_split(model.n_heads, model.n_kv_heads, u)
+    sent = sum(split.kv_counts)  # KV heads over all ulysses ranks, replicas included
+    if sent > model.n_kv_heads:
+        notes.append(f"KV heads replicated x{sent / model.n_kv_heads:g} (ulysses {u}, "
                      f"{model.n_kv_heads} KV heads)")
+    if not split.even:
+        notes.append(f"uneven heads {'/'.join(map(str, split.q_counts))}: busiest rank "
+                     f"x{split.imbalance:.2f} the mean")
     if cost.a2a_link == "inter":
         span = group_span(cost.dp, r, u, cluster.ranks_per_node, "ulysses", placement)
         notes.append(f"WARNING ulysses spans {span.nodes} nodes: all-to-all on inter-node link")

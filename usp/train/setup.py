@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..config import DataConfig, ModelConfig
+from ..config import DataConfig, MemmapData, ModelConfig, RecallData
 from ..validate import (check_degrees, check_heads, check_kernel, check_placement,
                         check_ranks_per_node, check_seq_len)
 
@@ -33,14 +33,30 @@ def _degree(value, name: str):
     return v
 
 
+def plan_run(cfg, spec, world: int):
+    """The planner's ranking (``usp.planner.Plan``) of the layouts of ``world`` ranks on
+    ``spec`` for this run: its model, sequence, balance, placement, fixed degrees and
+    ``trainer.dtype``, and its global batch, ``batch_per_dp_rank`` x ``parallel.dp_degree``.
+    With ``dp_degree`` unset the planner searches dp and splits ``batch_per_dp_rank``
+    sequences over it; set ``dp_degree`` to price exactly the batch a run trains."""
+    from ..planner import plan
+
+    pc = cfg.parallel
+    dp = _degree(pc.dp_degree, "dp_degree")
+    return plan(cfg.model, spec, cfg.data.seq_len, world=world, balance=pc.balance,
+                ulysses=_degree(pc.ulysses_degree, "ulysses_degree"),
+                ring=_degree(pc.ring_degree, "ring_degree"), dp=dp,
+                global_batch=cfg.data.global_batch(dp or 1), placement=pc.placement,
+                dtype_bytes=cfg.trainer.compute_dtype.itemsize)
+
+
 def resolve_degrees(cfg, world: int, env=None) -> tuple[int, int, str]:
     """(ulysses, ring, plan table or ""): fixed degrees pass through; ``auto`` asks the planner."""
     pc = cfg.parallel
     u, r = _degree(pc.ulysses_degree, "ulysses_degree"), _degree(pc.ring_degree, "ring_degree")
-    dp = _degree(pc.dp_degree, "dp_degree")
     if u is not None and r is not None:
         return u, r, ""
-    from ..planner import detect_topology, plan
+    from ..planner import detect_topology
 
     spec, report = detect_topology(os.environ if env is None else env, spec=cfg.cluster)
     if pc.ranks_per_node:
@@ -48,23 +64,28 @@ def resolve_degrees(cfg, world: int, env=None) -> tuple[int, int, str]:
                             nodes=world // pc.ranks_per_node)
     elif spec.world != world:
         spec = spec.replace(nodes=max(1, world // spec.ranks_per_node))
-    p = plan(cfg.model, spec, cfg.data.seq_len, world=world, balance=pc.balance,
-             ulysses=u, ring=r, dp=dp, global_batch=cfg.data.batch_size * (dp or 1),
-             placement=pc.placement, dtype_bytes=2 if cfg.trainer.dtype == "bf16" else 4)
+    p = plan_run(cfg, spec, world)
     best = p.best
     table = f"{report.line()}\n{p.format_table(show_dropped=False)}"
     return best.ulysses, best.ring, table
 
 
-class _Sharded:
-    """Gives every dataset the trainer's interface: this rank's columns, answer accuracy."""
+class TrainingData:
+    """A dataset as the training loop uses it: this rank's batches, the answer accuracy on
+    them, and how many held-out batches to score at the end (``eval_batches``)."""
 
-    def __init__(self, source, has_answers: bool):
-        self.source, self.has_answers = source, has_answers
+    def __init__(self, source, answers_per_sequence: int = 0, eval_batches: int = 0):
+        self.source = source
+        self.answers_per_sequence = answers_per_sequence  # 0: plain text, nothing to score
+        self.eval_batches = eval_batches if answers_per_sequence else 0
 
-    def batch(self, step, batch_size, dp_rank, dp_size, positions):
+    @property
+    def has_answers(self) -> bool:
+        return self.answers_per_sequence > 0
+
+    def batch(self, step, batch_per_dp_rank, dp_rank, dp_size, positions):
         """This rank's (tokens, labels), each [B, L/P]; labels shifted on the global sequence."""
-        return self.source.batch(step, batch_size, dp_rank, dp_size, positions=positions)
+        return self.source.batch(step, batch_per_dp_rank, dp_rank, dp_size, positions=positions)
 
     def answer_accuracy(self, logits, labels) -> tuple[int, int]:
         """(correct answers, answers) on this rank's shard; (0, 0) for plain text."""
@@ -76,26 +97,27 @@ class _Sharded:
         return int(correct), int(answers)
 
 
-def build_dataset(dc: DataConfig, mc: ModelConfig) -> _Sharded:
-    if dc.kind == "recall":
+def build_dataset(dc: DataConfig, mc: ModelConfig) -> TrainingData:
+    """The dataset ``dc`` describes, for a model of ``mc``'s vocabulary."""
+    if isinstance(dc, RecallData):
         from ..data.synthetic import RecallTask
 
         task = RecallTask(vocab_size=mc.vocab_size, seq_len=dc.seq_len, n_pairs=dc.n_pairs,
                           n_queries=dc.n_queries, seed=dc.seed)
-        return _Sharded(task, has_answers=True)
-    if dc.kind == "memmap":
+        return TrainingData(task, answers_per_sequence=dc.n_queries,
+                            eval_batches=dc.eval_batches)
+    if isinstance(dc, MemmapData):
         from ..data.memmap import MemmapTokens
 
-        if not dc.path:
-            raise ValueError("data.path is not set; set it to the prefix of the .bin/.json files")
         ds = MemmapTokens(dc.path, dc.seq_len, seed=dc.seed)
         if ds.vocab_size > mc.vocab_size:
             raise ValueError(
                 f"dataset {dc.path} has vocab_size {ds.vocab_size} > model.vocab_size "
                 f"{mc.vocab_size}; set model.vocab_size={ds.vocab_size}"
             )
-        return _Sharded(ds, has_answers=False)
-    raise ValueError(f"data.kind must be recall or memmap, got {dc.kind!r}")
+        return TrainingData(ds)
+    raise ValueError(f"data config {dc!r} is none of RecallData, MemmapData; build it with "
+                     f"one of them")
 
 
 def decide_degrees(cfg, world: int, env=None) -> str:
@@ -153,9 +175,9 @@ def preflight(cfg, world: int, device_type: str | None = None) -> tuple[int, int
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     # the kernel and ring engine on this device, dtype and head dim (attention is causal)
-    dtype = torch.bfloat16 if cfg.trainer.dtype == "bf16" else torch.float32
     try:
-        check_kernel(pc.kernel, device_type, dtype, cfg.model.head_dim, pc.ring_impl,
+        check_kernel(pc.kernel, device_type, cfg.trainer.compute_dtype, cfg.model.head_dim,
+                     pc.ring_impl,
                      causal=True, balance=pc.balance)
     except ValueError as e:
         raise ValueError(f"parallel.kernel={pc.kernel} parallel.ring_impl={pc.ring_impl} "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
@@ -17,35 +17,14 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ..attention import usp_attention
 from ..comm import naming_collectives
-from ..config import (
-    DataConfig,
-    LoggingConfig,
-    ModelConfig,
-    OptimConfig,
-    ParallelConfig,
-    TrainerConfig,
-)
+from ..config import OptimConfig, RunConfig, torch_dtype
 from ..layout import SequenceLayout
 from ..mesh import SPMesh
 from ..model import Transformer
-from ..planner import ClusterSpec
 from .checkpoint import choose_checkpoint, load_checkpoint, run_fingerprint, save_checkpoint
 from .faults import NonFiniteGuard, Preempted, Preemption
 from .metrics import MetricsLogger, PeakMemory
-from .setup import build_dataset, resolve_degrees
-
-
-@dataclass
-class RunConfig:
-    """Everything a training run needs; the CLI builds it from the Hydra config."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    cluster: ClusterSpec = field(default_factory=ClusterSpec)
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
+from .setup import TrainingData, build_dataset, resolve_degrees
 
 
 def lr_lambda(cfg: OptimConfig, steps: int):
@@ -69,13 +48,12 @@ def shard_model(model: Transformer, mesh: DeviceMesh, dtype: str) -> None:
     in bf16; the sharded parameters, their gradients (reduce-scattered in fp32) and so the
     optimizer state stay fp32. ``dtype="fp32"``: no casts at all.
     """
-    if dtype not in ("fp32", "bf16"):
-        raise ValueError(f"trainer.dtype must be fp32 or bf16, got {dtype!r}")
+    compute = torch_dtype(dtype)  # ValueError for a name trainer.dtype does not take
     mp = MixedPrecisionPolicy()
-    if dtype == "bf16":
+    if compute != torch.float32:
         # cast_forward_inputs=False: a block's float inputs are h, already bf16 (it starts at
         # the bf16 embedding), and the RoPE tables cos/sin, which stay fp32 for apply_rope.
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+        mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32,
                                   cast_forward_inputs=False)
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp)
@@ -83,12 +61,13 @@ def shard_model(model: Transformer, mesh: DeviceMesh, dtype: str) -> None:
 
 
 @torch.no_grad()
-def evaluate(model, data, cfg: RunConfig, mesh: SPMesh, positions, device) -> float:
-    """Answer accuracy on ``eval_batches`` batches no training step has drawn (held out)."""
+def evaluate(model, data: TrainingData, cfg: RunConfig, mesh: SPMesh, positions,
+             device) -> float:
+    """Answer accuracy on ``data.eval_batches`` batches no training step has drawn (held out)."""
     model.eval()
     hits = torch.zeros(2, dtype=torch.float64, device=device)
-    for i in range(cfg.data.eval_batches):
-        tokens, labels = data.batch(10**6 + i, cfg.data.batch_size, mesh.dp_rank, mesh.dp,
+    for i in range(data.eval_batches):
+        tokens, labels = data.batch(10**6 + i, cfg.data.batch_per_dp_rank, mesh.dp_rank, mesh.dp,
                                     positions=positions)
         logits = model(tokens.to(device), positions)
         correct, answers = data.answer_accuracy(logits.float(), labels.to(device))
@@ -116,8 +95,6 @@ def train(cfg: RunConfig, fault_hook: FaultHook | None = None) -> dict:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
         else torch.device("cpu")
     tc, pc = cfg.trainer, cfg.parallel
-    if tc.dtype not in ("fp32", "bf16"):
-        raise ValueError(f"trainer.dtype must be fp32 or bf16, got {tc.dtype!r}")
     ulysses, ring, plan_table = resolve_degrees(cfg, world)
     if rank == 0 and plan_table:
         print(plan_table, flush=True)
@@ -180,7 +157,7 @@ def train(cfg: RunConfig, fault_hook: FaultHook | None = None) -> dict:
         raise
     if bar is not None:
         bar.close()
-    if data.has_answers and cfg.data.eval_batches > 0:
+    if data.eval_batches > 0:
         summary["eval_acc"] = evaluate(model, data, cfg, mesh, positions, device)
     logger.finish(summary)
     plot = logger.plot()
@@ -188,7 +165,7 @@ def train(cfg: RunConfig, fault_hook: FaultHook | None = None) -> dict:
     if rank == 0:
         tail = f", train accuracy {summary['acc']:.3f}" if "acc" in summary else ""
         if "eval_acc" in summary:
-            n = cfg.data.eval_batches * cfg.data.batch_size * mesh.dp * cfg.data.n_queries
+            n = data.eval_batches * cfg.data.global_batch(mesh.dp) * data.answers_per_sequence
             tail += f", held-out answer accuracy {summary['eval_acc']:.3f} ({n} answers)"
         print(f"done: step {summary.get('step', start)}, loss {summary.get('loss', float('nan')):.4f}"
               f"{tail}; run directory {run_dir.resolve()}"
@@ -209,7 +186,7 @@ def _loop(cfg: RunConfig, start: int, model, opt, sched, data, mesh: SPMesh, pos
     run_dir = Path(tc.run_dir)
     dp_sp = mesh.group("dp_sp")
     n_shard = mesh.submesh("dp_sp").size()
-    tokens_per_step = cfg.data.batch_size * mesh.dp * cfg.data.seq_len
+    tokens_per_step = cfg.data.global_batch(mesh.dp) * cfg.data.seq_len
     flops_per_token = model.flops_per_token(cfg.data.seq_len)
     peak_mem = PeakMemory(device)
     summary: dict = {}
@@ -218,7 +195,7 @@ def _loop(cfg: RunConfig, start: int, model, opt, sched, data, mesh: SPMesh, pos
         comm0 = mesh.comm.total_seconds()
         peak_mem.start()  # the peak below is this step's, not the run's
         # Data: this rank's tokens only; labels were shifted on the global sequence.
-        tokens, labels = data.batch(step, cfg.data.batch_size, mesh.dp_rank, mesh.dp,
+        tokens, labels = data.batch(step, cfg.data.batch_per_dp_rank, mesh.dp_rank, mesh.dp,
                                     positions=positions)
         tokens, labels = tokens.to(device), labels.to(device)  # [B, L/P]
         # Sync: the number of target tokens over dp x sp normalises the loss.

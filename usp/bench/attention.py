@@ -1,0 +1,369 @@
+"""Forward+backward time of one attention call: usp layouts side by side with DeepSpeed-Ulysses.
+
+Runs N local CPU processes on gloo (or joins a torchrun group as one rank). Every measured
+config lives in the same processes and the configs are interleaved round-robin over the
+iterations (``usp.bench.timing.round_robin``: the starting config rotates each iteration),
+so machine noise lands on all of them alike. One measurement is
+
+    barrier -> t0 -> out = attn(q, k, v); out.backward(dout) -> t1
+
+and the iteration's time is the max of ``t1 - t0`` over ranks (the slowest rank sets the
+pace of a synchronous step). Rows:
+
+- ``usp u=X r=Y``: ``usp_attention`` on ``SPMesh.build(ulysses=X, ring=Y)``;
+- ``deepspeed u=N``: ``deepspeed.sequence.layer.DistributedAttention`` over all N ranks
+  (pure Ulysses), optional: skipped with a message when DeepSpeed is not importable.
+
+Both call the same local kernel, ``usp.kernels.local_attention(..., kernel="torch")``
+(the aten CPU flash op with LSE). Inputs are one global [B, L, H, d] tensor drawn from a
+fixed seed; each config shards it its own way (usp: ``SequenceLayout.shard``; DeepSpeed:
+contiguous L/N slices). Before timing, every row's gathered output is compared with the
+first row's, and so are the input gradients, so a fast but wrong config cannot hide in
+the table (column ``max|diff|``). ``vs DS`` is mean / DeepSpeed's mean; on a busy machine
+with few iterations the mean swings, so the summary line also gives the ratio of medians,
+of minima, and the median of per-round ratios (both rows run in every round).
+
+Threads: every process uses ``threads`` intra-op threads (default: the CPUs this process
+may run on divided by N, at least 1), the same for all configs. With N=4 on a 2-core
+machine that is 1 thread per process, i.e. 2x oversubscription, which stays equal across
+configs because they all run in the same processes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import platform
+import tempfile
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..attention import usp_attention
+from ..config.checks import at_least, one_of
+from ..launch import init_from_env, launcher_env, spawn_local
+from ..layout import SequenceLayout
+from ..mesh import SPMesh
+from ..validate import check_degrees, check_heads, check_seq_len
+from .deepspeed_ulysses import deepspeed_calls, import_deepspeed
+from .timing import round_robin
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "fp64": torch.float64}
+QUICK = dict(seq_len=1024, warmup=1, iters=3)  # the smoke-test size
+
+
+def parse_layouts(text: str) -> tuple[tuple[int, int], ...]:
+    """``"4x1,2x2"`` -> ((4, 1), (2, 2)): ULYSSESxRING, comma-separated."""
+    out = []
+    for item in text.split(","):
+        try:
+            u, r = (int(x) for x in item.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"bad layout {item!r}: write ULYSSESxRING, e.g. 4x1,2x2,1x4") from None
+        out.append((u, r))
+    return tuple(out)
+
+
+def default_layouts(nprocs: int, heads: int, kv_heads: int) -> tuple[tuple[int, int], ...]:
+    """Every (ulysses, ring) with u * r = nprocs whose ulysses degree the heads allow,
+    ulysses first: (4, 1), (2, 2), (1, 4) for 4."""
+    out = []
+    for u in range(nprocs, 0, -1):
+        if nprocs % u == 0:
+            try:
+                check_heads(heads, kv_heads, u)
+            except ValueError:
+                continue
+            out.append((u, nprocs // u))
+    return tuple(out)
+
+
+def default_threads(nprocs: int) -> int:
+    """The CPUs this process may run on, shared by ``nprocs`` processes (at least 1)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cpus or 1) // nprocs)
+
+
+@dataclass
+class AttentionBench:
+    """What to time: one attention call [B, L, Hq|Hkv, d] on ``nprocs`` ranks.
+
+    ``kv_heads``, ``layouts`` and ``threads`` default (None) to ``heads``,
+    ``default_layouts`` and ``default_threads``. Every layout must use all ``nprocs``
+    ranks (one sequence-parallel group). Bad values raise ``ValueError`` here, before any
+    process starts.
+    """
+
+    nprocs: int = 4
+    batch: int = 1
+    seq_len: int = 8192
+    heads: int = 8
+    kv_heads: int | None = None
+    head_dim: int = 64
+    causal: bool = True
+    dtype: str = "fp32"  # a key of DTYPES
+    layouts: tuple[tuple[int, int], ...] | None = None
+    balance: str = "zigzag"
+    warmup: int = 1
+    iters: int = 5
+    threads: int | None = None
+    deepspeed: bool = True  # add the DeepSpeed-Ulysses row when its shapes allow it
+
+    def __post_init__(self) -> None:
+        at_least("bench", 1, nprocs=self.nprocs, batch=self.batch, heads=self.heads,
+                 head_dim=self.head_dim, iters=self.iters)
+        at_least("bench", 0, warmup=self.warmup)
+        one_of("bench.dtype", self.dtype, tuple(DTYPES))
+        if self.kv_heads is None:
+            self.kv_heads = self.heads
+        if self.threads is None:
+            self.threads = default_threads(self.nprocs)
+        at_least("bench", 1, kv_heads=self.kv_heads, threads=self.threads)
+        if self.layouts is None:
+            self.layouts = default_layouts(self.nprocs, self.heads, self.kv_heads)
+        self.layouts = tuple((int(u), int(r)) for u, r in self.layouts)
+        for u, r in self.layouts:
+            if check_degrees(self.nprocs, u, r) != 1:
+                raise ValueError(
+                    f"layout {u}x{r} uses {u * r} of {self.nprocs} processes; the benchmark "
+                    f"times one sequence-parallel group, so pick ulysses x ring = {self.nprocs}")
+            check_heads(self.heads, self.kv_heads, u)
+            check_seq_len(self.seq_len, u, r, self.balance)
+
+    def deepspeed_skip_reason(self) -> str | None:
+        """Why the DeepSpeed row cannot run on these shapes (None when it can)."""
+        n = self.nprocs
+        if not self.deepspeed:
+            return "not asked for (deepspeed=False, --no-deepspeed)"
+        if self.heads % n or self.kv_heads % n:
+            return (f"DeepSpeed-Ulysses needs heads ({self.heads}) and KV heads "
+                    f"({self.kv_heads}) divisible by its degree {n}")
+        if self.seq_len % n:
+            return f"seq_len {self.seq_len} is not divisible by {n}"
+        return None
+
+
+@dataclass
+class Row:
+    name: str
+    kind: str  # "usp" | "deepspeed"
+    ulysses: int
+    ring: int
+    times_ms: list[float] = field(default_factory=list)
+    max_abs_diff: float = float("nan")  # out, dq, dk, dv vs the first row's
+
+    def stats(self) -> dict:
+        t = torch.tensor(self.times_ms, dtype=torch.float64)
+        std = t.std().item() if len(t) > 1 else 0.0
+        return dict(mean_ms=t.mean().item(), std_ms=std, min_ms=t.min().item(),
+                    median_ms=t.median().item())
+
+
+# ---- one rank -----------------------------------------------------------------------------
+
+
+def make_usp(bench: AttentionBench, mesh: SPMesh):
+    """(row, shard, call, gather) of ``usp_attention`` on ``mesh``."""
+    layout = SequenceLayout(mesh, seq_len=bench.seq_len, balance=bench.balance)
+
+    def shard(x):  # [B, L, H, d] -> this rank's [B, L/P, H, d]
+        return layout.shard(x, dim=1).detach().clone().requires_grad_(True)
+
+    def call(ql, kl, vl):
+        return usp_attention(ql, kl, vl, mesh=mesh, layout=layout, causal=bench.causal,
+                             kernel="torch")
+
+    def gather(out):  # [B, L/P, H, d] -> [B, L, H, d]
+        return layout.gather(out, dim=1)
+
+    u, r = mesh.ulysses, mesh.ring
+    return Row(f"usp u={u} r={r}", "usp", u, r), shard, call, gather
+
+
+def _deepspeed_config(bench: AttentionBench):
+    """(config or None, skip reason or None); every rank agrees on running the row."""
+    skip = bench.deepspeed_skip_reason()
+    if skip is not None:
+        return None, skip
+    DistributedAttention = import_deepspeed()
+    ok = torch.tensor([0 if isinstance(DistributedAttention, str) else 1])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if not ok.item():
+        return None, (DistributedAttention if isinstance(DistributedAttention, str)
+                      else "DeepSpeed failed to import on another rank")
+    n = dist.get_world_size()
+    row = Row(f"deepspeed u={n}", "deepspeed", n, 1)
+    return (row, *deepspeed_calls(DistributedAttention, bench.seq_len, bench.causal)), None
+
+
+def run_rank(bench: AttentionBench, result_path: str | None = None) -> dict | None:
+    """One rank of the benchmark (every rank of the default group calls it).
+
+    Returns the result on rank 0 (and writes it as JSON to ``result_path`` when given):
+    ``args``, ``env``, ``rows`` (name, kind, degrees, ``times_ms``, ``max_abs_diff``, the
+    stats and ``ratio_to_deepspeed``), ``deepspeed_skipped`` (the reason, or None) and
+    ``usp_over_deepspeed``: usp(u=N) / DeepSpeed(u=N) by ``mean``, ``median``, ``min`` and
+    ``paired_median`` (the median of per-round ratios), or None. None on other ranks.
+    """
+    rank = dist.get_rank()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    dtype = DTYPES[bench.dtype]
+
+    # one global problem, identical on every rank (fixed seed)
+    g = torch.Generator().manual_seed(0)
+    shape_q = (bench.batch, bench.seq_len, bench.heads, bench.head_dim)
+    shape_kv = (bench.batch, bench.seq_len, bench.kv_heads, bench.head_dim)
+    q = torch.randn(shape_q, generator=g).to(dtype)
+    k = torch.randn(shape_kv, generator=g).to(dtype)
+    v = torch.randn(shape_kv, generator=g).to(dtype)
+    dout = torch.randn(shape_q, generator=g).to(dtype)
+
+    with ExitStack() as meshes:  # closed before the caller tears the group down
+        configs = [make_usp(bench, meshes.enter_context(SPMesh.build(ulysses=u, ring=r)))
+                   for u, r in bench.layouts]
+        ds, skip = _deepspeed_config(bench)
+        if ds is not None:
+            configs.insert(0, ds)
+        else:
+            say(f"DeepSpeed row skipped: {skip}; running the usp rows only.", flush=True)
+        rows = _measure_rows(bench, configs, (q, k, v, dout), say)
+    if rank != 0:
+        dist.barrier()  # leave together: a rank tearing gloo down early can abort its peers
+        return None
+    version = None if ds is None else importlib.import_module("deepspeed").__version__
+    result = results(bench, rows, skip, version)
+    if result_path is not None:
+        Path(result_path).write_text(json.dumps(result))
+    dist.barrier()
+    return result
+
+
+def _measure_rows(bench: AttentionBench, configs, tensors, say) -> list[Row]:
+    """Check every config against the first, then time them round-robin."""
+    # per config: its own shards of q, k, v and of the output gradient
+    prepared = [(row, [shard(t) for t in tensors[:3]], shard(tensors[3]).detach(), call, gather)
+                for row, shard, call, gather in configs]
+
+    def step(inputs, dout_l, call):
+        for t in inputs:
+            t.grad = None
+        out = call(*inputs)
+        out.backward(dout_l)
+        return out
+
+    # correctness: every row's output and dq, dk, dv (gathered) against the first row's
+    ref = None
+    for row, inputs, dout_l, call, gather in prepared:
+        out = step(inputs, dout_l, call).detach()
+        full = [gather(t).double() for t in (out, *(x.grad for x in inputs))]
+        ref = full if ref is None else ref
+        row.max_abs_diff = max((a - b).abs().max().item() for a, b in zip(full, ref))
+
+    say(f"{len(prepared)} configs x (warmup {bench.warmup} + iters {bench.iters}), "
+        f"{dist.get_world_size()} processes x {torch.get_num_threads()} threads", flush=True)
+
+    def progress(it: int) -> None:
+        if it >= 0:
+            say(f"  iter {it + 1}/{bench.iters} done", flush=True)
+
+    fns = [partial(step, inputs, dout_l, call) for _, inputs, dout_l, call, _ in prepared]
+    per_round = round_robin(fns, bench.iters, bench.warmup, on_round=progress)  # [iters][rows]
+    for j, (row, *_rest) in enumerate(prepared):
+        row.times_ms = [r[j] * 1e3 for r in per_round]
+    return [p[0] for p in prepared]
+
+
+# ---- results --------------------------------------------------------------------------------
+
+
+def results(bench: AttentionBench, rows: list[Row], skip: str | None,
+            deepspeed_version: str | None = None) -> dict:
+    """The JSON-ready result of one run (see ``run_rank``)."""
+    ds = next((r for r in rows if r.kind == "deepspeed"), None)
+    ds_stats = ds.stats() if ds else None
+    out_rows = []
+    for row in rows:
+        s = row.stats()
+        ratio = s["mean_ms"] / ds_stats["mean_ms"] if ds else None
+        out_rows.append({**asdict(row), **s, "ratio_to_deepspeed": ratio})
+    args = {**asdict(bench), "layouts": [f"{u}x{r}" for u, r in bench.layouts]}
+    env = dict(torch=torch.__version__, python=platform.python_version(),
+               cpus=os.cpu_count(), threads_per_proc=bench.threads)
+    if deepspeed_version is not None:
+        env["deepspeed"] = deepspeed_version
+    n = bench.nprocs
+    pure = next((r for r in rows if r.kind == "usp" and r.ulysses == n and r.ring == 1), None)
+    ratios = None
+    if ds and pure:
+        p = pure.stats()
+        # both run in every round: the median of per-round ratios cancels load that
+        # drifts from round to round
+        paired = (torch.tensor(pure.times_ms) / torch.tensor(ds.times_ms)).median().item()
+        ratios = dict(mean=p["mean_ms"] / ds_stats["mean_ms"],
+                      median=p["median_ms"] / ds_stats["median_ms"],
+                      min=p["min_ms"] / ds_stats["min_ms"], paired_median=paired)
+    return dict(args=args, env=env, rows=out_rows, deepspeed_skipped=skip,
+                usp_over_deepspeed=ratios)
+
+
+def format_report(result: dict) -> str:
+    """The table ``results`` describes, as text."""
+    a = result["args"]
+    lines = ["", f"attention fwd+bwd: B={a['batch']} L={a['seq_len']} Hq={a['heads']} "
+                 f"Hkv={a['kv_heads']} d={a['head_dim']} causal={a['causal']} "
+                 f"dtype={a['dtype']} balance={a['balance']} nprocs={a['nprocs']} "
+                 f"threads/proc={a['threads']} iters={a['iters']} "
+                 f"(max over ranks per iteration)"]
+    head = (f"{'config':<18} {'mean ms':>10} {'std ms':>9} {'min ms':>10} {'median ms':>10} "
+            f"{'vs DS':>7} {'max|diff|':>10}")
+    lines += [head, "-" * len(head)]
+    for r in result["rows"]:
+        ratio = r["ratio_to_deepspeed"]
+        rtxt = f"{ratio:7.3f}" if ratio is not None else f"{'-':>7}"
+        lines.append(f"{r['name']:<18} {r['mean_ms']:10.1f} {r['std_ms']:9.1f} "
+                     f"{r['min_ms']:10.1f} {r['median_ms']:10.1f} {rtxt} "
+                     f"{r['max_abs_diff']:10.2e}")
+    n, ratios = a["nprocs"], result["usp_over_deepspeed"]
+    if ratios:
+        lines.append(f"\nusp(u={n}) / DeepSpeed(u={n}) = {ratios['mean']:.3f} (mean); "
+                     f"{ratios['median']:.3f} (median); {ratios['min']:.3f} (min); "
+                     f"{ratios['paired_median']:.3f} (median of per-round ratios)")
+    elif result["deepspeed_skipped"] is not None:
+        lines.append(f"\nno DeepSpeed row ({result['deepspeed_skipped']}); no ratio")
+    return "\n".join(lines)
+
+
+def launched_world() -> int | None:
+    """The world size when this process is a rank of a torchrun/Slurm launch, else None."""
+    info = launcher_env()
+    return None if info is None else info["world"]
+
+
+def measure(bench: AttentionBench) -> dict | None:
+    """Run the benchmark and return ``run_rank``'s result (None on ranks other than 0).
+
+    Started plainly, it spawns ``bench.nprocs`` local gloo processes. Under torchrun
+    (``launcher_env()`` set) this process is one rank of that group, whose size must be
+    ``bench.nprocs``.
+    """
+    info = launcher_env()
+    if info is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "result.json")
+            spawn_local(run_rank, bench.nprocs, bench, path, threads=bench.threads)
+            return json.loads(Path(path).read_text())
+    if info["world"] != bench.nprocs:
+        raise ValueError(f"this launch has {info['world']} ranks but nprocs={bench.nprocs}; "
+                         f"pass nprocs={info['world']}")
+    torch.set_num_threads(bench.threads)
+    init_from_env(info, "cpu")
+    try:
+        return run_rank(bench)
+    finally:
+        dist.destroy_process_group()

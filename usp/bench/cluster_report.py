@@ -1,0 +1,206 @@
+"""Tables, PNGs and the planner's verdict from the simulated-cluster measurements.
+
+``report`` needs no root and no processes: it reads what ``usp.bench.cluster_worker``
+measured (``worker``), the ``usp-train`` step times (``train``) and writes ``tables.txt``
+and one PNG per benchmark into ``out``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from ..config import ModelConfig
+from ..planner import plan
+from ..planner.cluster import ClusterSpec, load_cluster
+from .cluster import NODES, PER_NODE, WORLD, ClusterBench
+from .plots import bar_png, grouped_bar_png
+
+RINGS = ("ring P=2 zigzag", "ring P=2 contiguous")
+SWEEP = {(4, 1): "(4,1)", (2, 2): "(2,2) ulysses_inner", (1, 4): "(1,4)"}  # (b)
+
+
+def table(title: str, head: list[str], rows: list[list]) -> list[str]:
+    """A right-aligned text table under a title line (and a blank line before it)."""
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(head)]
+    out = ["", title, "  ".join(f"{h:>{w}}" for h, w in zip(head, widths)),
+           "  ".join("-" * w for w in widths)]
+    return out + ["  ".join(f"{str(c):>{w}}" for c, w in zip(r, widths)) for r in rows]
+
+
+def medians(times: dict) -> dict:
+    """{name: [ms, ...]} -> {name: median ms}."""
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def placement_ratio(ms: dict) -> tuple[float, float, float]:
+    """(2,2) attention ms with ulysses inside nodes, across nodes, and across / inside."""
+    a_in, a_out = ms["(2,2) ulysses_inner"], ms["(2,2) ring_inner"]
+    return a_in, a_out, a_out / a_in
+
+
+def _links(w: dict, lines: list[str]) -> None:
+    lk = w["links"]
+    lines.append(f"hosts seen by the ranks: {w['hosts']}")
+    lines += table("links (gloo send/recv, best of 3)", ["link", "MB/s", "ratio"],
+                   [["intra-node (loopback)", f"{lk['intra'] / 1e6:.0f}", "1.00"],
+                    ["inter-node (veth+tbf)", f"{lk['inter'] / 1e6:.0f}",
+                     f"{lk['intra'] / lk['inter']:.2f}x slower"]])
+
+
+def _placement(cfg: ClusterBench, ms: dict, train: dict, out: Path, lines: list[str]) -> dict:
+    a_in, a_out, ratio = placement_ratio(ms)
+    t_in, t_out = train["(2,2) ulysses_inner"], train["(2,2) ring_inner"]
+    lines += table(f"(a) placement, (u,r)=(2,2): attention fwd+bwd L={cfg.seq_len} (median ms, "
+                   f"max over ranks) and usp-train step (median s)",
+                   ["placement", "attn ms", "train step s"],
+                   [["ulysses inside nodes", f"{a_in:.1f}", f"{t_in:.3f}"],
+                    ["ulysses across nodes", f"{a_out:.1f}", f"{t_out:.3f}"],
+                    ["across / inside", f"{ratio:.2f}x", f"{t_out / t_in:.2f}x"]])
+    bar_png(out / "a_placement.png", f"(a) (2,2) placement, attention L={cfg.seq_len}",
+            ["ulysses inner", "ring inner"], [a_in, a_out], "fwd+bwd ms")
+    return dict(attn_ratio=ratio, train_ratio=t_out / t_in)
+
+
+def _bytes(cfg: ClusterBench, sent: dict, out: Path, lines: list[str]) -> float:
+    rows = [[name, b["ulysses"], b["ring"], b["measured"], b["formula"],
+             f"{(b['measured'] / b['formula'] - 1) * 100:+.2f}%",
+             b["hosts_per_ulysses_group"], b["hosts_per_ring_group"]] for name, b in sent.items()]
+    lines += table(f"(e) bytes sent per rank per attention layer (fwd+bwd, fp32, B=1 "
+                   f"L={cfg.seq_len} Hq={cfg.heads} Hkv={cfg.kv_heads} d={cfg.head_dim})",
+                   ["config", "ulysses B", "ring B", "measured B", "formula B", "diff",
+                    "hosts/uly grp", "hosts/ring grp"], rows)
+    names = list(sent)
+    bar_png(out / "e_bytes.png", "(e) bytes per rank per layer", names,
+            [sent[n]["measured"] / 1e6 for n in names], "MB",
+            ref=[sent[n]["formula"] / 1e6 for n in names], ref_label="formula")
+    return max(abs(b["measured"] / b["formula"] - 1) for b in sent.values())
+
+
+def _activations(cfg: ClusterBench, saved: dict, out: Path, lines: list[str]) -> dict:
+    sb = {int(k): v for k, v in saved.items()}
+    ps = sorted(sb)
+    mib = 2**20
+    lines += table(f"(d) tensors saved for backward per rank, tiny model, L={cfg.mem_seq_len}",
+                   ["P", "MiB/rank", "single/P MiB", "ratio"],
+                   [[P, f"{sb[P] / mib:.2f}", f"{sb[1] / P / mib:.2f}",
+                     f"{sb[P] / (sb[1] / P):.3f}"] for P in ps])
+    bar_png(out / "d_activation_memory.png", f"(d) saved activations per rank "
+            f"L={cfg.mem_seq_len}", [f"P={P}" for P in ps], [sb[P] / mib for P in ps], "MiB",
+            ref=[sb[1] / P / mib for P in ps], ref_label="single / P")
+    return {P: sb[P] / (sb[1] / P) for P in ps}
+
+
+def _ring(cfg: ClusterBench, w: dict, ms: dict, out: Path, lines: list[str]) -> dict:
+    """(c): one rank per core (the ``ring`` phase) and 4 ranks on the host's 2 cores."""
+    setups = [("1 rank per core", medians(by_name), int(n_tok))
+              for n_tok, by_name in (w.get("ring") or {}).items()]
+    setups.append(("4 ranks on 2 cores", ms, cfg.seq_len))
+    rows, eff = [], {}
+    for setup, t, n_tok in setups:
+        ideal = t["dense P=1"] / 2
+        rows.append([setup, n_tok, f"{t['dense P=1']:.1f}", f"{ideal:.1f}"]
+                    + [f"{t[n]:.1f} ({ideal / t[n] * 100:.0f}%)" for n in RINGS])
+        eff[f"{setup}, L={n_tok}"] = {n: ideal / t[n] for n in RINGS}
+    lines += table("(c) ring at P=2 across nodes vs the ideal dense / 2, attention fwd+bwd "
+                   "(median ms, efficiency)",
+                   ["setup", "L", "dense P=1", "ideal = dense/2", "zigzag", "contiguous"], rows)
+    grouped_bar_png(
+        out / "c_ring_efficiency.png", [f"L={n_tok}\n{setup}" for setup, _, n_tok in setups],
+        [(n.split()[-1], [eff[f"{s}, L={n_tok}"][n] * 100 for s, _, n_tok in setups])
+         for n in RINGS],
+        "% of ideal (dense / 2)", title="(c) ring P=2 efficiency", hline=(90, "90%"),
+        width=6.5, tick_size=7)
+    return eff
+
+
+def planner_spec(cfg: ClusterBench, w: dict, ms: dict) -> ClusterSpec:
+    """The planner's ClusterSpec of the simulated cluster, every figure measured: link
+    rates, one shared link of each kind per node (a node's ranks share its veth and its
+    loopback), the dense attention's FLOP/s at mfu 1 (causal fwd 2 L^2 Hq d, backward
+    2.5x that), and the overlap of a cross-node transfer with a kernel (cpu_local's when
+    it was not measured)."""
+    base, L = load_cluster("cpu_local"), cfg.seq_len
+    flops = 3.5 * 2 * L * L * cfg.heads * cfg.head_dim / (ms["dense P=1"] / 1e3)
+    overlap = w["overlap"]["share"] if "overlap" in w else base.overlap
+    return base.replace(name="simcluster", ranks_per_node=PER_NODE, nodes=NODES,
+                        intra_bw=w["links"]["intra"], inter_bw=w["links"]["inter"],
+                        peak_flops=flops, mfu=1.0, overlap=overlap,
+                        gpus_per_nic=PER_NODE, gpus_per_intra_link=PER_NODE)
+
+
+def _degrees(cfg: ClusterBench, w: dict, ms: dict, train: dict, out: Path,
+             lines: list[str]) -> dict:
+    spec = planner_spec(cfg, w, ms)
+    lines.append(f"planner spec: intra {spec.intra_bw / 1e6:.0f} MB/s, inter "
+                 f"{spec.inter_bw / 1e6:.0f} MB/s, one of each per node; "
+                 f"{spec.peak_flops / 1e9:.1f} GFLOP/s per rank; overlap {spec.overlap:.2f} "
+                 f"(all measured)")
+    if "overlap" in w:
+        o = w["overlap"]
+        lines.append(f"overlap test: kernel {o['kernel_ms']:.1f} ms, cross-node transfer "
+                     f"{o['transfer_ms']:.1f} ms, both {o['both_ms']:.1f} ms -> {o['share']:.0%} "
+                     f"of the shorter hidden (median of paired repetitions)")
+    p = plan(ModelConfig(), spec, cfg.train_seq_len, world=WORLD, dp=1,
+             global_batch=cfg.train_batch, dtype_bytes=4, act_checkpoint=False)
+    pred = {(c.ulysses, c.ring): c.cost.step_s for c in p.candidates}
+    measured = {k: train[v] for k, v in SWEEP.items()}
+    rank_m = sorted(measured, key=measured.get)
+    rank_p = sorted((k for k in SWEEP if k in pred), key=pred.get)
+    rows = [[f"({u},{r})", f"{ms[SWEEP[(u, r)]]:.1f}", f"{measured[(u, r)]:.3f}",
+             rank_m.index((u, r)) + 1,
+             f"{pred[(u, r)]:.3f}" if (u, r) in pred else "dropped",
+             rank_p.index((u, r)) + 1 if (u, r) in pred else "-"] for (u, r) in SWEEP]
+    lines += table(f"(b) degree sweep at world {WORLD}: attention L={cfg.seq_len} and usp-train "
+                   f"step (L={cfg.train_seq_len}, batch {cfg.train_batch}) vs planner "
+                   f"(measured links)",
+                   ["(u,r)", "attn ms", "train s", "measured rank", "planner s", "planner rank"],
+                   rows)
+    choice, best = rank_p[0], rank_m[0]
+    gap = measured[choice] / measured[best] - 1
+    lines.append(f"planner choice {choice}: measured {gap * 100:+.1f}% vs best {best}")
+    bar_png(out / "b_degree_sweep.png", "(b) usp-train step vs planner", list(SWEEP.values()),
+            [measured[k] for k in SWEEP], "step s",
+            ref=[pred.get(k, float("nan")) for k in SWEEP], ref_label="planner")
+    return dict(choice=list(choice), best=list(best), gap=gap)
+
+
+def report(cfg: ClusterBench, w: dict, train: dict, out: Path) -> tuple[dict, list[str]]:
+    """(summary, text lines) of one ``main`` + ``ring`` run; writes ``out/tables.txt`` and
+    the PNGs. ``cfg``: the run's ``ClusterBench``; ``w``: ``worker.json`` with the ``ring``
+    phase's result under ``"ring"``; ``train``: {case name: median usp-train step s}."""
+    lines: list[str] = []
+    ms = medians(w["attention_ms"])
+    _links(w, lines)
+    summary = {"links": w["links"],
+               "placement": _placement(cfg, ms, train, out, lines),
+               "bytes_max_rel_err": _bytes(cfg, w["bytes"], out, lines),
+               "act_ratio": _activations(cfg, w["saved_bytes"], out, lines),
+               "ring_eff": _ring(cfg, w, ms, out, lines),
+               "planner": _degrees(cfg, w, ms, train, out, lines)}
+    (out / "tables.txt").write_text("\n".join(lines) + "\n")
+    return summary, lines
+
+
+def placement_report(cfg: ClusterBench, runs: list[tuple[str, str | None, dict]],
+                     out: Path) -> list[str]:
+    """The placement sweep's table (also ``out/placement_sweep.txt``) and PNG; ``runs``:
+    one (inter rate, intra rate or None for loopback, worker.json) per rate pair."""
+    rows, inside, across = [], [], []
+    for inter, intra, w in runs:
+        lk = w["links"]
+        a_in, a_out, ratio = placement_ratio(medians(w["attention_ms"]))
+        rows.append([inter, intra or "loopback", f"{lk['inter'] / 1e6:.0f}",
+                     f"{lk['intra'] / 1e6:.0f}", f"{lk['intra'] / lk['inter']:.1f}",
+                     f"{a_in:.1f}", f"{a_out:.1f}", f"{ratio:.2f}x"])
+        inside.append(a_in)
+        across.append(a_out)
+    lines = table(f"(a) placement sweep, (u,r)=(2,2), attention fwd+bwd L={cfg.seq_len} "
+                  f"Hq={cfg.heads} Hkv={cfg.kv_heads} (median ms, max over ranks)",
+                  ["inter rate", "intra rate", "inter MB/s", "intra MB/s", "intra/inter",
+                   "ulysses inside ms", "ulysses across ms", "across/inside"], rows)
+    (out / "placement_sweep.txt").write_text("\n".join(lines) + "\n")
+    grouped_bar_png(out / "a_placement_sweep.png", [r[0] for r in runs],
+                    [("ulysses inside nodes", inside), ("ulysses across nodes", across)],
+                    "attention fwd+bwd ms", xlabel="inter-node rate")
+    return lines

@@ -1,0 +1,232 @@
+"""What every rank of the simulated cluster measures for ``usp.bench.cluster``.
+
+Started by torchrun on each node (``SimCluster.run``)::
+
+    python -m usp.bench.cluster_worker OUT/bench.json {main|placement|ring}
+
+``main`` (2 nodes x 2 ranks) measures the links, the overlap of a cross-node transfer with
+a kernel, attention fwd+bwd for every case of ``MAIN_CASES`` (timed round-robin in the same
+processes, max over ranks), the bytes each case sends per rank, and the bytes saved for
+backward at P = 1, 2, 4; ``placement`` the links and the two (2,2) placements only;
+``ring`` (2 nodes x 1 rank) the ring at P=2 against dense at every ``ring_seq_lens``.
+Rank 0 writes ``worker.json`` (``worker_ring.json`` for ``ring``) into ``out``.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import sys
+from contextlib import ExitStack
+from dataclasses import dataclass
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..kernels import local_attention
+from ..layout import SequenceLayout
+from ..mesh import SPMesh
+from .cluster import PER_NODE, ClusterBench
+from .simcluster import p2p_rate
+
+
+@dataclass(frozen=True)
+class Case:
+    """One timed attention call: ``usp_attention`` at (ulysses, ring), or with ``ulysses=0``
+    the dense reference, the whole sequence on every rank."""
+
+    name: str
+    ulysses: int = 0
+    ring: int = 0
+    placement: str = "ulysses_inner"
+    balance: str = "zigzag"
+
+
+DENSE = Case("dense P=1")
+RING_CASES = (Case("ring P=2 zigzag", 1, 2),  # at world 4, dp 2: rings 0-2 and 1-3
+              Case("ring P=2 contiguous", 1, 2, balance="contiguous"), DENSE)
+MAIN_CASES = (Case("(2,2) ulysses_inner", 2, 2), Case("(2,2) ring_inner", 2, 2, "ring_inner"),
+              Case("(4,1)", 4, 1), Case("(1,4)", 1, 4), *RING_CASES)
+PLACEMENT_CASES = MAIN_CASES[:2]
+
+
+def _inputs(cfg: ClusterBench, seq_len: int) -> tuple[torch.Tensor, ...]:
+    """q, k, v, dout of one layer: [1, L, H, d] / [1, L, Hkv, d], the same on every rank."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(cfg.heads,), (cfg.kv_heads,), (cfg.kv_heads,), (cfg.heads,)]
+    return tuple(torch.randn(1, seq_len, *h, cfg.head_dim, generator=g) for h in shapes)
+
+
+def attention_calls(cfg: ClusterBench, seq_len: int, cases, stack: ExitStack,
+                    sent: dict | None = None) -> dict:
+    """{case name: a fwd+bwd call}. With ``sent``, each usp case is called once here and
+    ``sent[name]`` gets the bytes it sent per rank next to ``attention_bytes``' value and
+    how many hosts its ulysses and ring groups span. Meshes close when ``stack`` does."""
+    from ..attention import usp_attention
+    from ..planner.traffic import attention_bytes
+
+    q, k, v, dout = _inputs(cfg, seq_len)
+    calls = {}
+    for c in cases:
+        if c.ulysses == 0:
+            ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
+            attn, grad = partial(local_attention, causal=True, kernel="torch"), dout
+        else:
+            mesh = stack.enter_context(SPMesh.build(ulysses=c.ulysses, ring=c.ring,
+                                                    placement=c.placement))
+            lay = SequenceLayout(mesh, seq_len=seq_len, balance=c.balance)
+            # [1, L, H, d] -> [1, L/P, H, d]: this rank's tokens
+            ins = [lay.shard(t, dim=1).clone().requires_grad_(True) for t in (q, k, v)]
+            attn = partial(usp_attention, mesh=mesh, layout=lay, causal=True, kernel="torch")
+            grad = lay.shard(dout, dim=1)
+
+        def call(ins=ins, attn=attn, grad=grad):
+            for t in ins:
+                t.grad = None
+            attn(*ins).backward(grad)
+
+        calls[c.name] = call
+        if sent is not None and c.ulysses:
+            mesh.comm.reset()
+            call()  # one call's bytes; also a warm-up
+            fwd, bwd = attention_bytes(1, seq_len, cfg.heads, cfg.kv_heads, cfg.head_dim,
+                                       c.ulysses, c.ring, q.element_size())
+            b = {a: mesh.comm.bytes[a] for a in ("ulysses", "ring")}
+            sent[c.name] = dict(
+                measured=sum(b.values()), formula=sum(fwd.values()) + sum(bwd.values()), **b,
+                **{f"hosts_per_{a}_group": len({mesh.hosts[x] for x in mesh.axis_ranks(a)})
+                   for a in ("ulysses", "ring")})
+    return calls
+
+
+def time_cases(calls: dict, rounds: int, warmup: int) -> dict:
+    """{name: [ms per round]}: the calls interleaved, the slowest rank's time per call."""
+    from .timing import round_robin
+
+    per_round = round_robin(list(calls.values()), rounds, warmup)
+    return {n: [r[j] * 1e3 for r in per_round] for j, n in enumerate(calls)}
+
+
+def saved_activation_bytes(seq_len: int) -> dict:
+    """{P: bytes of the tensors autograd saves in one forward of the tiny model, per rank}
+    at P = 1, 2, 4 (parameters, being state, are not counted)."""
+    from ..attention import usp_attention
+    from ..config import ModelConfig
+    from ..model import Transformer
+
+    cfg = ModelConfig()
+    tokens = torch.randint(0, cfg.vocab_size, (1, seq_len),
+                           generator=torch.Generator().manual_seed(1))
+    res = {}
+    for P, (u, r) in ((1, (1, 1)), (2, (2, 1)), (4, (2, 2))):
+        with SPMesh.build(ulysses=u, ring=r) as mesh:
+            lay = SequenceLayout(mesh, seq_len=seq_len)
+            attn = partial(usp_attention, mesh=mesh, layout=lay, causal=True, kernel="torch")
+            model = Transformer(cfg, attn)
+            params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+            seen: dict[int, int] = {}
+
+            def pack(t):
+                s = t.untyped_storage()
+                if s.data_ptr() not in params:
+                    seen[s.data_ptr()] = s.nbytes()
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                logits = model(lay.shard(tokens, dim=1), lay.positions())
+            logits.float().sum().backward()
+        res[P] = sum(seen.values())
+    return res
+
+
+def measure_overlap(cfg: ClusterBench, reps: int = 7) -> dict:
+    """Share of a cross-node transfer hidden behind a kernel running at the same time.
+
+    Every rank swaps one K/V block of the (2,2) layout with its partner on the other node
+    (both ranks of a node at once, as the (2,2) ring does) beside the forward of one ring
+    block; kernel alone, transfer alone and both are timed back to back ``reps`` times."""
+    from ..planner.calibration import overlap_share
+    from .timing import overlap_times
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    partner = (rank + PER_NODE) % world
+    blk, h = cfg.seq_len // 2, cfg.heads // 2  # the (2,2) layout's ring block
+    q = torch.randn(1, blk, h, cfg.head_dim)
+    k, v = (torch.randn(1, blk, 1, cfg.head_dim) for _ in range(2))
+    send = torch.randn(2 * blk * cfg.head_dim)  # one K/V block, fp32
+    recv = torch.empty_like(send)
+
+    def kernel():
+        with torch.no_grad():
+            local_attention(q, k, v, causal=False, kernel="torch")
+
+    def post():
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, partner),
+                                       dist.P2POp(dist.irecv, recv, partner)])
+
+    kernel_s, comm_s, both_s = overlap_times(kernel, post, reps, warmup=1)
+    med = statistics.median
+    return dict(share=overlap_share(kernel_s, comm_s, both_s), kernel_ms=med(kernel_s) * 1e3,
+                transfer_ms=med(comm_s) * 1e3, both_ms=med(both_s) * 1e3)
+
+
+def _log(msg: str) -> None:
+    if dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def measure(cfg: ClusterBench, phase: str) -> dict:
+    """One phase's measurements (collective: every rank calls it); see the module doc."""
+    with ExitStack() as stack:
+        if phase == "ring":
+            res = {}
+            for n_tok in cfg.ring_seq_lens:
+                res[n_tok] = time_cases(attention_calls(cfg, n_tok, RING_CASES, stack),
+                                        cfg.ring_iters, cfg.warmup)
+                _log(f"ring P=2, L={n_tok}: done")
+            return res
+        res = {"links": {"intra": p2p_rate(cfg.link_bytes, 0, 1),
+                         "inter": p2p_rate(cfg.link_bytes, 0, PER_NODE)}}
+        _log(f"links: {res['links']}")
+        if phase == "main":
+            res["overlap"] = measure_overlap(cfg)
+            _log(f"overlap: {res['overlap']}")
+        cases, sent = MAIN_CASES if phase == "main" else PLACEMENT_CASES, {}
+        calls = attention_calls(cfg, cfg.seq_len, cases, stack, sent)
+        _log(f"timing {len(calls)} attention cases x {cfg.iters} rounds")
+        res["attention_ms"] = time_cases(calls, cfg.iters, cfg.warmup)
+        res["bytes"] = sent
+    if phase == "main":
+        res["saved_bytes"] = saved_activation_bytes(cfg.mem_seq_len)
+    res["hosts"] = [None] * dist.get_world_size()
+    dist.all_gather_object(res["hosts"], socket.gethostname())
+    return res
+
+
+PHASES = ("main", "placement", "ring")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[1] not in PHASES:
+        raise SystemExit(f"usage: python -m usp.bench.cluster_worker BENCH.json "
+                         f"{{{'|'.join(PHASES)}}}")
+    cfg = ClusterBench.load(Path(argv[0]))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    try:
+        res = measure(cfg, argv[1])
+        if dist.get_rank() == 0:
+            name = "worker_ring.json" if argv[1] == "ring" else "worker.json"
+            Path(cfg.out, name).write_text(json.dumps(res, indent=2))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

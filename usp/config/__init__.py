@@ -1,0 +1,52 @@
+"""The typed configuration: one dataclass per group of ``configs/``, used by the library, the
+planner and the CLI (only the CLI touches Hydra/OmegaConf; it turns YAML into these).
+
+| ``configs/``     | dataclass                                   | module                  |
+|------------------|---------------------------------------------|-------------------------|
+| ``model/``       | ``ModelConfig``                             | ``usp.config.model``    |
+| ``parallel/``    | ``ParallelConfig``                          | ``usp.config.parallel`` |
+| ``cluster/``     | ``ClusterSpec``                             | ``usp.planner.cluster`` |
+| ``data/``        | ``RecallData`` / ``MemmapData`` (by kind)   | ``usp.config.data``     |
+| ``optim/``       | ``OptimConfig``                             | ``usp.config.optim``    |
+| ``trainer/``     | ``TrainerConfig``                           | ``usp.config.trainer``  |
+| ``logging/``     | ``LoggingConfig``                           | ``usp.config.logging``  |
+| ``train.yaml``   | ``RunConfig``; ``plan.yaml``: ``PlanConfig`` | ``usp.config.run``      |
+
+Each default value is written once, in the dataclass. The group option ``train.yaml``
+picks by default holds no values (the dataclass defaults are that option); the other
+options hold only what differs from the defaults, except the ``model`` and ``cluster``
+options, which state a whole model shape or machine. ``tests/test_cli.py`` checks this
+for every file. Pure value rules live in each ``__post_init__``, so a bad value is refused
+where the config is built (the CLI: before anything is launched); rules that need the
+world size, the device or the file system are in ``usp.train.setup.preflight``.
+"""
+
+from .data import DATA_KINDS, DataConfig, MemmapData, RecallData
+from .logging import LoggingConfig
+from .model import ModelConfig
+from .optim import OptimConfig
+from .parallel import ParallelConfig
+from .trainer import DTYPES, TrainerConfig, parse_signals, torch_dtype
+
+# isort: split
+# last: the planner imports ModelConfig from this package, and .run imports the planner
+from ..planner.cluster import ClusterSpec
+from .run import PlanConfig, RunConfig
+
+__all__ = [
+    "DATA_KINDS",
+    "DTYPES",
+    "ClusterSpec",
+    "DataConfig",
+    "LoggingConfig",
+    "MemmapData",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "PlanConfig",
+    "RecallData",
+    "RunConfig",
+    "TrainerConfig",
+    "parse_signals",
+    "torch_dtype",
+]

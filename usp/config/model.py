@@ -1,0 +1,70 @@
+"""``configs/model``: the shape of the decoder. The defaults are the ``tiny`` option."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .checks import above, at_least, one_of
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a Llama-style GQA decoder."""
+
+    vocab_size: int = 320
+    dim: int = 128
+    n_layers: int = 2
+    n_heads: int = 8
+    n_kv_heads: int = 2
+    ffn_dim: int = 384
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    sliding_window: Optional[int] = None  # tokens a query sees (itself included); None: all
+    full_attention_every: int = 0  # 0: every layer windowed; k: layers k-1, 2k-1, ... full
+    rope: str = "global"  # global: positions in the packed row | per_document: from each doc start
+
+    def __post_init__(self) -> None:
+        one_of("model.rope", self.rope, ("global", "per_document"))
+        at_least("model", 0, full_attention_every=self.full_attention_every)
+        if self.sliding_window is not None:
+            at_least("model", 1, sliding_window=self.sliding_window)
+        at_least("model", 1, vocab_size=self.vocab_size, dim=self.dim, n_layers=self.n_layers,
+                 n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, ffn_dim=self.ffn_dim)
+        above("model", 0, rope_theta=self.rope_theta, norm_eps=self.norm_eps)
+        if self.dim % self.n_heads != 0:
+            raise ValueError(
+                f"model dim ({self.dim}) must be divisible by n_heads ({self.n_heads})"
+            )
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(
+                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def layer_window(self, layer: int) -> Optional[int]:
+        """The sliding window of layer ``layer`` (0-based), or None for full attention.
+
+        ``full_attention_every=k`` keeps every k-th layer full (layers k-1, 2k-1, ...), e.g.
+        k=2 alternates windowed and full layers as Gemma-2 does; 0 windows every layer
+        (Mistral)."""
+        k = self.full_attention_every
+        if self.sliding_window is None or (k and (layer + 1) % k == 0):
+            return None
+        return self.sliding_window
+
+    def layer_matmul_params(self) -> int:
+        """Weights one token multiplies through in a layer (q, k, v, o, gate, up, down)."""
+        d, hd = self.dim, self.head_dim
+        attn = 2 * d * self.n_heads * hd + 2 * d * self.n_kv_heads * hd
+        return attn + 3 * d * self.ffn_dim
+
+    def num_params(self) -> int:
+        """Parameter count (embeddings counted once when tied)."""
+        per_layer = self.layer_matmul_params() + 2 * self.dim  # + the two RMSNorm weights
+        emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+        return self.n_layers * per_layer + emb + self.dim

@@ -1,0 +1,31 @@
+"""``configs/parallel``: the sequence-parallel layout. The defaults are the ``usp_2x2`` option."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .checks import at_least, one_of
+
+
+@dataclass
+class ParallelConfig:
+    """The sequence-parallel layout. Degrees are ints or ``"auto"`` (chosen by the planner)."""
+
+    ulysses_degree: Any = 2
+    ring_degree: Any = 2
+    dp_degree: Any = None  # None: world / (ulysses * ring)
+    placement: str = "ulysses_inner"
+    balance: str = "zigzag"
+    kernel: str = "torch"
+    ring_impl: str = "usp"
+    ranks_per_node: Optional[int] = None  # CPU runs: pretend nodes of N ranks
+
+    def __post_init__(self) -> None:
+        from ..validate import BALANCES, PLACEMENTS, RING_IMPLS
+
+        one_of("parallel.placement", self.placement, PLACEMENTS)
+        one_of("parallel.balance", self.balance, BALANCES)
+        one_of("parallel.ring_impl", self.ring_impl, RING_IMPLS)
+        if self.ranks_per_node is not None:
+            at_least("parallel", 1, ranks_per_node=self.ranks_per_node)

@@ -1,0 +1,72 @@
+"""``configs/trainer``: the run itself. The defaults are the ``default`` option."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .checks import above, at_least, one_of
+
+# trainer.dtype -> the dtype forward and backward compute in; master weights, gradients and
+# optimizer state stay fp32 (FSDP2 mixed precision)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``trainer.dtype`` -> its torch dtype; ValueError for a name not in ``DTYPES``."""
+    one_of("trainer.dtype", name, tuple(DTYPES))
+    return DTYPES[name]
+
+
+def parse_signals(names: str) -> list[signal.Signals]:
+    """``"SIGTERM,SIGUSR1"`` -> the signals (``""``: none); ValueError on a name this
+    platform lacks or a signal no process can catch (SIGKILL, SIGSTOP)."""
+    out = []
+    for name in (n.strip() for n in names.split(",") if n.strip()):
+        sig = getattr(signal.Signals, name.upper(), None)
+        if sig is None or sig in (signal.SIGKILL, signal.SIGSTOP):
+            why = "cannot be caught" if sig is not None else "is not a signal name here"
+            raise ValueError(f"trainer.preempt_signals={names!r}: {name} {why}; use a comma "
+                             f"list such as SIGTERM,SIGUSR1 (or '' for none)")
+        out.append(sig)
+    return out
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 600
+    seed: int = 0
+    dtype: str = "fp32"  # a key of DTYPES
+    activation_checkpointing: bool = False
+    log_every: int = 10
+    ckpt_every: int = 100  # steps between checkpoints (0: only at the end and on preemption)
+    keep_checkpoints: int = 2  # complete checkpoints kept (the newest ones)
+    run_dir: Optional[str] = None  # None: the CLI uses the Hydra run directory
+    resume: bool = True  # continue from run_dir's latest checkpoint when there is one
+    nprocs: int = 4  # ranks to spawn when launched without torchrun/Slurm
+    device: str = "auto"  # auto | cpu | cuda
+    stop_after: Optional[int] = None  # stop early at this step (tests: simulate a crash)
+    timeout_s: float = 600.0  # collective timeout: a stuck peer becomes an error after this
+    max_restarts: int = 0  # local launch: relaunch all ranks from the last checkpoint this often
+    preempt_signals: str = "SIGTERM,SIGUSR1"  # checkpoint at the next step, then exit ("" = off)
+    on_nonfinite: str = "stop"  # non-finite loss/grad norm: stop (keep the last good ckpt) | skip
+
+    def __post_init__(self) -> None:
+        at_least("trainer", 1, steps=self.steps, keep_checkpoints=self.keep_checkpoints,
+                 nprocs=self.nprocs)
+        at_least("trainer", 0, log_every=self.log_every, ckpt_every=self.ckpt_every,
+                 max_restarts=self.max_restarts)
+        above("trainer", 0, timeout_s=self.timeout_s)
+        torch_dtype(self.dtype)
+        one_of("trainer.on_nonfinite", self.on_nonfinite, ("stop", "skip"))
+        parse_signals(self.preempt_signals)
+        if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
+            raise ValueError(f"trainer.stop_after={self.stop_after} is outside 1..trainer.steps="
+                             f"{self.steps}; set it in that range or to null")
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype)
