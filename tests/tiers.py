@@ -66,6 +66,8 @@ TIERS: dict[str, str] = {
     "test_mesh_layout.py": DISTRIBUTED,
     "test_mesh_layout.py::test_mesh_ranks_pure": UNIT,
     "test_model.py": UNIT,
+    "test_packing.py": UNIT,
+    "test_packing.py::test_packed_model_across_ranks_and_training": DISTRIBUTED,
     "test_planner.py": UNIT,
     "test_restarts.py": DISTRIBUTED,  # run_local, its launcher in a subprocess, torchrun
     "test_ring_plan.py": UNIT,
@@ -85,6 +87,9 @@ TIERS: dict[str, str] = {
     "test_uneven_heads.py::test_parity_world_3": DISTRIBUTED,
     "test_uneven_heads.py::test_parity_world_8": DISTRIBUTED,
     "test_validate.py": UNIT,
+    "test_hf.py": UNIT,
+    "test_hf.py::test_parity_over_layouts": DISTRIBUTED,  # one spawn of 4 ranks (fixture)
+    "test_hf.py::test_export_round_trip": DISTRIBUTED,
 }
 
 # Distributed tests in the fast selection: 2-10 s each on 2 cores, and between them every

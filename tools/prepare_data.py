@@ -1,7 +1,8 @@
 """Turn text files into a memmap token file for ``usp.data.MemmapTokens``, offline.
 
 Byte-level tokens (vocab 257: bytes 0..255 and EOS 256 after each file), written as
-``{out}.bin`` + ``{out}.json``; the rules are in ``usp/data/prepare.py``.
+``{out}.bin`` + ``{out}.json`` + ``{out}.docs`` (each file a document); the rules are in
+``usp/data/prepare.py``.
 
     python tools/prepare_data.py \\
         --src "$(python -c 'import sysconfig;print(sysconfig.get_paths()["stdlib"])')" \\
@@ -28,7 +29,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(str(e))
     print(
         f"wrote {args.out}.bin: {meta['num_tokens']} tokens from "
-        f"{meta['source']['num_files']} files ({meta['dtype']}, vocab {meta['vocab_size']})"
+        f"{meta['source']['num_files']} files = {meta['num_documents']} documents "
+        f"({meta['dtype']}, vocab {meta['vocab_size']})"
     )
 
 

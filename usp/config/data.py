@@ -4,6 +4,11 @@ option's values, except what the option file sets.
 
 ``batch_per_dp_rank`` is sequences per data-parallel rank per step; a step's global batch is
 ``global_batch(dp)`` = ``batch_per_dp_rank * dp``.
+
+``packing`` says what the model sees of the documents in a row: ``none``, the row is one
+sequence (attention and RoPE span it whole); ``documents``, each token attends only within
+its document, labels crossing a boundary are ignored, and ``model.rope=per_document``
+restarts RoPE positions at each document.
 """
 
 from __future__ import annotations
@@ -11,15 +16,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from .checks import at_least
+from .checks import at_least, one_of
+
+PACKINGS = ("none", "documents")
 
 
 class _Batches:
-    """What every dataset config shares: its kind, sequence length and batch per dp rank."""
+    """What every dataset config shares: its kind, sequence length, batch per dp rank and
+    packing."""
 
     kind: str
     seq_len: int
     batch_per_dp_rank: int
+    packing: str
 
     def global_batch(self, dp: int) -> int:
         """Sequences per step over all ``dp`` data-parallel ranks."""
@@ -31,6 +40,12 @@ class _Batches:
                              f"choose the dataset with the group: "
                              f"{' or '.join(f'data={k}' for k in DATA_KINDS)}")
         at_least("data", 1, seq_len=self.seq_len, batch_per_dp_rank=self.batch_per_dp_rank)
+        one_of("data.packing", self.packing, PACKINGS)
+
+    @property
+    def packed(self) -> bool:
+        """Whether the model sees the document boundaries (``packing="documents"``)."""
+        return self.packing == "documents"
 
 
 @dataclass
@@ -44,11 +59,14 @@ class RecallData(_Batches):
     n_queries: int = 8  # questions at the end of each sequence
     seed: int = 1234
     eval_batches: int = 4  # held-out batches scored at the end of a run
+    documents_per_row: int = 1  # > 1: recall documents of random lengths packed in a row
+    packing: str = "none"  # none | documents (see the module docstring)
 
     def __post_init__(self) -> None:
         self._check("recall")
         at_least("data", 0, eval_batches=self.eval_batches)
-        at_least("data", 1, n_pairs=self.n_pairs, n_queries=self.n_queries)
+        at_least("data", 1, n_pairs=self.n_pairs, n_queries=self.n_queries,
+                 documents_per_row=self.documents_per_row)
         if self.n_queries > self.n_pairs:
             raise ValueError(f"data.n_queries={self.n_queries} > data.n_pairs={self.n_pairs}: "
                              f"each query asks a distinct pair; set data.n_queries<="
@@ -62,8 +80,9 @@ class MemmapData(_Batches):
     kind: str = "memmap"
     seq_len: int = 1024
     batch_per_dp_rank: int = 4
-    path: Optional[str] = None  # prefix of {path}.bin / {path}.json
+    path: Optional[str] = None  # prefix of {path}.bin / {path}.json (/ {path}.docs)
     seed: int = 1234
+    packing: str = "none"  # documents: needs the {path}.docs boundaries prepare_data writes
 
     def __post_init__(self) -> None:
         self._check("memmap")

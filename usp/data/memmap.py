@@ -1,9 +1,11 @@
 """Memory-mapped token files: ``{prefix}.bin`` (raw uint16/uint32) + ``{prefix}.json`` (metadata).
 
 Metadata keys: ``dtype`` ("uint16" | "uint32"), ``num_tokens``, ``vocab_size``,
-``tokenizer``, ``source``, and optionally ``max_token`` and ``eos_id``. Files are written
-by ``TokenWriter`` (used by ``tools/prepare_data.py``) atomically: both go to ``*.tmp``
-first and are renamed when complete, the ``.json`` last.
+``tokenizer``, ``source``, and optionally ``max_token``, ``eos_id`` and ``num_documents``.
+With ``num_documents``, ``{prefix}.docs`` holds the document start offsets (raw int64,
+increasing, the first 0). Files are written by ``TokenWriter`` (used by
+``tools/prepare_data.py``) atomically: all go to ``*.tmp`` first and are renamed when
+complete, the ``.json`` last.
 
 Training windows are drawn at random (with replacement) from the whole file; each sample
 reads ``seq_len + 1`` tokens so the label of the last position is the token after the
@@ -20,9 +22,11 @@ import numpy as np
 import torch
 
 from .indexing import sample_indices
+from .packing import Batch, ignore_crossing
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 REQUIRED_KEYS = ("dtype", "num_tokens", "vocab_size", "tokenizer", "source")
+DOC_DTYPE = np.dtype("<i8")  # document start offsets in {prefix}.docs
 _PREPARE = "python tools/prepare_data.py --src DIR --glob '**/*.txt' --out {prefix}"
 _SCAN_CHUNK = 1 << 24  # tokens per chunk when verifying ids
 
@@ -30,8 +34,18 @@ _SCAN_CHUNK = 1 << 24  # tokens per chunk when verifying ids
 def data_paths(path: str | os.PathLike) -> tuple[Path, Path]:
     """``data/x``, ``data/x.bin`` or ``data/x.json`` -> (``data/x.bin``, ``data/x.json``)."""
     p = Path(path)
-    prefix = p.with_suffix("") if p.suffix in (".bin", ".json") else p
+    prefix = p.with_suffix("") if p.suffix in (".bin", ".json", ".docs") else p
     return prefix.with_name(prefix.name + ".bin"), prefix.with_name(prefix.name + ".json")
+
+
+def docs_path(path: str | os.PathLike) -> Path:
+    """The document start offsets next to ``path``'s ``.bin``: ``data/x.docs``."""
+    bin_path = data_paths(path)[0]
+    return bin_path.with_suffix(".docs")
+
+
+def _tmp(path: Path) -> Path:
+    return path.with_name(path.name + ".tmp")
 
 
 class TokenWriter:
@@ -39,6 +53,8 @@ class TokenWriter:
 
     Use as a context manager; on an exception the temporary files are removed and nothing
     at ``prefix`` changes. dtype is uint16 when ``vocab_size <= 65536``, else uint32.
+    ``write_document`` also records where a document starts (``{prefix}.docs``); plain
+    ``write`` continues the current document.
     """
 
     def __init__(self, prefix: str | os.PathLike, vocab_size: int, tokenizer: str, source):
@@ -47,7 +63,8 @@ class TokenWriter:
         self.dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
         self.meta = {"vocab_size": vocab_size, "tokenizer": tokenizer, "source": source}
         self.num_tokens, self.max_token = 0, -1
-        self._tmp = self.bin_path.with_name(self.bin_path.name + ".tmp")
+        self.doc_starts: list[int] = []
+        self._tmp = _tmp(self.bin_path)
         self._f = open(self._tmp, "wb")
 
     def write(self, tokens) -> None:
@@ -64,6 +81,15 @@ class TokenWriter:
         self.num_tokens += arr.size
         self.max_token = max(self.max_token, hi)
 
+    def write_document(self, tokens) -> None:
+        """Append a 1-D array of token ids that starts a new document."""
+        if np.asarray(tokens).size == 0:
+            return
+        if not self.doc_starts and self.num_tokens:
+            self.doc_starts.append(0)  # tokens written before: the first document
+        self.doc_starts.append(self.num_tokens)
+        self.write(tokens)
+
     def close(self, **extra) -> dict:
         """Finish: fsync, write metadata (plus ``extra`` keys), rename into place."""
         self._f.flush()
@@ -71,10 +97,18 @@ class TokenWriter:
         self._f.close()
         meta = {"dtype": self.dtype, "num_tokens": self.num_tokens, **self.meta}
         meta.update(max_token=self.max_token, **extra)
-        json_tmp = self.json_path.with_name(self.json_path.name + ".tmp")
+        docs = docs_path(self.bin_path)
+        if self.doc_starts:
+            meta["num_documents"] = len(self.doc_starts)
+            np.asarray(self.doc_starts, dtype=DOC_DTYPE).tofile(_tmp(docs))
+        json_tmp = _tmp(self.json_path)
         json_tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         os.replace(self._tmp, self.bin_path)
-        os.replace(json_tmp, self.json_path)  # last: a .json means a complete .bin
+        if self.doc_starts:
+            os.replace(_tmp(docs), docs)
+        else:
+            docs.unlink(missing_ok=True)  # an older file's boundaries would not match
+        os.replace(json_tmp, self.json_path)  # last: a .json means complete files
         return meta
 
     def abort(self) -> None:
@@ -121,9 +155,12 @@ class MemmapTokens:
     huge corpora, every batch is still checked). Raises FileNotFoundError for a missing
     file and ValueError for bad metadata, a size mismatch, a file shorter than
     ``seq_len + 1`` tokens, or out-of-range ids; every message names the file and numbers.
+    ``documents``: load the document boundaries for ``packed_batch`` (ValueError when the
+    file records none, or they do not fit the tokens).
     """
 
-    def __init__(self, path: str | os.PathLike, seq_len: int, seed: int = 0, verify: bool = True):
+    def __init__(self, path: str | os.PathLike, seq_len: int, seed: int = 0, verify: bool = True,
+                 documents: bool = False):
         self.bin_path, self.json_path = data_paths(path)
         prefix = self.bin_path.with_suffix("")
         if not self.bin_path.is_file():
@@ -155,6 +192,24 @@ class MemmapTokens:
         if verify:
             for lo in range(0, self.num_tokens, _SCAN_CHUNK):
                 self._check(self.tokens[lo : lo + _SCAN_CHUNK], lo)
+        self.doc_starts = self._load_documents(prefix) if documents else None
+
+    def _load_documents(self, prefix: Path) -> np.ndarray:
+        """The document start offsets [num_documents] int64 (read lazily from ``.docs``)."""
+        docs, n = docs_path(self.bin_path), self.meta.get("num_documents")
+        fix = f"re-run prepare_data, which records them: {_PREPARE.format(prefix=prefix)}"
+        if n is None or not docs.is_file():
+            raise ValueError(f"{self.json_path} records no document boundaries (no "
+                             f"num_documents / {docs.name}), so data.packing=documents cannot "
+                             f"tell documents apart; {fix}; or use data.packing=none")
+        if docs.stat().st_size != int(n) * DOC_DTYPE.itemsize or int(n) < 1:
+            raise ValueError(f"{docs} has {docs.stat().st_size} bytes but {self.json_path} says "
+                             f"num_documents={n} x {DOC_DTYPE.itemsize}: truncated or stale; {fix}")
+        starts = np.memmap(docs, dtype=DOC_DTYPE, mode="r", shape=(int(n),))
+        if starts[0] != 0 or starts[-1] >= self.num_tokens or (np.diff(starts) <= 0).any():
+            raise ValueError(f"{docs}: document starts must increase from 0 and stay below "
+                             f"num_tokens={self.num_tokens}; {fix}")
+        return starts
 
     def _check(self, ids: np.ndarray, offsets) -> None:
         # offsets: an int (ids is a contiguous run from there) or an array shaped like ids
@@ -190,6 +245,27 @@ class MemmapTokens:
         ``positions`` (global ids, e.g. ``layout.positions()``) selects columns; only
         those tokens and their successors are read from disk.
         """
+        b = self._read(step, batch_per_dp_rank, dp_rank, dp_size, positions)[0]
+        return b.tokens, b.labels
+
+    def packed_batch(self, step: int, batch_per_dp_rank: int, dp_rank: int = 0,
+                     dp_size: int = 1, positions: torch.Tensor | None = None) -> Batch:
+        """``batch``'s windows with document ids (the file's document index) and positions
+        inside each document (counted from the window start for the document it cuts); a
+        label whose target starts the next document is -100. Needs ``documents=True``."""
+        if self.doc_starts is None:
+            raise ValueError("packed_batch needs the document boundaries: build MemmapTokens "
+                             "with documents=True")
+        b, idx, window = self._read(step, batch_per_dp_rank, dp_rank, dp_size, positions)
+        doc = np.searchsorted(self.doc_starts, idx, side="right") - 1  # [B, n]
+        nxt = np.searchsorted(self.doc_starts, idx + 1, side="right") - 1  # the label's
+        first = np.maximum(self.doc_starts[doc], window[:, None])  # in this window
+        seg = torch.from_numpy(doc.astype(np.int64))
+        return Batch(b.tokens, ignore_crossing(b.labels, seg, torch.from_numpy(nxt)), seg,
+                     torch.from_numpy((idx - first).astype(np.int64)))
+
+    def _read(self, step, batch_per_dp_rank, dp_rank, dp_size, positions):
+        """(Batch of tokens and labels, absolute offsets [B, n], window starts [B])."""
         if positions is None:
             cols = np.arange(self.seq_len)
         else:
@@ -203,4 +279,4 @@ class MemmapTokens:
         offsets = np.stack([idx, idx + 1])  # [2, B, n]: each token and the one after it
         ids = np.asarray(self.tokens[offsets]).astype(np.int64)  # reads only these entries
         self._check(ids, offsets)
-        return torch.from_numpy(ids[0]), torch.from_numpy(ids[1])  # tokens, labels [B, n]
+        return Batch(torch.from_numpy(ids[0]), torch.from_numpy(ids[1])), idx, starts

@@ -2,7 +2,8 @@
 
 Byte-level tokenizer: every byte is its own token (0..255) and each file ends with
 ``EOS`` = 256, so ``VOCAB_SIZE`` = 257 and the tokens are stored as uint16. Output:
-``{out}.bin`` (raw tokens) and ``{out}.json`` (metadata), written atomically by
+``{out}.bin`` (raw tokens), ``{out}.json`` (metadata) and ``{out}.docs`` (where each
+file's document starts, for ``data.packing=documents``), written atomically by
 ``TokenWriter``. Files are taken in sorted order of their path relative to ``src``
 (deterministic), and ``max_bytes`` caps the input bytes (the last file is cut to fit).
 The command line is ``tools/prepare_data.py``.
@@ -54,7 +55,8 @@ def prepare(src: str | Path, pattern: str, out: str | Path, max_bytes: int | Non
                 data = data[: max_bytes - total]
             total += len(data)
             used += 1
-            # bytes -> uint16 ids, then EOS: [len(data)] -> [len(data) + 1]
-            writer.write(np.append(np.frombuffer(data, dtype=np.uint8).astype(np.uint16), EOS))
+            # one document per file: bytes -> uint16 ids, then EOS: [len(data)] -> [len(data) + 1]
+            writer.write_document(
+                np.append(np.frombuffer(data, dtype=np.uint8).astype(np.uint16), EOS))
         source.update(num_files=used, num_bytes=total)
         return writer.close(eos_id=EOS)

@@ -29,6 +29,13 @@ chance. Repeating the pairs across the region (density 1 by default) keeps the f
 of context that holds the right pair at ``1/(4*n_pairs)`` whatever L is; with each pair
 only once (density 0) the signal shrinks like 1/L and training sits on a plateau.
 
+Packed rows (``documents_per_row`` D > 1): the row holds D such documents back to back,
+of random lengths of at least ``min_document_len``, each laid out as above within its own
+span (BOS, dictionary in its second quarter, queries at its end). Neighbouring documents
+use the same keys with different values, so a query that also attends to the previous
+document's dictionary finds a wrong value for its key: the document mask
+(``packed_batch``'s ``segment_ids``) is what makes the task clean.
+
 Measured on CPU (2 layers, dim 128, 8/2 heads, vocab 256, AdamW lr 3e-3 with 20 warmup
 steps, batch 8, n_pairs = n_queries = 8, K = V = 8, chance 12.5%): answer accuracy
 94% after ~180 steps at L=512 and after 300 steps at L=1024. Batch 4 or n_pairs = 16
@@ -41,8 +48,8 @@ import numpy as np
 import torch
 
 from .indexing import sample_indices
+from .packing import IGNORE_INDEX, Batch, packed_rows
 
-IGNORE_INDEX = -100
 BOS, SEP = 0, 1
 N_SPECIAL = 2
 
@@ -52,8 +59,11 @@ class RecallTask:
 
     K (``n_keys``) defaults to ``n_pairs`` (every key appears, each sequence with new
     values); V (``n_values``) defaults to the largest value <= 8 that fits the vocabulary.
-    Small K*V keeps the number of pair-token embeddings to learn small. Raises ValueError,
-    naming the numbers, when the vocabulary or the sequence is too small.
+    Small K*V keeps the number of pair-token embeddings to learn small.
+    ``documents_per_row`` > 1 packs that many recall documents of random lengths (each at
+    least ``min_document_len``) into a row; the ``pair_lo``/``query_start`` attributes
+    describe the one-document row. Raises ValueError, naming the numbers, when the
+    vocabulary or the sequence is too small.
     """
 
     def __init__(
@@ -66,12 +76,13 @@ class RecallTask:
         n_keys: int | None = None,
         n_values: int | None = None,
         pair_density: float = 1.0,
+        documents_per_row: int = 1,
     ):
         K = n_pairs if n_keys is None else n_keys
         V = min(8, (vocab_size - N_SPECIAL - K - 1) // (K + 1)) if n_values is None else n_values
         self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
         self.n_pairs, self.n_queries, self.n_keys, self.n_values = n_pairs, n_queries, K, V
-        self.pair_density = pair_density
+        self.pair_density, self.documents_per_row = pair_density, documents_per_row
         self.value_base = N_SPECIAL
         self.query_base = self.value_base + V
         self.pair_base = self.query_base + K
@@ -102,9 +113,21 @@ class RecallTask:
                 f"last quarter of seq_len {seq_len} ({seq_len // 4} tokens); raise seq_len "
                 f"or lower n_queries"
             )
+        need = documents_per_row * self.min_document_len
+        if documents_per_row < 1 or need > seq_len:
+            raise ValueError(
+                f"documents_per_row={documents_per_row} documents of >= {self.min_document_len} "
+                f"tokens (4 x max(2*n_queries+1, n_pairs)) need seq_len >= {need}, got "
+                f"{seq_len}; raise seq_len or use documents_per_row <= "
+                f"{max(1, seq_len // self.min_document_len)}"
+            )
         self.query_start = seq_len - 2 * n_queries - 1  # position of SEP
-        region = self.pair_hi - self.pair_lo
-        self.n_pair_slots = max(n_pairs, int(round(pair_density * region)))
+
+    @property
+    def min_document_len(self) -> int:
+        """Shortest packed document: its dictionary quarter holds n_pairs, its last quarter
+        the query section."""
+        return 4 * max(2 * self.n_queries + 1, self.n_pairs)
 
     @property
     def min_distance(self) -> int:
@@ -116,26 +139,71 @@ class RecallTask:
         """Accuracy of guessing a value uniformly: 1 / n_values."""
         return 1.0 / self.n_values
 
-    def sample(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-        """Global sample ``index`` -> (tokens [L], labels [L]) int64, from (seed, index) only."""
-        rng = np.random.default_rng([self.seed, index])
-        L, V, P = self.seq_len, self.n_values, self.n_pairs
-        tokens = self.filler_base + rng.integers(0, self.n_filler, size=L)
-        labels = np.full(L, IGNORE_INDEX, dtype=np.int64)
-        tokens[0] = BOS
+    def _document_lengths(self, rng: np.random.Generator) -> np.ndarray:
+        D, m = self.documents_per_row, self.min_document_len
+        if D == 1:
+            return np.array([self.seq_len])
+        spare = self.seq_len - D * m  # tokens shared out at random on top of the minimum
+        cuts = np.sort(rng.integers(0, spare + 1, size=D - 1))
+        return m + np.diff(np.concatenate([[0], cuts, [spare]]))
+
+    def _write_document(self, rng, tokens, labels, start: int, m: int,
+                        prev: np.ndarray | None) -> np.ndarray:
+        """One recall document in ``tokens[start:start+m]`` (labels likewise); returns its
+        value per key (-1: key absent). ``prev``: the previous document's, whose keys get
+        another value here."""
+        V, P, Q = self.n_values, self.n_pairs, self.n_queries
+        tokens[start] = BOS
         keys = rng.permutation(self.n_keys)[:P]  # distinct keys
         values = rng.integers(0, V, size=P)
-        slots = self.pair_lo + rng.permutation(self.pair_hi - self.pair_lo)[: self.n_pair_slots]
+        if prev is not None:  # a key the neighbour also holds gets a different value
+            shared = prev[keys] >= 0
+            values = np.where(shared, (prev[keys] + rng.integers(1, V, size=P)) % V, values)
+        lo, hi = start + m // 4, start + m // 2  # the dictionary region
+        n_slots = max(P, int(round(self.pair_density * (hi - lo))))
+        slots = lo + rng.permutation(hi - lo)[:n_slots]
         # every pair at least once, the other slots repeat random pairs
-        which = np.concatenate([np.arange(P), rng.integers(0, P, self.n_pair_slots - P)])
+        which = np.concatenate([np.arange(P), rng.integers(0, P, n_slots - P)])
         tokens[slots] = self.pair_base + keys[which] * V + values[which]
-        asked = rng.permutation(P)[: self.n_queries]  # distinct keys: no local shortcut
-        qpos = self.query_start + 1 + 2 * np.arange(self.n_queries)  # query token positions
-        tokens[self.query_start] = SEP
+        asked = rng.permutation(P)[:Q]  # distinct keys: no local shortcut
+        sep = start + m - 2 * Q - 1
+        qpos = sep + 1 + 2 * np.arange(Q)  # query token positions
+        tokens[sep] = SEP
         tokens[qpos] = self.query_base + keys[asked]
         tokens[qpos + 1] = self.value_base + values[asked]
         labels[qpos] = self.value_base + values[asked]  # next-token label, already shifted
-        return tokens.astype(np.int64), labels
+        held = np.full(self.n_keys, -1)
+        held[keys] = values
+        return held
+
+    def packed_sample(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Global sample ``index`` -> (tokens, labels, document ids), each [L] int64, from
+        (seed, index) only."""
+        rng = np.random.default_rng([self.seed, index])
+        L = self.seq_len
+        tokens = self.filler_base + rng.integers(0, self.n_filler, size=L)
+        labels = np.full(L, IGNORE_INDEX, dtype=np.int64)
+        ids = np.zeros(L, dtype=np.int64)
+        start, held = 0, None
+        for d, m in enumerate(self._document_lengths(rng)):
+            held = self._write_document(rng, tokens, labels, start, int(m), held)
+            ids[start : start + m] = d
+            start += m
+        return tokens.astype(np.int64), labels, ids
+
+    def sample(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """Global sample ``index`` -> (tokens [L], labels [L]) int64, from (seed, index) only."""
+        tokens, labels, _ = self.packed_sample(index)
+        return tokens, labels
+
+    def packed_batch(self, step: int, batch_per_dp_rank: int, dp_rank: int = 0,
+                     dp_size: int = 1, positions: torch.Tensor | None = None) -> Batch:
+        """This rank's ``Batch`` with document ids and per-document positions, [B, L] (or
+        [B, len(positions)]); the samples are ``batch``'s."""
+        ids = sample_indices(step, batch_per_dp_rank, dp_rank, dp_size)
+        rows = [self.packed_sample(i) for i in ids]
+        tokens, labels, seg = (torch.from_numpy(np.stack(x)) for x in zip(*rows))  # [B, L]
+        return packed_rows(tokens, labels, seg).columns(positions)  # -> [B, n]
 
     def batch(
         self,
@@ -159,10 +227,8 @@ class RecallTask:
         pairs = [self.sample(i) for i in ids]
         tokens = torch.from_numpy(np.stack([t for t, _ in pairs]))  # [B, L]
         labels = torch.from_numpy(np.stack([lab for _, lab in pairs]))  # [B, L]
-        if positions is not None:
-            idx = positions.cpu()
-            tokens, labels = tokens[:, idx], labels[:, idx]  # [B, L] -> [B, L/P]
-        return tokens, labels
+        b = Batch(tokens, labels).columns(positions)  # [B, L] -> [B, L/P]
+        return b.tokens, b.labels
 
 
 def answer_accuracy(

@@ -11,12 +11,15 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ..config import DataConfig, MemmapData, ModelConfig, RecallData
+from ..data.packing import Batch
+from ..masks import check_masks
 from ..validate import (check_degrees, check_heads, check_kernel, check_placement,
                         check_ranks_per_node, check_seq_len)
 
@@ -72,12 +75,17 @@ def resolve_degrees(cfg, world: int, env=None) -> tuple[int, int, str]:
 
 class TrainingData:
     """A dataset as the training loop uses it: this rank's batches, the answer accuracy on
-    them, and how many held-out batches to score at the end (``eval_batches``)."""
+    them, and how many held-out batches to score at the end (``eval_batches``).
 
-    def __init__(self, source, answers_per_sequence: int = 0, eval_batches: int = 0):
+    ``packed``: batches carry document ids (``data.packing=documents``); ``rope``: the
+    model's ``rope``, ``per_document`` adds the positions inside each document."""
+
+    def __init__(self, source, answers_per_sequence: int = 0, eval_batches: int = 0,
+                 packed: bool = False, rope: str = "global"):
         self.source = source
         self.answers_per_sequence = answers_per_sequence  # 0: plain text, nothing to score
         self.eval_batches = eval_batches if answers_per_sequence else 0
+        self.packed, self.rope = packed, rope
 
     @property
     def has_answers(self) -> bool:
@@ -86,6 +94,15 @@ class TrainingData:
     def batch(self, step, batch_per_dp_rank, dp_rank, dp_size, positions):
         """This rank's (tokens, labels), each [B, L/P]; labels shifted on the global sequence."""
         return self.source.batch(step, batch_per_dp_rank, dp_rank, dp_size, positions=positions)
+
+    def model_batch(self, step, batch_per_dp_rank, dp_rank, dp_size, positions) -> Batch:
+        """This rank's ``Batch`` [B, L/P] as the model takes it: ``segment_ids`` when packed,
+        ``doc_positions`` (the RoPE positions) when ``rope=per_document``, else None."""
+        if not self.packed:
+            return Batch(*self.batch(step, batch_per_dp_rank, dp_rank, dp_size, positions))
+        b = self.source.packed_batch(step, batch_per_dp_rank, dp_rank, dp_size,
+                                     positions=positions)
+        return b if self.rope == "per_document" else replace(b, doc_positions=None)
 
     def answer_accuracy(self, logits, labels) -> tuple[int, int]:
         """(correct answers, answers) on this rank's shard; (0, 0) for plain text."""
@@ -98,24 +115,30 @@ class TrainingData:
 
 
 def build_dataset(dc: DataConfig, mc: ModelConfig) -> TrainingData:
-    """The dataset ``dc`` describes, for a model of ``mc``'s vocabulary."""
+    """The dataset ``dc`` describes, for a model of ``mc``'s vocabulary and RoPE."""
+    if mc.rope == "per_document" and not dc.packed:
+        raise ValueError(f"model.rope=per_document restarts positions at each document, but "
+                         f"data.packing={dc.packing} gives the model no documents; set "
+                         f"data.packing=documents or model.rope=global")
+    packing = {"packed": dc.packed, "rope": mc.rope}
     if isinstance(dc, RecallData):
         from ..data.synthetic import RecallTask
 
         task = RecallTask(vocab_size=mc.vocab_size, seq_len=dc.seq_len, n_pairs=dc.n_pairs,
-                          n_queries=dc.n_queries, seed=dc.seed)
-        return TrainingData(task, answers_per_sequence=dc.n_queries,
-                            eval_batches=dc.eval_batches)
+                          n_queries=dc.n_queries, seed=dc.seed,
+                          documents_per_row=dc.documents_per_row)
+        return TrainingData(task, answers_per_sequence=dc.n_queries * dc.documents_per_row,
+                            eval_batches=dc.eval_batches, **packing)
     if isinstance(dc, MemmapData):
         from ..data.memmap import MemmapTokens
 
-        ds = MemmapTokens(dc.path, dc.seq_len, seed=dc.seed)
+        ds = MemmapTokens(dc.path, dc.seq_len, seed=dc.seed, documents=dc.packed)
         if ds.vocab_size > mc.vocab_size:
             raise ValueError(
                 f"dataset {dc.path} has vocab_size {ds.vocab_size} > model.vocab_size "
                 f"{mc.vocab_size}; set model.vocab_size={ds.vocab_size}"
             )
-        return TrainingData(ds)
+        return TrainingData(ds, **packing)
     raise ValueError(f"data config {dc!r} is none of RecallData, MemmapData; build it with "
                      f"one of them")
 
@@ -154,6 +177,21 @@ def _installed(module: str) -> bool:
     return module in sys.modules or importlib.util.find_spec(module) is not None
 
 
+def check_run_masks(cfg) -> None:
+    """Refuse document ids (``data.packing=documents``) or a sliding window the attention
+    kernel and ring engine cannot apply (the rule is ``usp.masks.check_masks``'s)."""
+    mc, pc = cfg.model, cfg.parallel
+    window = next((w for w in map(mc.layer_window, range(mc.n_layers)) if w), None)
+    ids = torch.zeros(1, 1, dtype=torch.long) if cfg.data.packed else None  # a stand-in
+    try:
+        check_masks(ids, window, batch=1, seq_len=1, device="cpu", kernel=pc.kernel,
+                    ring_impl=pc.ring_impl)
+    except ValueError as e:
+        raise ValueError(f"data.packing={cfg.data.packing} model.sliding_window="
+                         f"{mc.sliding_window} with parallel.kernel={pc.kernel} "
+                         f"parallel.ring_impl={pc.ring_impl}: {e}") from None
+
+
 def preflight(cfg, world: int, device_type: str | None = None) -> tuple[int, int]:
     """All checks that need no process group; raises ValueError. Returns (ulysses, ring).
 
@@ -182,6 +220,7 @@ def preflight(cfg, world: int, device_type: str | None = None) -> tuple[int, int
     except ValueError as e:
         raise ValueError(f"parallel.kernel={pc.kernel} parallel.ring_impl={pc.ring_impl} "
                          f"trainer.dtype={cfg.trainer.dtype} on {device_type}: {e}") from None
+    check_run_masks(cfg)
     if pc.ring_impl == "ring_flash_attn" and not _installed("ring_flash_attn"):
         raise ValueError("parallel.ring_impl=ring_flash_attn needs the ring-flash-attn package, "
                          "which this Python cannot import; pip install ring-flash-attn==0.1.8 "

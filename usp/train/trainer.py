@@ -18,6 +18,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from ..attention import usp_attention
 from ..comm import naming_collectives
 from ..config import OptimConfig, RunConfig, torch_dtype
+from ..data.packing import Batch
 from ..layout import SequenceLayout
 from ..mesh import SPMesh
 from ..model import Transformer
@@ -60,6 +61,16 @@ def shard_model(model: Transformer, mesh: DeviceMesh, dtype: str) -> None:
     fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
+def forward(model, batch: Batch, positions: torch.Tensor) -> torch.Tensor:
+    """logits [B, L/P, V] of this rank's ``batch`` (on the model's device): RoPE at the
+    row's global ``positions`` [L/P], or at each token's place in its document when the
+    batch carries ``doc_positions`` [B, L/P]; ``segment_ids`` only when documents are packed."""
+    rope = positions if batch.doc_positions is None else batch.doc_positions
+    if batch.segment_ids is None:
+        return model(batch.tokens, rope)
+    return model(batch.tokens, rope, batch.segment_ids)
+
+
 @torch.no_grad()
 def evaluate(model, data: TrainingData, cfg: RunConfig, mesh: SPMesh, positions,
              device) -> float:
@@ -67,10 +78,10 @@ def evaluate(model, data: TrainingData, cfg: RunConfig, mesh: SPMesh, positions,
     model.eval()
     hits = torch.zeros(2, dtype=torch.float64, device=device)
     for i in range(data.eval_batches):
-        tokens, labels = data.batch(10**6 + i, cfg.data.batch_per_dp_rank, mesh.dp_rank, mesh.dp,
-                                    positions=positions)
-        logits = model(tokens.to(device), positions)
-        correct, answers = data.answer_accuracy(logits.float(), labels.to(device))
+        b = data.model_batch(10**6 + i, cfg.data.batch_per_dp_rank, mesh.dp_rank, mesh.dp,
+                             positions=positions).to(device)
+        logits = forward(model, b, positions)
+        correct, answers = data.answer_accuracy(logits.float(), b.labels)
         hits += torch.tensor([correct, answers], dtype=torch.float64, device=device)
     dist.all_reduce(hits, group=mesh.group("dp_sp"))
     model.train()
@@ -194,17 +205,19 @@ def _loop(cfg: RunConfig, start: int, model, opt, sched, data, mesh: SPMesh, pos
         t0 = time.perf_counter()
         comm0 = mesh.comm.total_seconds()
         peak_mem.start()  # the peak below is this step's, not the run's
-        # Data: this rank's tokens only; labels were shifted on the global sequence.
-        tokens, labels = data.batch(step, cfg.data.batch_per_dp_rank, mesh.dp_rank, mesh.dp,
-                                    positions=positions)
-        tokens, labels = tokens.to(device), labels.to(device)  # [B, L/P]
+        # Data: this rank's tokens only; labels were shifted (and, for packed documents,
+        # cut at document boundaries) on the global sequence; document ids and positions
+        # inside documents are this rank's columns of the global [B, L] ones.
+        b = data.model_batch(step, cfg.data.batch_per_dp_rank, mesh.dp_rank, mesh.dp,
+                             positions=positions).to(device)
+        labels = b.labels  # [B, L/P]
         # Sync: the number of target tokens over dp x sp normalises the loss.
         counts = torch.tensor([(labels != -100).sum().item()], dtype=torch.float64, device=device)
         # a peer that never answers an FSDP or loss collective is named as a dp_sp timeout
         # (usp's all-to-all and ring name their own axis inside)
         with naming_collectives("dp_sp", dp_sp):
             dist.all_reduce(counts, group=dp_sp)
-            logits = model(tokens, positions).float()  # [B, L/P, V], bf16 -> fp32 for the loss
+            logits = forward(model, b, positions).float()  # [B, L/P, V], bf16 -> fp32 for the loss
             loss_sum = F.cross_entropy(logits.flatten(0, 1), labels.flatten(),
                                        ignore_index=-100, reduction="sum")
             if fault_hook is not None:
