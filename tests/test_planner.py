@@ -20,7 +20,7 @@ from usp.planner import (
     rank_grid,
 )
 from usp.planner.cluster import GiB, cluster_dir
-from usp.planner.cost import attention_cost, layer_matmul_params, layer_params
+from usp.planner.cost import attention_cost, best_a2a_chunks, layer_matmul_params, layer_params
 from usp.validate import check_heads, check_seq_len
 
 LLAMA3_8B = ModelConfig(
@@ -484,3 +484,54 @@ def test_draw_mesh_png(tmp_path):
     path = draw_mesh(1, 4, 8, 8).save_png(tmp_path / "mesh.png")
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+# ---- pipelined ulysses all-to-alls (a2a_chunks) ---------------------------------------------
+
+
+def test_unpipelined_all_to_all_is_all_exposed(h100):
+    a = attention_cost(h100, 1 << 15, 32, 8, 128, 8, 1)
+    assert a.a2a_chunks == 1 and a.a2a_s == a.a2a_comm_s > 0
+
+
+def test_pipelined_all_to_all_hides_behind_the_ring_and_pays_latency(h100):
+    one = attention_cost(h100, 1 << 18, 32, 8, 128, 8, 1)
+    four = attention_cost(h100, 1 << 18, 32, 8, 128, 8, 1, a2a_chunks=4)
+    # compute-bound: only the first stage in and the last stage out wait, about 2 of 8 parts
+    assert four.a2a_s < 0.3 * one.a2a_s
+    assert four.a2a_comm_s > one.a2a_comm_s  # 4x the messages, each with its latency
+    assert four.compute_s == one.compute_s
+    # nothing hides when no transfer overlaps compute: pipelining only adds latency
+    none = attention_cost(h100, 1 << 18, 32, 8, 128, 8, 1, a2a_chunks=4, overlap=0.0)
+    assert none.a2a_s == pytest.approx(none.a2a_comm_s) and none.a2a_s > one.a2a_s
+
+
+def test_shared_kv_heads_cost_ring_traffic(h100):
+    # Llama-3-8B on ulysses 8: one KV head per rank serves every stage, so each stage's
+    # ring pass carries it again; the all-to-all bytes stay
+    one = estimate(LLAMA3_8B, h100, 1 << 18, 1, 2, 8)
+    two = estimate(LLAMA3_8B, h100, 1 << 18, 1, 2, 8, a2a_chunks=2)
+    assert two.a2a_bytes == one.a2a_bytes and two.ring_bytes == 2 * one.ring_bytes
+    assert two.ring_comm_s > one.ring_comm_s and two.a2a_chunks == 2
+
+
+def test_best_a2a_chunks(h100):
+    args = (32, 8, 128, 8, 1)
+    assert best_a2a_chunks(h100, 1 << 18, *args) == 4  # compute-bound: the most stages
+    slow_start = h100.replace(intra_latency_s=1e-3)  # every message costs a millisecond
+    assert best_a2a_chunks(slow_start, 1 << 12, *args) == 1
+    assert best_a2a_chunks(h100, 1 << 18, 32, 8, 128, 1, 8) == 1  # no ulysses group
+    assert best_a2a_chunks(h100, 1 << 18, *args, max_chunks=2) == 2
+    with pytest.raises(ValueError, match="a2a_chunks=8 > 4 query heads"):
+        attention_cost(h100, 1 << 18, *args, a2a_chunks=8)
+
+
+def test_plan_chooses_a2a_chunks_per_layout(h100):
+    p = plan(LLAMA3_8B, h100, 1 << 18, world=8, a2a_chunks="auto")
+    for c in p.candidates:
+        want = 1 if c.ulysses == 1 else best_a2a_chunks(
+            h100.replace(nodes=1), 1 << 18, 32, 8, 128, c.ulysses, c.ring, dp=c.dp, n_fwd=2)
+        assert c.cost.a2a_chunks == want, c.label()
+    fixed = plan(LLAMA3_8B, h100, 1 << 18, world=8, a2a_chunks=8)
+    assert {c.ulysses for c in fixed.candidates} == {1, 2, 4}  # 32 heads / 8 < 8 stages
+    assert any(d.rule == "a2a_chunks" and "a2a_chunks=8 > 4" in d.reason for d in fixed.dropped)

@@ -18,6 +18,9 @@ UNIT, DISTRIBUTED, E2E, ROOT, GPU = "unit", "distributed", "e2e", "root", "gpu"
 NAMES = (UNIT, DISTRIBUTED, E2E, ROOT, GPU)
 
 TIERS: dict[str, str] = {
+    "test_a2a_chunks.py": UNIT,
+    "test_a2a_chunks.py::test_chunked_world_2": DISTRIBUTED,
+    "test_a2a_chunks.py::test_chunked_world_4": DISTRIBUTED,
     "test_agreement.py": DISTRIBUTED,
     "test_attention_parity.py": DISTRIBUTED,
     "test_bench_report.py": UNIT,

@@ -7,6 +7,7 @@ each process is one rank and ``--nprocs`` is the launch's world size.
     python tools/bench_attention.py                       # B=1 L=8192 H=8 d=64 causal fp32
     python tools/bench_attention.py --quick               # small, for a smoke test
     python tools/bench_attention.py --layouts 4x1,2x2 --kv-heads 4 --json out.json
+    python tools/bench_attention.py --layouts 4x1 --a2a-chunks 1,2,4 --seq-len 2048
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ def parse_args(argv=None) -> tuple[AttentionBench, Path | None]:
     p.add_argument("--threads", type=int, default=None,
                    help="intra-op threads per process (default: CPUs // nprocs, >= 1)")
     p.add_argument("--no-deepspeed", action="store_true", help="usp rows only")
+    p.add_argument("--a2a-chunks", default="1",
+                   help="pipeline stages of the ulysses all-to-alls, comma-separated: a usp "
+                        "row per count for each layout with ulysses > 1 (default 1)")
     p.add_argument("--quick", action="store_true",
                    help=f"smoke-test size: L={QUICK['seq_len']}, warmup {QUICK['warmup']}, "
                         f"iters {QUICK['iters']} (explicit flags still win)")
@@ -54,12 +58,17 @@ def parse_args(argv=None) -> tuple[AttentionBench, Path | None]:
     sizes = {key: val if getattr(args, key) is None else getattr(args, key)
              for key, val in preset.items()}
     try:  # refuse before any process starts
+        try:
+            chunks = tuple(int(c) for c in args.a2a_chunks.split(","))
+        except ValueError:
+            raise ValueError(f"bad --a2a-chunks {args.a2a_chunks!r}: write counts like 1,2,4") \
+                from None
         bench = AttentionBench(
             nprocs=launched_world() or args.nprocs, batch=args.batch, heads=args.heads,
             kv_heads=args.kv_heads, head_dim=args.head_dim, causal=args.causal,
             dtype=args.dtype, balance=args.balance, threads=args.threads,
             layouts=parse_layouts(args.layouts) if args.layouts else None,
-            deepspeed=not args.no_deepspeed, **sizes)
+            deepspeed=not args.no_deepspeed, a2a_chunks=chunks, **sizes)
     except ValueError as e:
         p.error(str(e))
     return bench, args.json

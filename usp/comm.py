@@ -1,13 +1,15 @@
 """The two communication mechanisms of usp, with byte and time accounting.
 
-- ``all_to_all``: the ulysses seq <-> head exchange (one ``all_to_all_single``).
+- ``all_to_all`` / ``post_all_to_all``: the ulysses seq <-> head exchange (one
+  ``all_to_all_single``), blocking or in flight (``InFlight``) while the caller computes.
 - ``RingComm``: send to the next ring rank, receive from the previous one (or any fixed
   distance round the ring), via ``batch_isend_irecv`` on the ring's own group, so the
   transfer runs while the caller computes.
 
 Every call records the bytes this rank *sends to other ranks* in ``CommStats``, per axis,
-and the seconds it spent blocked, so tests can assert volumes and the trainer can report
-the share of time in communication.
+and the seconds it spent blocked (``exposed_s``), so tests can assert volumes and the
+trainer can report the share of time in communication. An all-to-all left in flight also
+records how long it travelled while the caller computed instead of waiting (``hidden_s``).
 
 Transport: gloo carries CPU tensors only. When a CUDA tensor meets a gloo group (several
 processes sharing one GPU in a check), it travels through a CPU copy; CPU tensors and
@@ -42,6 +44,11 @@ class CommStats:
     """Bytes sent, calls and blocked seconds per mesh axis (``ulysses``, ``ring``, ``sp``...),
     and the ring's local kernel calls per (``"forward"``/``"backward"``, ring step).
 
+    ``seconds`` (= ``exposed_s``) is the time the caller was blocked on an axis;
+    ``hidden_s`` the time all-to-alls left in flight (``InFlight``) travelled while the
+    caller computed: from the post to the earlier of its completion and the caller's wait.
+    Hidden time is measured on the host clock only (CPU tensors; on CUDA it stays 0).
+
     Seconds come from ``clock`` ("host": ``perf_counter`` around the call; "cuda_events":
     an event pair on the current stream around it). Event pairs are kept pending and
     resolved only when seconds are read (``seconds``, ``total_seconds()``), so timing
@@ -55,6 +62,7 @@ class CommStats:
     event_factory: Callable | None = None
     kernel_calls: Counter = field(default_factory=Counter)
     _seconds: Counter = field(default_factory=Counter, repr=False)
+    hidden_s: Counter = field(default_factory=Counter)
     _pending: list = field(default_factory=list, repr=False)  # (axis, start, end) events
 
     @property
@@ -65,6 +73,11 @@ class CommStats:
             self._seconds[axis] += start.elapsed_time(end) / 1e3  # ms -> s
         self._pending.clear()
         return self._seconds
+
+    @property
+    def exposed_s(self) -> Counter:
+        """Blocked seconds per axis: communication the caller waited for (``seconds``)."""
+        return self.seconds
 
     def record(self, axis: str, nbytes: int, seconds: float = 0.0) -> None:
         self.bytes[axis] += int(nbytes)
@@ -94,6 +107,7 @@ class CommStats:
         self.kernel_calls.clear()
         self._seconds.clear()
         self._pending.clear()
+        self.hidden_s.clear()
 
     def total_seconds(self) -> float:
         return float(sum(self.seconds.values()))
@@ -195,36 +209,90 @@ def check_agreement(what: str, value, group: dist.ProcessGroup | None = None) ->
                      + "; every rank must pass the same arguments")
 
 
-def all_to_all(
+class InFlight:
+    """An all-to-all posted with ``async_op=True``: ``wait()`` blocks until it lands (timed as
+    exposed on ``stats``), then returns ``finish(received)``.
+
+    On the host clock, a callback on the work's future notes when the transfer completed,
+    so ``wait`` can add the time it travelled unobserved to ``stats.hidden_s``.
+    """
+
+    def __init__(self, work, send: torch.Tensor, received: torch.Tensor, stats: CommStats,
+                 axis: str, group, finish: Callable[[torch.Tensor], torch.Tensor]):
+        self._work, self._received, self._finish = work, received, finish
+        self._send = send  # alive until the transfer has read it
+        self._stats, self._axis, self._group = stats, axis, group
+        self._posted, self._done = time.perf_counter(), None
+        self._host = clock_for(received.device) == "host"
+        if self._host:
+            work.get_future().add_done_callback(self._landed)
+
+    def _landed(self, _future) -> None:
+        self._done = time.perf_counter()
+
+    def wait(self) -> torch.Tensor:
+        waited = time.perf_counter()
+        with self._stats.timed(self._axis, self._received.device), \
+                naming_collectives(self._axis, self._group):
+            self._work.wait()
+        self._send = None
+        if self._host:  # in flight while the caller did something else
+            landed = waited if self._done is None else min(waited, self._done)
+            self._stats.hidden_s[self._axis] += max(0.0, landed - self._posted)
+        return self._finish(self._received)
+
+
+def post_all_to_all(send: torch.Tensor, received: torch.Tensor, group, stats: CommStats,
+                    axis: str, nbytes: int, finish: Callable[[torch.Tensor], torch.Tensor],
+                    recv_sizes: list[int] | None = None,
+                    send_sizes: list[int] | None = None) -> InFlight:
+    """Post ``all_to_all_single(received, send, recv_sizes, send_sizes)`` on ``group`` without
+    waiting, recording ``nbytes`` sent to other ranks on ``axis``; ``finish`` maps the
+    received buffer to the result ``wait()`` returns."""
+    with naming_collectives(axis, group):
+        work = dist.all_to_all_single(received, send, recv_sizes, send_sizes, group=group,
+                                      async_op=True)
+    stats.record(axis, nbytes)
+    return InFlight(work, send, received, stats, axis, group, finish)
+
+
+def all_to_all_start(
     x: torch.Tensor,
     group: dist.ProcessGroup | None,
     to_group_rank: list[int] | None,
     stats: CommStats,
     axis: str = "ulysses",
-) -> torch.Tensor:
-    """Exchange chunk ``c`` of dim 0 with the rank at axis coordinate ``c``.
+) -> InFlight:
+    """Post the exchange of chunk ``c`` of dim 0 with the rank at axis coordinate ``c``.
 
-    ``x``: [n, ...] where n is the group size; chunk c is sent to coordinate c. Returns
-    [n, ...] where chunk c came from coordinate c. ``to_group_rank[c]`` maps a mesh
-    coordinate to the group's rank when they differ (process groups order members by
-    global rank; the mesh may not), else None.
+    ``x``: [n, ...] where n is the group size (n > 1); chunk c is sent to coordinate c.
+    ``wait()`` returns [n, ...] where chunk c came from coordinate c. ``to_group_rank[c]``
+    maps a mesh coordinate to the group's rank when they differ (process groups order
+    members by global rank; the mesh may not), else None.
     """
-    n = x.shape[0]
-    if n == 1:
-        return x
+    n, device = x.shape[0], x.device
     perm = None
     if to_group_rank is not None:  # [n(coordinate), ...] -> [n(group rank), ...]
-        perm = _permutation(tuple(to_group_rank), x.device)
+        perm = _permutation(tuple(to_group_rank), device)
         x = x.index_select(0, perm[0])
     wire = on_wire(x.contiguous(), group)
-    out = torch.empty_like(wire)
-    with stats.timed(axis, wire.device), naming_collectives(axis, group):
-        dist.all_to_all_single(out, wire, group=group)
-    stats.record(axis, _nbytes(wire) * (n - 1) // n)
-    out = out.to(x.device)  # back from the host copy when staged, else a no-op
-    if perm is not None:  # [n(group rank), ...] -> [n(coordinate), ...]
-        out = out.index_select(0, perm[1])
-    return out
+
+    def finish(out: torch.Tensor) -> torch.Tensor:
+        out = out.to(device)  # back from the host copy when staged, else a no-op
+        # [n(group rank), ...] -> [n(coordinate), ...]
+        return out if perm is None else out.index_select(0, perm[1])
+
+    return post_all_to_all(wire, torch.empty_like(wire), group, stats, axis,
+                           _nbytes(wire) * (n - 1) // n, finish)
+
+
+def all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None,
+               to_group_rank: list[int] | None, stats: CommStats,
+               axis: str = "ulysses") -> torch.Tensor:
+    """``all_to_all_start(...).wait()``: the blocking exchange (``x`` returned when n == 1)."""
+    if x.shape[0] == 1:
+        return x
+    return all_to_all_start(x, group, to_group_rank, stats, axis).wait()
 
 
 class RingComm:

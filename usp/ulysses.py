@@ -12,19 +12,20 @@ each of them (replicated only that far) and its gradients are summed on the way 
 Send buffers are packed per destination as contiguous blocks ([q-block | k-block |
 v-block] for each rank). When every rank sends and receives equal blocks the buffer is
 [u, ...] and each tensor packs with one copy (``comm.all_to_all``); otherwise blocks are
-copied one by one and sent with uneven split sizes (``all_to_all_v``): no padding, so no
+copied one by one and sent with uneven split sizes (``all_to_all_v_start``): no padding, so no
 byte is sent that the receiver does not use.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 from math import prod
 
 import torch
 import torch.distributed as dist
 
-from .comm import CommStats, all_to_all, naming_collectives, on_wire
+from .comm import CommStats, InFlight, all_to_all_start, on_wire, post_all_to_all
 from .validate import HeadSplit, head_split
 
 
@@ -42,14 +43,82 @@ def kv_send_index(split: HeadSplit, device: torch.device) -> torch.Tensor | None
     return torch.tensor(heads, dtype=torch.long, device=device)
 
 
-def all_to_all_v(send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int],
-                 group: dist.ProcessGroup | None, to_group_rank: list[int] | None,
-                 stats: CommStats, axis: str = "ulysses") -> torch.Tensor:
-    """Exchange chunks of different sizes: ``send`` is 1-D, its chunk c (``send_sizes[c]``
-    elements, in coordinate order) goes to coordinate c. Returns 1-D [sum recv_sizes],
-    chunk c (``recv_sizes[c]`` elements) from coordinate c. ``to_group_rank`` as in
-    ``comm.all_to_all``. Records the bytes sent to other ranks.
+@dataclass(frozen=True)
+class HeadChunk:
+    """One pipeline stage of one ulysses rank: global head ranges as (start, stop).
+
+    ``q``: the query heads it computes; ``kv``: the KV heads they use; ``kv_first``: those
+    of ``kv`` that no earlier stage of the rank used (they travel with this stage);
+    ``kv_last``: those no later stage uses (their gradients travel back with this stage).
     """
+
+    q: tuple[int, int]
+    kv: tuple[int, int]
+    kv_first: tuple[int, int]
+    kv_last: tuple[int, int]
+
+
+def _even(n: int, parts: int) -> list[int]:
+    """``n`` split into ``parts`` near-equal counts, the larger first."""
+    return [n // parts + (i < n % parts) for i in range(parts)]
+
+
+def check_a2a_chunks(chunks, num_q_heads: int, num_kv_heads: int, ulysses: int) -> int:
+    """Check a pipeline depth for the ulysses all-to-all; returns it. Raises ValueError
+    unless 1 <= ``chunks`` <= the most query heads a ulysses rank holds (``head_split``)."""
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"a2a_chunks must be an integer >= 1, got {chunks!r}")
+    most = max(head_split(num_q_heads, num_kv_heads, ulysses).q_counts)
+    if chunks > most:
+        raise ValueError(
+            f"a2a_chunks={chunks} > {most} query heads per ulysses rank ({num_q_heads} query "
+            f"heads over ulysses {ulysses}): a stage needs at least one head; use "
+            f"a2a_chunks <= {most}")
+    return chunks
+
+
+@lru_cache(maxsize=64)
+def head_chunks(split: HeadSplit, chunks: int) -> tuple[tuple[HeadChunk, ...], ...]:
+    """Each ulysses rank's heads cut into ``chunks`` pipeline stages: [rank][stage].
+
+    Stages follow KV groups so each keeps the local GQA rule: with at least as many KV
+    heads as stages a stage holds whole KV groups; with fewer, each KV group's query
+    heads are cut into near-equal pieces (the KV head then serves several stages, and
+    travels with the first). A rank with fewer query heads than stages gets empty stages.
+    """
+    out = []
+    for (q0, q1), kv_heads in zip(split.q_ranges, split.kv_heads):
+        nq, nkv, k0 = q1 - q0, len(kv_heads), kv_heads[0]
+        g = nq // nkv  # local query heads per local KV head
+        if nkv >= chunks:
+            sizes = [n * g for n in _even(nkv, chunks)]
+        else:
+            sizes = [s for per_group in _even(chunks, nkv) for s in _even(g, per_group)]
+        bounds, a = [], 0
+        for n in sizes:  # local query ranges -> the local KV heads each uses
+            bounds.append((a, a + n, a // g, -(-(a + n) // g) if n else a // g))
+            a += n
+        stages, seen = [], 0
+        for t, (a, b, ka, kb) in enumerate(bounds):
+            later = min([la for _, _, la, lb in bounds[t + 1:] if lb > la] or [kb])
+            first = (max(ka, seen), max(kb, seen))  # not used by an earlier stage
+            last = (ka, max(ka, min(kb, later)))  # not used by a later stage
+            stages.append(HeadChunk((q0 + a, q0 + b), (k0 + ka, k0 + kb),
+                                    (k0 + first[0], k0 + first[1]), (k0 + last[0], k0 + last[1])))
+            seen = max(seen, kb)
+        out.append(tuple(stages))
+    return tuple(out)
+
+
+def all_to_all_v_start(send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int],
+                       group: dist.ProcessGroup | None, to_group_rank: list[int] | None,
+                       stats: CommStats, axis: str = "ulysses") -> InFlight:
+    """Post an exchange of chunks of different sizes: ``send`` is 1-D, its chunk c
+    (``send_sizes[c]`` elements, in coordinate order) goes to coordinate c. ``wait()``
+    returns 1-D [sum recv_sizes], chunk c (``recv_sizes[c]`` elements) from coordinate c.
+    ``to_group_rank`` as in ``comm.all_to_all``. Records the bytes sent to other ranks.
+    """
+    device = send.device
     if to_group_rank is not None:  # chunks in coordinate order -> in group-rank order
         by_rank = sorted(range(len(to_group_rank)), key=to_group_rank.__getitem__)
         chunks = send.split(send_sizes)
@@ -57,16 +126,18 @@ def all_to_all_v(send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int
         send_sizes = [send_sizes[c] for c in by_rank]
         recv_sizes = [recv_sizes[c] for c in by_rank]
     wire = on_wire(send.contiguous(), group)
-    out = wire.new_empty(sum(recv_sizes))
-    with stats.timed(axis, wire.device), naming_collectives(axis, group):
-        dist.all_to_all_single(out, wire, recv_sizes, send_sizes, group=group)
     own = send_sizes[dist.get_rank(group)]
-    stats.record(axis, (wire.numel() - own) * wire.element_size())
-    out = out.to(send.device)  # back from the host copy when staged, else a no-op
-    if to_group_rank is not None:  # chunks in group-rank order -> in coordinate order
-        chunks = out.split(recv_sizes)
-        out = torch.cat([chunks[g] for g in to_group_rank])
-    return out
+
+    def finish(out: torch.Tensor) -> torch.Tensor:
+        out = out.to(device)  # back from the host copy when staged, else a no-op
+        if to_group_rank is not None:  # chunks in group-rank order -> in coordinate order
+            chunks = out.split(recv_sizes)
+            out = torch.cat([chunks[g] for g in to_group_rank])
+        return out
+
+    return post_all_to_all(wire, wire.new_empty(sum(recv_sizes)), group, stats, axis,
+                           (wire.numel() - own) * wire.element_size(), finish,
+                           recv_sizes, send_sizes)
 
 
 class _Axis:
@@ -93,6 +164,10 @@ class _Axis:
         list of u tensors. recv[p][i]: the shape of part p's block from coordinate i.
         Returns, per part, the u received blocks (views into the receive buffer).
         """
+        return self.start(send, recv).wait()
+
+    def start(self, send: list, recv: list[list[tuple[int, ...]]]) -> _Exchange:
+        """``exchange`` posted without waiting: ``wait()`` on the result returns its blocks."""
         u = self.size
         if all(isinstance(p, torch.Tensor) for p in send) and all(
                 len(set(shapes)) == 1 for shapes in recv):
@@ -102,24 +177,34 @@ class _Axis:
             for p, n in zip(send, sizes):
                 buf[:, off : off + n].view(p.shape).copy_(p)
                 off += n
-            got = all_to_all(buf, self.group, self.to_group_rank, self.stats)  # [u(src), ...]
-            sources = got.unbind(0)  # per source: its [q | k | v] block
-        else:
-            send_sizes = [sum(p[j].numel() for p in send) for j in range(u)]
-            buf = send[0][0].new_empty(sum(send_sizes))  # [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]
-            off = 0
-            for j in range(u):
-                for p in send:
-                    buf[off : off + p[j].numel()].view(p[j].shape).copy_(p[j])
-                    off += p[j].numel()
-            recv_sizes = [sum(prod(shapes[i]) for shapes in recv) for i in range(u)]
-            got = all_to_all_v(buf, send_sizes, recv_sizes, self.group, self.to_group_rank,
-                               self.stats)
-            sources = got.split(recv_sizes)
-        out = [[] for _ in recv]
+            # [u(src), ...] back: per source, its [q | k | v] block
+            return _Exchange(all_to_all_start(buf, self.group, self.to_group_rank, self.stats),
+                             recv, None)
+        send_sizes = [sum(p[j].numel() for p in send) for j in range(u)]
+        buf = send[0][0].new_empty(sum(send_sizes))  # [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]
+        off = 0
+        for j in range(u):
+            for p in send:
+                buf[off : off + p[j].numel()].view(p[j].shape).copy_(p[j])
+                off += p[j].numel()
+        recv_sizes = [sum(prod(shapes[i]) for shapes in recv) for i in range(u)]
+        return _Exchange(all_to_all_v_start(buf, send_sizes, recv_sizes, self.group,
+                                            self.to_group_rank, self.stats), recv, recv_sizes)
+
+
+class _Exchange:
+    """An ``_Axis.start`` in flight; ``wait()`` returns, per part, the u received blocks."""
+
+    def __init__(self, flight: InFlight, recv, recv_sizes: list[int] | None):
+        self._flight, self._recv, self._sizes = flight, recv, recv_sizes
+
+    def wait(self) -> list[list[torch.Tensor]]:
+        got = self._flight.wait()
+        sources = got.unbind(0) if self._sizes is None else got.split(self._sizes)
+        out = [[] for _ in self._recv]
         for i, block in enumerate(sources):
             off = 0
-            for p, shapes in enumerate(recv):
+            for p, shapes in enumerate(self._recv):
                 n = prod(shapes[i])
                 out[p].append(block[off : off + n].view(shapes[i]))
                 off += n

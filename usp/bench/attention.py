@@ -10,7 +10,9 @@ so machine noise lands on all of them alike. One measurement is
 and the iteration's time is the max of ``t1 - t0`` over ranks (the slowest rank sets the
 pace of a synchronous step). Rows:
 
-- ``usp u=X r=Y``: ``usp_attention`` on ``SPMesh.build(ulysses=X, ring=Y)``;
+- ``usp u=X r=Y``: ``usp_attention`` on ``SPMesh.build(ulysses=X, ring=Y)``; with
+  ``a2a_chunks`` C > 1 (``--a2a-chunks``), rows ``usp u=X r=Y cC`` pipeline the ulysses
+  all-to-alls over C head stages (one mesh per layout, shared by its rows);
 - ``deepspeed u=N``: ``deepspeed.sequence.layer.DistributedAttention`` over all N ranks
   (pure Ulysses), optional: skipped with a message when DeepSpeed is not importable.
 
@@ -19,14 +21,14 @@ Both call the same local kernel, ``usp.kernels.local_attention(..., kernel="torc
 fixed seed; each config shards it its own way (usp: ``SequenceLayout.shard``; DeepSpeed:
 contiguous L/N slices). Before timing, every row's gathered output is compared with the
 first row's, and so are the input gradients, so a fast but wrong config cannot hide in
-the table (column ``max|diff|``). ``vs DS`` is mean / DeepSpeed's mean; on a busy machine
-with few iterations the mean swings, so the summary line also gives the ratio of medians,
-of minima, and the median of per-round ratios (both rows run in every round).
+the table (column ``max|diff|``). ``a2a exp``/``a2a hid``: ulysses all-to-all ms per call
+(mean over ranks and rounds) waited for / travelling beside compute (``CommStats``'s
+``exposed_s``/``hidden_s``); ``exp %``: exposed share of the row's mean. ``vs DS``: mean /
+DeepSpeed's mean; the summary adds the ratio of medians, of minima, and the median of
+per-round ratios, per ``a2a_chunks`` of the pure-ulysses layout.
 
-Threads: every process uses ``threads`` intra-op threads (default: the CPUs this process
-may run on divided by N, at least 1), the same for all configs. With N=4 on a 2-core
-machine that is 1 thread per process, i.e. 2x oversubscription, which stays equal across
-configs because they all run in the same processes.
+Threads: every process uses ``threads`` intra-op threads (default: its CPUs / N, at least
+1), the same for all configs, which share the processes.
 """
 
 from __future__ import annotations
@@ -49,9 +51,10 @@ from ..config.checks import at_least, one_of
 from ..launch import init_from_env, launcher_env, spawn_local
 from ..layout import SequenceLayout
 from ..mesh import SPMesh
+from ..ulysses import check_a2a_chunks
 from ..validate import check_degrees, check_heads, check_seq_len
 from .deepspeed_ulysses import deepspeed_calls, import_deepspeed
-from .timing import round_robin
+from .timing import default_threads, mean_over_ranks, round_robin, time_ratios
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp64": torch.float64}
@@ -84,12 +87,6 @@ def default_layouts(nprocs: int, heads: int, kv_heads: int) -> tuple[tuple[int, 
     return tuple(out)
 
 
-def default_threads(nprocs: int) -> int:
-    """The CPUs this process may run on, shared by ``nprocs`` processes (at least 1)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cpus or 1) // nprocs)
-
-
 @dataclass
 class AttentionBench:
     """What to time: one attention call [B, L, Hq|Hkv, d] on ``nprocs`` ranks.
@@ -114,6 +111,7 @@ class AttentionBench:
     iters: int = 5
     threads: int | None = None
     deepspeed: bool = True  # add the DeepSpeed-Ulysses row when its shapes allow it
+    a2a_chunks: tuple[int, ...] = (1,)  # a usp row per count for layouts with ulysses > 1
 
     def __post_init__(self) -> None:
         at_least("bench", 1, nprocs=self.nprocs, batch=self.batch, heads=self.heads,
@@ -135,6 +133,15 @@ class AttentionBench:
                     f"times one sequence-parallel group, so pick ulysses x ring = {self.nprocs}")
             check_heads(self.heads, self.kv_heads, u)
             check_seq_len(self.seq_len, u, r, self.balance)
+            for c in self.a2a_chunks if u > 1 else ():
+                check_a2a_chunks(c, self.heads, self.kv_heads, u)
+        if not self.a2a_chunks:
+            raise ValueError("bench.a2a_chunks is empty; pass at least one count, e.g. 1")
+
+    def usp_rows(self) -> list[tuple[int, int, int]]:
+        """(ulysses, ring, a2a_chunks) per usp row; ulysses 1 layouts: one row."""
+        return [(u, r, c) for u, r in self.layouts
+                for c in (self.a2a_chunks if u > 1 else self.a2a_chunks[:1])]
 
     def deepspeed_skip_reason(self) -> str | None:
         """Why the DeepSpeed row cannot run on these shapes (None when it can)."""
@@ -157,19 +164,27 @@ class Row:
     ring: int
     times_ms: list[float] = field(default_factory=list)
     max_abs_diff: float = float("nan")  # out, dq, dk, dv vs the first row's
+    a2a_chunks: int = 1
+    a2a_exposed_ms: list[float] = field(default_factory=list)  # per timed round
+    a2a_hidden_ms: list[float] = field(default_factory=list)
 
     def stats(self) -> dict:
         t = torch.tensor(self.times_ms, dtype=torch.float64)
         std = t.std().item() if len(t) > 1 else 0.0
-        return dict(mean_ms=t.mean().item(), std_ms=std, min_ms=t.min().item(),
-                    median_ms=t.median().item())
+        out = dict(mean_ms=t.mean().item(), std_ms=std, min_ms=t.min().item(),
+                   median_ms=t.median().item())
+        exp, hid = (sum(x) / len(x) if x else None
+                    for x in (self.a2a_exposed_ms, self.a2a_hidden_ms))
+        return dict(out, a2a_exposed_mean_ms=exp, a2a_hidden_mean_ms=hid,
+                    a2a_exposed_share=None if exp is None else exp / out["mean_ms"])
 
 
 # ---- one rank -----------------------------------------------------------------------------
 
 
-def make_usp(bench: AttentionBench, mesh: SPMesh):
-    """(row, shard, call, gather) of ``usp_attention`` on ``mesh``."""
+def make_usp(bench: AttentionBench, mesh: SPMesh, chunks: int = 1):
+    """(row, shard, call, gather, comm stats) of ``usp_attention`` on ``mesh`` with
+    ``a2a_chunks=chunks``."""
     layout = SequenceLayout(mesh, seq_len=bench.seq_len, balance=bench.balance)
 
     def shard(x):  # [B, L, H, d] -> this rank's [B, L/P, H, d]
@@ -177,13 +192,14 @@ def make_usp(bench: AttentionBench, mesh: SPMesh):
 
     def call(ql, kl, vl):
         return usp_attention(ql, kl, vl, mesh=mesh, layout=layout, causal=bench.causal,
-                             kernel="torch")
+                             kernel="torch", a2a_chunks=chunks)
 
     def gather(out):  # [B, L/P, H, d] -> [B, L, H, d]
         return layout.gather(out, dim=1)
 
     u, r = mesh.ulysses, mesh.ring
-    return Row(f"usp u={u} r={r}", "usp", u, r), shard, call, gather
+    name = f"usp u={u} r={r}" + (f" c{chunks}" if chunks > 1 else "")
+    return Row(name, "usp", u, r, a2a_chunks=chunks), shard, call, gather, mesh.comm
 
 
 def _deepspeed_config(bench: AttentionBench):
@@ -199,7 +215,7 @@ def _deepspeed_config(bench: AttentionBench):
                       else "DeepSpeed failed to import on another rank")
     n = dist.get_world_size()
     row = Row(f"deepspeed u={n}", "deepspeed", n, 1)
-    return (row, *deepspeed_calls(DistributedAttention, bench.seq_len, bench.causal)), None
+    return (row, *deepspeed_calls(DistributedAttention, bench.seq_len, bench.causal), None), None
 
 
 def run_rank(bench: AttentionBench, result_path: str | None = None) -> dict | None:
@@ -225,8 +241,9 @@ def run_rank(bench: AttentionBench, result_path: str | None = None) -> dict | No
     dout = torch.randn(shape_q, generator=g).to(dtype)
 
     with ExitStack() as meshes:  # closed before the caller tears the group down
-        configs = [make_usp(bench, meshes.enter_context(SPMesh.build(ulysses=u, ring=r)))
-                   for u, r in bench.layouts]
+        built = {(u, r): meshes.enter_context(SPMesh.build(ulysses=u, ring=r))
+                 for u, r in bench.layouts}
+        configs = [make_usp(bench, built[u, r], c) for u, r, c in bench.usp_rows()]
         ds, skip = _deepspeed_config(bench)
         if ds is not None:
             configs.insert(0, ds)
@@ -247,19 +264,24 @@ def run_rank(bench: AttentionBench, result_path: str | None = None) -> dict | No
 def _measure_rows(bench: AttentionBench, configs, tensors, say) -> list[Row]:
     """Check every config against the first, then time them round-robin."""
     # per config: its own shards of q, k, v and of the output gradient
-    prepared = [(row, [shard(t) for t in tensors[:3]], shard(tensors[3]).detach(), call, gather)
-                for row, shard, call, gather in configs]
+    prepared = [(row, [shard(t) for t in tensors[:3]], shard(tensors[3]).detach(), call, gather,
+                 comm) for row, shard, call, gather, comm in configs]
 
-    def step(inputs, dout_l, call):
+    def step(inputs, dout_l, call, row=None, comm=None):
         for t in inputs:
             t.grad = None
+        if comm is not None:
+            seen = comm.exposed_s["ulysses"], comm.hidden_s["ulysses"]
         out = call(*inputs)
         out.backward(dout_l)
+        if comm is not None:  # this call's ulysses time, waited for and hidden
+            row.a2a_exposed_ms.append((comm.exposed_s["ulysses"] - seen[0]) * 1e3)
+            row.a2a_hidden_ms.append((comm.hidden_s["ulysses"] - seen[1]) * 1e3)
         return out
 
     # correctness: every row's output and dq, dk, dv (gathered) against the first row's
     ref = None
-    for row, inputs, dout_l, call, gather in prepared:
+    for row, inputs, dout_l, call, gather, _ in prepared:
         out = step(inputs, dout_l, call).detach()
         full = [gather(t).double() for t in (out, *(x.grad for x in inputs))]
         ref = full if ref is None else ref
@@ -272,10 +294,16 @@ def _measure_rows(bench: AttentionBench, configs, tensors, say) -> list[Row]:
         if it >= 0:
             say(f"  iter {it + 1}/{bench.iters} done", flush=True)
 
-    fns = [partial(step, inputs, dout_l, call) for _, inputs, dout_l, call, _ in prepared]
+    fns = [partial(step, inputs, dout_l, call, row, comm)
+           for row, inputs, dout_l, call, _, comm in prepared]
     per_round = round_robin(fns, bench.iters, bench.warmup, on_round=progress)  # [iters][rows]
     for j, (row, *_rest) in enumerate(prepared):
         row.times_ms = [r[j] * 1e3 for r in per_round]
+    timed = [row for row, *_rest in prepared if row.a2a_exposed_ms]
+    spans = mean_over_ranks([[row.a2a_exposed_ms[-bench.iters:], row.a2a_hidden_ms[-bench.iters:]]
+                             for row in timed])  # the timed rounds': [rows][2][iters]
+    for row, (exposed, hidden) in zip(timed, spans):
+        row.a2a_exposed_ms, row.a2a_hidden_ms = exposed, hidden
     return [p[0] for p in prepared]
 
 
@@ -298,18 +326,15 @@ def results(bench: AttentionBench, rows: list[Row], skip: str | None,
     if deepspeed_version is not None:
         env["deepspeed"] = deepspeed_version
     n = bench.nprocs
-    pure = next((r for r in rows if r.kind == "usp" and r.ulysses == n and r.ring == 1), None)
-    ratios = None
-    if ds and pure:
-        p = pure.stats()
-        # both run in every round: the median of per-round ratios cancels load that
-        # drifts from round to round
-        paired = (torch.tensor(pure.times_ms) / torch.tensor(ds.times_ms)).median().item()
-        ratios = dict(mean=p["mean_ms"] / ds_stats["mean_ms"],
-                      median=p["median_ms"] / ds_stats["median_ms"],
-                      min=p["min_ms"] / ds_stats["min_ms"], paired_median=paired)
+    by_chunks = {}
+    for pure in (r for r in rows if r.kind == "usp" and r.ulysses == n and r.ring == 1):
+        if ds is None:
+            break
+        by_chunks[pure.a2a_chunks] = dict(time_ratios(pure.times_ms, ds.times_ms),
+                                          a2a_exposed_share=pure.stats()["a2a_exposed_share"])
     return dict(args=args, env=env, rows=out_rows, deepspeed_skipped=skip,
-                usp_over_deepspeed=ratios)
+                usp_over_deepspeed=by_chunks.get(min(by_chunks, default=1)),
+                usp_over_deepspeed_by_chunks=by_chunks or None)
 
 
 def format_report(result: dict) -> str:
@@ -320,20 +345,25 @@ def format_report(result: dict) -> str:
                  f"dtype={a['dtype']} balance={a['balance']} nprocs={a['nprocs']} "
                  f"threads/proc={a['threads']} iters={a['iters']} "
                  f"(max over ranks per iteration)"]
-    head = (f"{'config':<18} {'mean ms':>10} {'std ms':>9} {'min ms':>10} {'median ms':>10} "
-            f"{'vs DS':>7} {'max|diff|':>10}")
+    head = (f"{'config':<21} {'mean ms':>10} {'std ms':>9} {'min ms':>10} {'median ms':>10} "
+            f"{'vs DS':>7} {'max|diff|':>10} {'a2a exp':>8} {'a2a hid':>8} {'exp %':>6}")
     lines += [head, "-" * len(head)]
     for r in result["rows"]:
         ratio = r["ratio_to_deepspeed"]
         rtxt = f"{ratio:7.3f}" if ratio is not None else f"{'-':>7}"
-        lines.append(f"{r['name']:<18} {r['mean_ms']:10.1f} {r['std_ms']:9.1f} "
+        a2a = (f" {r['a2a_exposed_mean_ms']:8.1f} {r['a2a_hidden_mean_ms']:8.1f} "
+               f"{100 * r['a2a_exposed_share']:6.1f}" if r.get("a2a_exposed_share") is not None
+               else f" {'-':>8} {'-':>8} {'-':>6}")
+        lines.append(f"{r['name']:<21} {r['mean_ms']:10.1f} {r['std_ms']:9.1f} "
                      f"{r['min_ms']:10.1f} {r['median_ms']:10.1f} {rtxt} "
-                     f"{r['max_abs_diff']:10.2e}")
-    n, ratios = a["nprocs"], result["usp_over_deepspeed"]
-    if ratios:
-        lines.append(f"\nusp(u={n}) / DeepSpeed(u={n}) = {ratios['mean']:.3f} (mean); "
-                     f"{ratios['median']:.3f} (median); {ratios['min']:.3f} (min); "
-                     f"{ratios['paired_median']:.3f} (median of per-round ratios)")
+                     f"{r['max_abs_diff']:10.2e}{a2a}")
+    n, by_chunks = a["nprocs"], result.get("usp_over_deepspeed_by_chunks")
+    if by_chunks:
+        lines.append("")
+        for c, ratios in by_chunks.items():
+            lines.append(f"usp(u={n}, a2a_chunks={c}) / DeepSpeed(u={n}) = {ratios['mean']:.3f} "
+                         f"(mean); {ratios['median']:.3f} (median); {ratios['min']:.3f} (min); "
+                         f"{ratios['paired_median']:.3f} (median of per-round ratios)")
     elif result["deepspeed_skipped"] is not None:
         lines.append(f"\nno DeepSpeed row ({result['deepspeed_skipped']}); no ratio")
     return "\n".join(lines)

@@ -7,11 +7,18 @@ once for all. ``LoopbackComm`` replaces the ring transport to time the ring's co
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+
+
+def default_threads(nprocs: int) -> int:
+    """The CPUs this process may run on, shared by ``nprocs`` processes (at least 1)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cpus or 1) // nprocs)
 
 
 class LoopbackComm:
@@ -36,6 +43,25 @@ class _Arrived:
 def _slowest(times: torch.Tensor) -> torch.Tensor:
     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # per entry: the slowest rank's seconds
     return times
+
+
+def mean_over_ranks(values: list) -> list:
+    """``values`` (nested lists of floats, the same shape on every rank) averaged over the
+    ranks of the default group."""
+    if not values:
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return (t / dist.get_world_size()).tolist()
+
+
+def time_ratios(times: Sequence[float], base: Sequence[float]) -> dict:
+    """``times`` / ``base``, both measured in the same rounds: by mean, median, min, and the
+    median of per-round ratios (``paired_median``: cancels load that drifts from round to
+    round)."""
+    a, b = (torch.tensor(x, dtype=torch.float64) for x in (times, base))
+    return dict(mean=(a.mean() / b.mean()).item(), median=(a.median() / b.median()).item(),
+                min=(a.min() / b.min()).item(), paired_median=(a / b).median().item())
 
 
 def timed(fn: Callable[[], object], reps: int) -> list[float]:

@@ -4,8 +4,10 @@ Per rank, per layer, per sequence (``T = L/P`` tokens, ``P = ring * ulysses``):
 
 - token-wise matmuls: ``2 N_layer`` FLOPs per token forward, ``4 N_layer`` backward (and a
   second forward under activation checkpointing);
-- ulysses: two blocking all-to-alls forward (q/k/v in, out back) and their mirrors in
-  backward. The in-a2a sends ``(u-1) T (h + 2 kv) d`` elements, with ``h`` the query
+- ulysses: two all-to-alls forward (q/k/v in, out back) and their mirrors in
+  backward; blocking, or with ``a2a_chunks = c > 1`` pipelined over c head stages
+  (``a2a_pass``): each stage's message hides behind the neighbouring stage's ring pass
+  and every message pays the link latency again. The in-a2a sends ``(u-1) T (h + 2 kv) d`` elements, with ``h`` the query
   heads and ``kv`` the KV heads of the busiest rank (``head_split``/``check_heads``; ``h =
   Hq/u`` when the heads divide), the out-a2a ``(u-1) T h d``. Peers on the same node go over
   ``intra_bw``, peers on other nodes over ``inter_bw``, in parallel; where GPUs share a
@@ -36,9 +38,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ModelConfig
+from ..ulysses import check_a2a_chunks
 from ..validate import BALANCES, check_heads, head_split
 from .cluster import ClusterSpec, GroupSpan, group_span
-from .traffic import attention_bytes
+from .traffic import attention_bytes, ring_kv_heads
 
 FP32 = 4  # bytes: LSE, merge accumulators, dK/dV in flight, logits for the loss
 OPTIM_BYTES = 12  # bytes/param: fp32 master weights + Adam m and v
@@ -55,7 +58,7 @@ class StepCost:
     kv_per_rank: int  # KV heads each ulysses rank attends with (1 when replicated)
     compute_s: float  # attention + matmul FLOPs / (peak * mfu), recompute included
     attn_s: float  # the attention part of compute_s
-    a2a_s: float  # ulysses all-to-alls (blocking, fully exposed)
+    a2a_s: float  # ulysses all-to-all time the compute waits for (all of it unpipelined)
     ring_comm_s: float  # K/V (and dK/dV) transfer time, hidden or not
     ring_exposed_s: float  # the part of ring_comm_s not hidden behind block compute
     ring_tail_s: float  # of which: the last dK/dV hop home (only half a diagonal beside it)
@@ -70,6 +73,7 @@ class StepCost:
     mem_act_bytes: float  # activations, attention buffers, logits
     a2a_link: str  # "intra", "inter" or "-" (ulysses 1)
     ring_link: str  # "intra", "inter" or "-" (ring 1)
+    a2a_chunks: int = 1  # pipeline stages of the ulysses all-to-alls
 
     @property
     def comm_share(self) -> float:
@@ -104,6 +108,20 @@ def ring_step_link(cluster: ClusterSpec, span: GroupSpan) -> tuple[float, float]
     if span.intra_senders:  # some hops stay inside a node
         bw = min(bw, cluster.link_bw(False, span.intra_senders))
     return bw, cluster.inter_latency_s
+
+
+def a2a_pass(chunks: int, send_in: float, send_out: float, stage: float,
+             overlap: float) -> float:
+    """Exposed seconds of one pass's two all-to-alls split over ``chunks`` pipeline stages, as
+    ``usp.attention.PipelinedAttention`` schedules them: ``send_in``/``send_out``: one stage's
+    incoming / outgoing message on the link; ``stage``: one stage's ring pass. The first
+    incoming and the last outgoing message wait alone; beside stage t's compute travel the
+    next stage's input (t < c-1) and the previous stage's output (t >= 1)."""
+    waits = send_in + send_out
+    for t in range(chunks):
+        beside = (send_in if t < chunks - 1 else 0.0) + (send_out if t >= 1 else 0.0)
+        waits += beside - overlap * min(beside, stage)
+    return waits
 
 
 def ring_pass(r: int, n_fwd: int, send_kv: float, send_acc: float, diag: float, block: float,
@@ -141,10 +159,12 @@ class AttentionCost:
 
     compute_s: float  # kernel FLOPs / (peak * mfu)
     merge_s: float  # ring out/LSE and gradient accumulation (HBM-bound)
-    a2a_s: float  # ulysses all-to-alls (blocking, fully exposed)
+    a2a_s: float  # ulysses all-to-all time the compute waits for
     ring_comm_s: float  # K/V (and dK/dV) transfer time, hidden or not
     ring_exposed_s: float  # the part of ring_comm_s not hidden behind block compute
     ring_tail_s: float  # of which: the last dK/dV hop home
+    a2a_comm_s: float  # ulysses all-to-all transfer time, hidden or not
+    a2a_chunks: int  # pipeline stages of the all-to-alls (1 without a ulysses group)
     a2a_link: str  # "intra", "inter" or "-" (ulysses 1)
     ring_link: str  # "intra", "inter" or "-" (ring 1)
 
@@ -158,14 +178,18 @@ def attention_cost(cluster: ClusterSpec, seq_len: int, hq: int, hkv: int, head_d
                    ulysses: int, ring: int, *, dp: int = 1, dtype_bytes: int = 2,
                    causal: bool = True, balance: str = "zigzag",
                    placement: str = "ulysses_inner", n_fwd: int = 1,
-                   overlap: float | None = None, causal_tile: float = 0.0) -> AttentionCost:
+                   overlap: float | None = None, causal_tile: float = 0.0,
+                   a2a_chunks: int = 1) -> AttentionCost:
     """The attention part of ``estimate``: ``[1, L, hq|hkv, head_dim]`` over ``ulysses x
     ring`` ranks (``dp`` replicas placed by ``placement``).
 
     ``overlap``: share of a ring transfer that the block computed beside it hides (default
     ``cluster.overlap``). ``causal_tile``: tokens of extra work on a causal diagonal block,
     whose cost is ``(1 + causal_tile / block)`` times its half square (the mask's cut tiles
-    computed whole); 0 counts the half square only.
+    computed whole); 0 counts the half square only. ``a2a_chunks``: pipeline stages of
+    the ulysses all-to-alls (``usp_attention``'s); the ring runs once per stage, each with
+    ``1/a2a_chunks`` of the compute and of the K/V heads sent
+    (``traffic.ring_kv_heads``), so its messages also pay their latency more often.
     """
     overlap = cluster.overlap if overlap is None else overlap
     if balance not in BALANCES or n_fwd < 1 or not 0 <= overlap <= 1 or causal_tile < 0:
@@ -174,6 +198,7 @@ def attention_cost(cluster: ClusterSpec, seq_len: int, hq: int, hkv: int, head_d
                          f"n_fwd={n_fwd}, overlap={overlap}, causal_tile={causal_tile}")
     L, r, u, hd = seq_len, ring, ulysses, head_dim
     kv = check_heads(hq, hkv, u)
+    c = check_a2a_chunks(a2a_chunks, hq, hkv, u) if u > 1 else 1
     # the busiest ulysses rank sets the pace: with an uneven head split (``head_split``)
     # it holds more than Hq/u query heads
     hq_u = max(head_split(hq, hkv, u).q_counts)
@@ -188,15 +213,14 @@ def attention_cost(cluster: ClusterSpec, seq_len: int, hq: int, hkv: int, head_d
         intra_bw = cluster.link_bw(False, us.intra_senders)  # shared by concurrent senders
         inter_bw = cluster.link_bw(True, us.inter_senders)
 
-        def a2a_time(heads: float) -> float:  # one all-to-all moving `heads` heads per token
-            chunk = T * heads * hd * dtype_bytes  # bytes to each peer
+        def a2a_time(heads: float) -> float:  # one message moving `heads` heads per token
+            chunk = T * heads * hd * dtype_bytes / c  # bytes to each peer, one stage
             local = us.local_peers * chunk / intra_bw
             remote = us.remote_peers * chunk / inter_bw
             lat = cluster.inter_latency_s if us.remote_peers else cluster.intra_latency_s
             return lat + max(local, remote)
 
-        t_in, t_out = a2a_time(hq_u + 2 * kv), a2a_time(hq_u)
-        a2a_s = (n_fwd + 1) * (t_in + t_out)  # fwd (x recompute) + bwd mirrors
+        t_in, t_out = a2a_time(hq_u + 2 * kv), a2a_time(hq_u)  # per stage
 
     # ---- ring pass: r steps of [L/r queries x L/r keys x h heads] ---------------------
     blk = L / r  # tokens per ring segment
@@ -205,8 +229,9 @@ def attention_cost(cluster: ClusterSpec, seq_len: int, hq: int, hkv: int, head_d
     first = full / 2 * (1 + causal_tile / blk) if causal else full  # the diagonal block
     later = full / 2 if causal and balance == "zigzag" else full  # slowest rank's block
     attn_fwd = first + (r - 1) * later
-    kv_bytes = 2 * blk * kv * hd * dtype_bytes  # one K/V block in flight
-    q_elems, kv_elems = blk * hq_u * hd, blk * kv * hd
+    ring_kv = max(ring_kv_heads(hq, hkv, u, j, c) for j in range(u)) / c  # per stage
+    kv_bytes = 2 * blk * ring_kv * hd * dtype_bytes  # one stage's K/V block in flight
+    q_elems, kv_elems = blk * hq_u * hd / c, blk * ring_kv * hd  # one stage
     merge_f = 3 * FP32 * q_elems / cluster.hbm_bw  # read acc + block, write acc
     merge_b = 3 * FP32 * (q_elems + 2 * kv_elems) / cluster.hbm_bw  # dQ, dK, dV
     comm = exposed = merge = tail = 0.0
@@ -217,12 +242,32 @@ def attention_cost(cluster: ClusterSpec, seq_len: int, hq: int, hkv: int, head_d
         bw, lat = ring_step_link(cluster, rs)
         send_kv = lat + kv_bytes / bw
         send_acc = lat + kv_bytes * FP32 / dtype_bytes / bw  # fp32 dK/dV accumulator
-        comm, exposed, tail = ring_pass(r, n_fwd, send_kv, send_acc, first, later, merge_f,
-                                        merge_b, overlap)
-        merge = (r - 1) * (n_fwd * merge_f + merge_b)
+        comm, exposed, tail = (c * x for x in ring_pass(
+            r, n_fwd, send_kv, send_acc, first / c, later / c, merge_f, merge_b, overlap))
+        merge = c * (r - 1) * (n_fwd * merge_f + merge_b)
+    a2a_s = a2a_comm = 0.0
+    if u > 1:  # fwd (x recompute) and the bwd mirror: output grads in, dq/dk/dv out
+        stage = attn_fwd / c  # one stage's forward kernel time
+        a2a_s = (n_fwd * a2a_pass(c, t_in, t_out, stage, overlap)
+                 + a2a_pass(c, t_out, t_in, FLASH_BWD * stage, overlap))
+        a2a_comm = (n_fwd + 1) * c * (t_in + t_out)
     return AttentionCost(compute_s=(n_fwd + FLASH_BWD) * attn_fwd, merge_s=merge, a2a_s=a2a_s,
                          ring_comm_s=comm, ring_exposed_s=exposed, ring_tail_s=tail,
-                         a2a_link=a2a_link, ring_link=ring_link)
+                         a2a_comm_s=a2a_comm, a2a_chunks=c, a2a_link=a2a_link,
+                         ring_link=ring_link)
+
+
+def best_a2a_chunks(cluster: ClusterSpec, seq_len: int, hq: int, hkv: int, head_dim: int,
+                    ulysses: int, ring: int, *, max_chunks: int = 8, **kw) -> int:
+    """The ``a2a_chunks`` (1 .. ``max_chunks``, within ``check_a2a_chunks``) whose
+    ``attention_cost`` total is least, the fewest stages on a tie; 1 without a ulysses
+    group. ``kw`` goes to ``attention_cost`` (dp, dtype_bytes, causal, balance, ...)."""
+    if ulysses == 1:
+        return 1
+    most = min(max_chunks, max(head_split(hq, hkv, ulysses).q_counts))
+    totals = {c: attention_cost(cluster, seq_len, hq, hkv, head_dim, ulysses, ring,
+                                a2a_chunks=c, **kw).total_s for c in range(1, most + 1)}
+    return min(totals, key=lambda c: (totals[c], c))
 
 
 def estimate(
@@ -240,13 +285,15 @@ def estimate(
     balance: str = "zigzag",
     placement: str = "ulysses_inner",
     act_checkpoint: bool = True,
+    a2a_chunks: int = 1,
 ) -> StepCost:
     """Predict one step of ``global_batch`` sequences of ``seq_len`` tokens.
 
     Each dp rank runs ``global_batch / dp`` sequences one after another (one sequence per
     micro-batch); memory is for one micro-batch, on the busiest ulysses rank when the
-    heads split unevenly. Raises ``ValueError`` when the heads cannot split over
-    ``ulysses`` (see ``usp.validate.head_split``).
+    heads split unevenly. ``a2a_chunks``: pipeline stages of the ulysses all-to-alls
+    (``attention_cost``). Raises ``ValueError`` when the heads cannot split over
+    ``ulysses`` (see ``usp.validate.head_split``) or into ``a2a_chunks`` stages.
     """
     L, r, u, P = seq_len, ring, ulysses, ring * ulysses
     world = dp * P
@@ -263,9 +310,11 @@ def estimate(
     head_s = 6 * D * model.vocab_size * T / rate  # LM head fwd+bwd, once per sequence
 
     # ---- attention: ulysses all-to-alls and the ring pass, per layer per sequence ---------
-    sent_f, sent_b = attention_bytes(1, L, hq, hkv, hd, u, r, dtype_bytes)  # one sequence
     att = attention_cost(cluster, L, hq, hkv, hd, u, r, dp=dp, dtype_bytes=dtype_bytes,
-                         causal=causal, balance=balance, placement=placement, n_fwd=n_fwd)
+                         causal=causal, balance=balance, placement=placement, n_fwd=n_fwd,
+                         a2a_chunks=a2a_chunks)
+    sent_f, sent_b = attention_bytes(1, L, hq, hkv, hd, u, r, dtype_bytes,  # one sequence
+                                     a2a_chunks=att.a2a_chunks)
 
     # ---- one step ------------------------------------------------------------------------
     nl = model.n_layers
@@ -330,4 +379,5 @@ def estimate(
         mem_act_bytes=mem_act,
         a2a_link=att.a2a_link,
         ring_link=att.ring_link,
+        a2a_chunks=att.a2a_chunks,
     )

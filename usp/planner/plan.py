@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from ..config import ModelConfig
 from ..validate import check_degrees, check_heads, check_placement, check_seq_len, head_split
 from .cluster import GiB, ClusterSpec, group_span
-from .cost import StepCost, estimate
+from ..ulysses import check_a2a_chunks
+from .cost import StepCost, best_a2a_chunks, estimate
 
 
 @dataclass
@@ -192,12 +193,15 @@ def plan(
     placement: str = "ulysses_inner",
     act_checkpoint: bool = True,
     mem_fraction: float = 0.9,
+    a2a_chunks: int | str = 1,
 ) -> Plan:
     """Rank every ``dp x ring x ulysses = world`` layout for ``global_batch`` sequences of
     ``seq_len`` tokens on ``cluster`` (``nodes`` of it, or ``world`` ranks; default the
     whole cluster). Fix any degree by passing it; the others are searched.
 
     A layout fits when its predicted memory is at most ``mem_fraction`` of ``mem_bytes``.
+    ``a2a_chunks``: pipeline stages of the ulysses all-to-alls for every layout, or
+    ``"auto"``: each layout's ``best_a2a_chunks`` (its ``cost.a2a_chunks`` says which).
     Raises ``ValueError`` listing every reason when no layout is feasible.
     """
     check_placement(placement)
@@ -245,10 +249,19 @@ def plan(
                 rule = "seq_len"
                 check_seq_len(seq_len, u, r, balance)
                 rule = "memory"
+                rule = "a2a_chunks"
+                chunks = 1 if u == 1 else a2a_chunks
+                if chunks == "auto":
+                    chunks = best_a2a_chunks(
+                        cluster, seq_len, model.n_heads, model.n_kv_heads, model.head_dim, u,
+                        r, dp=d, dtype_bytes=dtype_bytes, causal=causal, balance=balance,
+                        placement=placement, n_fwd=2 if act_checkpoint else 1)
+                check_a2a_chunks(chunks, model.n_heads, model.n_kv_heads, u)
+                rule = "memory"
                 cost = estimate(
                     model, cluster, seq_len, d, r, u, global_batch=global_batch,
                     dtype_bytes=dtype_bytes, causal=causal, fsdp=fsdp, balance=balance,
-                    placement=placement, act_checkpoint=act_checkpoint,
+                    placement=placement, act_checkpoint=act_checkpoint, a2a_chunks=chunks,
                 )
                 if cost.mem_bytes > budget:
                     fixes = [f"smaller dp than {d}"] if d > 1 else []

@@ -12,25 +12,42 @@ peer j (the output's grads), ``q_i + 2 kv_i`` to each peer (dq, dk, dv). Ring: r
 a K+V block [B, L/r, kv_i, d] forward; backward the same K/V hops plus r-1 hops of the fp32
 dK+dV accumulator (each block's accumulator starts at the rank after its owner and ends at
 the owner).
+
+With ``a2a_chunks = c > 1`` (``usp_attention``'s pipelined all-to-alls) the ulysses bytes
+are the same, in c times as many messages; the ring runs once per stage
+(``usp.ulysses.head_chunks``), so a KV head that serves several stages of a rank (fewer
+KV heads on the rank than stages) travels the ring once per stage it serves.
 """
 
 from __future__ import annotations
 
+from ..ulysses import head_chunks
 from ..validate import head_split
 
 FP32 = 4
 
 
+def ring_kv_heads(hq: int, hkv: int, ulysses: int, rank: int, a2a_chunks: int = 1) -> int:
+    """KV heads ulysses rank ``rank`` sends round the ring per hop, summed over its pipeline
+    stages: its KV heads, plus one more for each extra stage a KV head serves."""
+    split = head_split(hq, hkv, ulysses)
+    if a2a_chunks == 1 or ulysses == 1:
+        return split.kv_counts[rank]
+    return sum(s.kv[1] - s.kv[0] for s in head_chunks(split, a2a_chunks)[rank])
+
+
 def attention_bytes(batch: int, seq_len: int, hq: int, hkv: int, head_dim: int, ulysses: int,
-                    ring: int, elem_bytes: int, rank: int | None = None) -> tuple[dict, dict]:
+                    ring: int, elem_bytes: int, rank: int | None = None,
+                    a2a_chunks: int = 1) -> tuple[dict, dict]:
     """({"ulysses": bytes, "ring": bytes} forward, the same backward) sent by ulysses rank
     ``rank``; ``rank=None``: each entry's maximum over the ulysses ranks (the slowest
-    rank, which the planner prices; equal to every rank's bytes when the heads divide)."""
+    rank, which the planner prices; equal to every rank's bytes when the heads divide).
+    ``a2a_chunks``: the pipeline stages of the ulysses all-to-alls (see the module)."""
     u, r = ulysses, ring
     split = head_split(hq, hkv, u)
     if rank is None:
-        per_rank = [attention_bytes(batch, seq_len, hq, hkv, head_dim, u, r, elem_bytes, j)
-                    for j in range(u)]
+        per_rank = [attention_bytes(batch, seq_len, hq, hkv, head_dim, u, r, elem_bytes, j,
+                                    a2a_chunks) for j in range(u)]
         return tuple({a: max(p[i][a] for p in per_rank) for a in ("ulysses", "ring")}
                      for i in (0, 1))
     if not 0 <= rank < u:
@@ -41,8 +58,9 @@ def attention_bytes(batch: int, seq_len: int, hq: int, hkv: int, head_dim: int, 
     peers = [j for j in range(u) if j != rank]
     fwd_a2a = sum(qc[j] + 2 * kc[j] for j in peers) + (u - 1) * qc[rank]
     bwd_a2a = sum(qc[j] for j in peers) + (u - 1) * (qc[rank] + 2 * kc[rank])
-    kv_block = 2 * batch * s * kc[rank] * head_dim * elem_bytes
-    acc_block = 2 * batch * s * kc[rank] * head_dim * FP32
+    ring_kv = ring_kv_heads(hq, hkv, u, rank, a2a_chunks)
+    kv_block = 2 * batch * s * ring_kv * head_dim * elem_bytes
+    acc_block = 2 * batch * s * ring_kv * head_dim * FP32
     fwd = {"ulysses": fwd_a2a * token, "ring": (r - 1) * kv_block}
     bwd = {"ulysses": bwd_a2a * token, "ring": (r - 1) * (kv_block + acc_block)}
     return fwd, bwd
@@ -72,12 +90,13 @@ def windowed_ring_hops(seq_len: int, ring: int, balance: str, causal: bool,
 def masked_attention_bytes(batch: int, seq_len: int, hq: int, hkv: int, head_dim: int,
                            ulysses: int, ring: int, elem_bytes: int, *, balance: str,
                            causal: bool, window: int | None = None, segment_ids: bool = False,
-                           rank: int | None = None) -> tuple[dict, dict]:
+                           rank: int | None = None, a2a_chunks: int = 1) -> tuple[dict, dict]:
     """``attention_bytes`` for a call with masks: ({"ulysses", "ring", "sp"} forward, the
     same backward). The ring makes ``windowed_ring_hops`` hops instead of r - 1 (K/V each
     pass, the fp32 dK/dV accumulators in backward); ``segment_ids`` adds the forward's
     all-gather of the int64 ids over the SP group: each rank's [B, L/P] to P - 1 peers."""
-    fwd, bwd = attention_bytes(batch, seq_len, hq, hkv, head_dim, ulysses, ring, elem_bytes, rank)
+    fwd, bwd = attention_bytes(batch, seq_len, hq, hkv, head_dim, ulysses, ring, elem_bytes, rank,
+                               a2a_chunks)
     if ring > 1:
         hops = windowed_ring_hops(seq_len, ring, balance, causal, window)
         fwd["ring"] = fwd["ring"] // (ring - 1) * hops
