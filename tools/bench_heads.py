@@ -12,12 +12,9 @@ run interleaved in one set of processes; see ``usp.bench.heads`` for what is mea
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
-from usp.bench.heads import DTYPES, HeadsBench, even_neighbours, report, run  # noqa: E402
+from usp.bench.cli import add_timing_args, parse_sized
+from usp.bench.heads import DTYPES, HeadsBench, even_neighbours, report, run
 
 QUICK = dict(seq_len=1024, rounds=5, head_dim=32)
 FULL = dict(seq_len=4096, rounds=7, head_dim=64)
@@ -42,15 +39,8 @@ def parse_args(argv=None) -> HeadsBench:
     p.add_argument("--head-dim", type=int, default=None, help=f"default {FULL['head_dim']}")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--balance", choices=("zigzag", "contiguous"), default="zigzag")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--rounds", type=int, default=None, help=f"default {FULL['rounds']}")
-    p.add_argument("--threads", type=int, default=None, help="intra-op threads per process")
-    p.add_argument("--quick", action="store_true",
-                   help=f"smoke-test size {QUICK} (explicit flags still win)")
-    args = p.parse_args(argv)
-    for key, val in (QUICK if args.quick else FULL).items():
-        if getattr(args, key) is None:
-            setattr(args, key, val)
+    add_timing_args(p, FULL, QUICK)
+    args = parse_sized(p, argv, FULL, QUICK)
     uneven = (args.heads, args.kv_heads or args.heads)
     try:
         others = parse_pairs(args.compare) if args.compare else even_neighbours(*uneven, args.ulysses)

@@ -11,22 +11,13 @@ what is measured and what the kernel-call columns mean.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
-from usp.bench.masks import DTYPES, MasksBench, report, run  # noqa: E402
+from usp.bench.cli import add_timing_args, parse_sized
+from usp.bench.attention import parse_layouts
+from usp.bench.masks import DTYPES, MasksBench, report, run
 
 QUICK = dict(seq_len=2048, rounds=3, head_dim=32, doc_len=256)
 FULL = dict(seq_len=8192, rounds=3, head_dim=64, doc_len=512)
-
-
-def parse_layouts(text: str) -> tuple[tuple[int, int], ...]:
-    try:
-        return tuple(tuple(int(x) for x in item.split("x")) for item in text.split(","))
-    except ValueError:
-        raise ValueError(f"bad --layouts {text!r}: write ULYSSESxRING,..., e.g. 1x4,2x2") from None
 
 
 def parse_args(argv=None) -> MasksBench:
@@ -40,15 +31,8 @@ def parse_args(argv=None) -> MasksBench:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--window", type=int, default=None, help="default seq_len // 8")
     p.add_argument("--doc-len", type=int, default=None, help=f"default {FULL['doc_len']}")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--rounds", type=int, default=None, help=f"default {FULL['rounds']}")
-    p.add_argument("--threads", type=int, default=None, help="intra-op threads per process")
-    p.add_argument("--quick", action="store_true",
-                   help=f"smoke-test size {QUICK} (explicit flags still win)")
-    args = p.parse_args(argv)
-    for key, val in (QUICK if args.quick else FULL).items():
-        if getattr(args, key) is None:
-            setattr(args, key, val)
+    add_timing_args(p, FULL, QUICK)
+    args = parse_sized(p, argv, FULL, QUICK)
     try:
         return MasksBench(layouts=parse_layouts(args.layouts), batch=args.batch,
                           seq_len=args.seq_len, heads=args.heads,
