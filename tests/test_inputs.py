@@ -110,6 +110,8 @@ BAD = [
     ("parallel.ranks_per_node=3", "parallel.ranks_per_node=3 does not divide "
                                            "the 4 ranks"),
     ("parallel.ranks_per_node=0", "parallel.ranks_per_node=0 must be >= 1"),
+    ("parallel.a2a_chunks=5", "a2a_chunks=5 > 4 query heads per ulysses rank"),
+    ("parallel.a2a_chunks=0", "parallel.a2a_chunks=0 must be an integer >= 1 or auto"),
     # logging
     ("logging.wandb=bogus", "logging.wandb='bogus' is not one of offline, online, disabled"),
     # keys the schema lacks

@@ -93,6 +93,9 @@ TIERS: dict[str, str] = {
     "test_hf.py": UNIT,
     "test_hf.py::test_parity_over_layouts": DISTRIBUTED,  # one spawn of 4 ranks (fixture)
     "test_hf.py::test_export_round_trip": DISTRIBUTED,
+    "test_hf_train.py": UNIT,
+    "test_hf_train.py::test_hf_llama_trains_the_same_at_1x1_and_2x2_resumes_and_exports":
+        DISTRIBUTED,
 }
 
 # Distributed tests in the fast selection: 2-10 s each on 2 cores, and between them every

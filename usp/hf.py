@@ -89,6 +89,7 @@ class UspAttention:
     windows: tuple[int | None, ...]  # per layer, from the config
     kernel: str = "torch"
     ring_impl: str = "usp"
+    a2a_chunks: int = 1  # pipeline stages of the ulysses all-to-alls (usp_attention)
 
     def window(self, module, given: int | None) -> int | None:
         layer = getattr(module, "layer_idx", None)
@@ -118,7 +119,7 @@ class UspAttention:
         q, k, v = (x.transpose(1, 2) for x in (query, key, value))
         out = usp_attention(q, k, v, mesh=self.mesh, layout=self.layout, causal=causal,
                             kernel=self.kernel, scale=scaling, ring_impl=self.ring_impl,
-                            segment_ids=segment_ids,
+                            segment_ids=segment_ids, a2a_chunks=self.a2a_chunks,
                             window=self.window(module, sliding_window))
         return out, None  # [B, L/P, Hq, d]: the layer reshapes it to [B, L/P, Hq*d]
 
@@ -163,7 +164,7 @@ def _check_config(model, mesh: SPMesh, layout: SequenceLayout) -> tuple[int | No
 
 
 def patch(model, mesh: SPMesh, layout: SequenceLayout, *, kernel: str = "torch",
-          ring_impl: str = "usp") -> str:
+          ring_impl: str = "usp", a2a_chunks: int = 1) -> str:
     """Route ``model``'s attention through ``usp_attention`` on ``mesh`` / ``layout``.
 
     Registers ``UspAttention`` (and a mask function that builds no mask) under a name of
@@ -177,7 +178,8 @@ def patch(model, mesh: SPMesh, layout: SequenceLayout, *, kernel: str = "torch",
     windows = _check_config(model, mesh, layout)
     unpatch(model, to=None)
     name = f"usp_{id(model):x}"
-    AttentionInterface.register(name, UspAttention(mesh, layout, windows, kernel, ring_impl))
+    AttentionInterface.register(name, UspAttention(mesh, layout, windows, kernel, ring_impl,
+                                                    a2a_chunks))
     AttentionMaskInterface.register(name, _no_mask)
     model.set_attn_implementation(name)
     if model.config._attn_implementation != name:

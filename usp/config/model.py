@@ -7,6 +7,8 @@ from typing import Optional
 
 from .checks import above, at_least, one_of
 
+HF_ARCHS = ("llama", "qwen2", "mistral")  # model.hf: transformers decoders of this shape
+
 
 @dataclass
 class ModelConfig:
@@ -24,9 +26,12 @@ class ModelConfig:
     sliding_window: Optional[int] = None  # tokens a query sees (itself included); None: all
     full_attention_every: int = 0  # 0: every layer windowed; k: layers k-1, 2k-1, ... full
     rope: str = "global"  # global: positions in the packed row | per_document: from each doc start
+    hf: Optional[str] = None  # None: usp.model.Transformer | llama, qwen2, mistral: transformers'
+    pretrained: Optional[str] = None  # with hf: a local model directory to load weights from
 
     def __post_init__(self) -> None:
         one_of("model.rope", self.rope, ("global", "per_document"))
+        self._check_hf()
         at_least("model", 0, full_attention_every=self.full_attention_every)
         if self.sliding_window is not None:
             at_least("model", 1, sliding_window=self.sliding_window)
@@ -41,6 +46,22 @@ class ModelConfig:
             raise ValueError(
                 f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
             )
+
+    def _check_hf(self) -> None:
+        if self.hf is None:
+            if self.pretrained is not None:
+                raise ValueError(f"model.pretrained={self.pretrained} needs a transformers "
+                                 f"architecture; set model.hf to one of {', '.join(HF_ARCHS)}")
+            return
+        one_of("model.hf", self.hf, HF_ARCHS)
+        if self.hf == "llama" and self.sliding_window is not None:
+            raise ValueError(f"model.hf=llama has no sliding window (model.sliding_window="
+                             f"{self.sliding_window}); set model.sliding_window=null or use "
+                             "model.hf=mistral (every layer) or qwen2 (any layers)")
+        if self.hf == "mistral" and self.sliding_window is not None and self.full_attention_every:
+            raise ValueError(f"model.hf=mistral windows every layer, but model."
+                             f"full_attention_every={self.full_attention_every} asks for full "
+                             "layers; set model.full_attention_every=0 or use model.hf=qwen2")
 
     @property
     def head_dim(self) -> int:

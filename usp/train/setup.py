@@ -50,7 +50,7 @@ def plan_run(cfg, spec, world: int):
                 ulysses=_degree(pc.ulysses_degree, "ulysses_degree"),
                 ring=_degree(pc.ring_degree, "ring_degree"), dp=dp,
                 global_batch=cfg.data.global_batch(dp or 1), placement=pc.placement,
-                dtype_bytes=cfg.trainer.compute_dtype.itemsize)
+                dtype_bytes=cfg.trainer.compute_dtype.itemsize, a2a_chunks=pc.a2a_chunks)
 
 
 def resolve_degrees(cfg, world: int, env=None) -> tuple[int, int, str]:
@@ -192,6 +192,46 @@ def check_run_masks(cfg) -> None:
                          f"parallel.ring_impl={pc.ring_impl}: {e}") from None
 
 
+def check_hf_model(mc: ModelConfig) -> None:
+    """Refuse ``model.hf`` when transformers is missing, and a ``model.pretrained``
+    directory that is not a local model of ``mc``'s architecture and shape."""
+    if mc.hf is None:
+        return
+    if not _installed("transformers"):
+        raise ValueError(f"model.hf={mc.hf} needs the transformers package, which this Python "
+                         "cannot import; pip install 'usp[hf]', or unset model.hf")
+    if mc.pretrained is not None:
+        from ..hf_export import check_pretrained
+
+        check_pretrained(mc)
+
+
+def resolve_a2a_chunks(cfg, world: int, ulysses: int, ring: int) -> int:
+    """``parallel.a2a_chunks`` as an int: checked against the heads, or for ``auto`` the
+    planner's choice (``best_a2a_chunks``) on the cluster spec; the same on every rank."""
+    pc, m = cfg.parallel, cfg.model
+    from ..ulysses import check_a2a_chunks
+
+    if pc.a2a_chunks != "auto":
+        check_a2a_chunks(pc.a2a_chunks, m.n_heads, m.n_kv_heads, ulysses)
+        if pc.a2a_chunks > 1 and pc.ring_impl != "usp":
+            raise ValueError(f"parallel.a2a_chunks={pc.a2a_chunks} pipelines usp's own ring; "
+                             f"use parallel.ring_impl=usp or parallel.a2a_chunks=1")
+        return pc.a2a_chunks
+    if pc.ring_impl != "usp":
+        return 1
+    from ..planner.cost import best_a2a_chunks
+
+    spec = cfg.cluster
+    if pc.ranks_per_node:
+        spec = spec.replace(ranks_per_node=pc.ranks_per_node, nodes=world // pc.ranks_per_node)
+    dp = world // (ulysses * ring)
+    return best_a2a_chunks(spec, cfg.data.seq_len, m.n_heads, m.n_kv_heads, m.head_dim,
+                           ulysses, ring, dp=dp, dtype_bytes=cfg.trainer.compute_dtype.itemsize,
+                           balance=pc.balance, placement=pc.placement,
+                           n_fwd=2 if cfg.trainer.activation_checkpointing else 1)
+
+
 def preflight(cfg, world: int, device_type: str | None = None) -> tuple[int, int]:
     """All checks that need no process group; raises ValueError. Returns (ulysses, ring).
 
@@ -204,6 +244,7 @@ def preflight(cfg, world: int, device_type: str | None = None) -> tuple[int, int
     check_ranks_per_node(world, pc.ranks_per_node, "parallel.ranks_per_node")
     check_placement(pc.placement)
     check_heads(cfg.model.n_heads, cfg.model.n_kv_heads, u)
+    resolve_a2a_chunks(cfg, world, u, r)
     check_seq_len(cfg.data.seq_len, u, r, pc.balance)
     try:
         build_dataset(cfg.data, cfg.model)  # missing / corrupt data fails here
@@ -221,6 +262,7 @@ def preflight(cfg, world: int, device_type: str | None = None) -> tuple[int, int
         raise ValueError(f"parallel.kernel={pc.kernel} parallel.ring_impl={pc.ring_impl} "
                          f"trainer.dtype={cfg.trainer.dtype} on {device_type}: {e}") from None
     check_run_masks(cfg)
+    check_hf_model(cfg.model)
     if pc.ring_impl == "ring_flash_attn" and not _installed("ring_flash_attn"):
         raise ValueError("parallel.ring_impl=ring_flash_attn needs the ring-flash-attn package, "
                          "which this Python cannot import; pip install ring-flash-attn==0.1.8 "

@@ -21,11 +21,11 @@ from ..config import OptimConfig, RunConfig, torch_dtype
 from ..data.packing import Batch
 from ..layout import SequenceLayout
 from ..mesh import SPMesh
-from ..model import Transformer
+from ..model import Transformer, flops_per_token
 from .checkpoint import choose_checkpoint, load_checkpoint, run_fingerprint, save_checkpoint
 from .faults import NonFiniteGuard, Preempted, Preemption
 from .metrics import MetricsLogger, PeakMemory
-from .setup import TrainingData, build_dataset, resolve_degrees
+from .setup import TrainingData, build_dataset, resolve_a2a_chunks, resolve_degrees
 
 
 def lr_lambda(cfg: OptimConfig, steps: int):
@@ -41,9 +41,10 @@ def lr_lambda(cfg: OptimConfig, steps: int):
     return f
 
 
-def shard_model(model: Transformer, mesh: DeviceMesh, dtype: str) -> None:
-    """FSDP2-shard ``model`` in place over ``mesh``: every block, then the root (embedding,
-    final norm, output).
+def shard_model(model, mesh: DeviceMesh, dtype: str, blocks=None) -> None:
+    """FSDP2-shard ``model`` in place over ``mesh``: every block (default ``model.layers``;
+    a transformers model's are ``model.model.layers``), then the root (embedding, final
+    norm, output).
 
     ``dtype="bf16"``: parameters are all-gathered in bf16 and forward and backward compute
     in bf16; the sharded parameters, their gradients (reduce-scattered in fp32) and so the
@@ -56,7 +57,7 @@ def shard_model(model: Transformer, mesh: DeviceMesh, dtype: str) -> None:
         # the bf16 embedding), and the RoPE tables cos/sin, which stay fp32 for apply_rope.
         mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32,
                                   cast_forward_inputs=False)
-    for block in model.layers:
+    for block in model.layers if blocks is None else blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
 
@@ -64,8 +65,13 @@ def shard_model(model: Transformer, mesh: DeviceMesh, dtype: str) -> None:
 def forward(model, batch: Batch, positions: torch.Tensor) -> torch.Tensor:
     """logits [B, L/P, V] of this rank's ``batch`` (on the model's device): RoPE at the
     row's global ``positions`` [L/P], or at each token's place in its document when the
-    batch carries ``doc_positions`` [B, L/P]; ``segment_ids`` only when documents are packed."""
+    batch carries ``doc_positions`` [B, L/P]; ``segment_ids`` only when documents are packed.
+    A transformers model (``model.hf``) takes them as ``position_ids`` [B, L/P]."""
     rope = positions if batch.doc_positions is None else batch.doc_positions
+    if not isinstance(model, Transformer):
+        ids = {} if batch.segment_ids is None else {"segment_ids": batch.segment_ids}
+        return model(input_ids=batch.tokens, position_ids=rope.expand(batch.tokens.shape),
+                     use_cache=False, **ids).logits
     if batch.segment_ids is None:
         return model(batch.tokens, rope)
     return model(batch.tokens, rope, batch.segment_ids)
@@ -88,6 +94,22 @@ def evaluate(model, data: TrainingData, cfg: RunConfig, mesh: SPMesh, positions,
     return (hits[0] / hits[1].clamp(min=1)).item()
 
 
+def _hf_model(cfg: RunConfig, mesh: SPMesh, layout: SequenceLayout):
+    """(transformers model, its decoder layers): built on every rank alike, its attention
+    routed through usp; rank 0 writes its config to ``run_dir/hf_config`` for export."""
+    from .. import hf
+    from ..hf_export import build_model, save_config
+
+    model = build_model(cfg.model, cfg.trainer.seed)
+    if cfg.trainer.activation_checkpointing:  # the same non-reentrant torch checkpoint
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf.patch(model, mesh, layout, kernel=cfg.parallel.kernel, ring_impl=cfg.parallel.ring_impl,
+             a2a_chunks=resolve_a2a_chunks(cfg, dist.get_world_size(), mesh.ulysses, mesh.ring))
+    if dist.get_rank() == 0:
+        save_config(model.config, cfg.trainer.run_dir)
+    return model, model.model.layers
+
+
 FaultHook = Callable[[int, torch.Tensor], torch.Tensor]
 
 
@@ -107,6 +129,7 @@ def train(cfg: RunConfig, fault_hook: FaultHook | None = None) -> dict:
         else torch.device("cpu")
     tc, pc = cfg.trainer, cfg.parallel
     ulysses, ring, plan_table = resolve_degrees(cfg, world)
+    chunks = resolve_a2a_chunks(cfg, world, ulysses, ring)
     if rank == 0 and plan_table:
         print(plan_table, flush=True)
     mesh = SPMesh.build(ulysses=ulysses, ring=ring, dp=pc.dp_degree, placement=pc.placement,
@@ -121,12 +144,16 @@ def train(cfg: RunConfig, fault_hook: FaultHook | None = None) -> dict:
     # global token count and scaled by the rank count, so the average is the exact sum.
     # bf16 is FSDP's mixed precision (bf16 compute, fp32 master weights), not autocast: the
     # ops that need fp32 upcast themselves (RMSNorm, RoPE, attention LSE and merge, loss).
-    attn = partial(usp_attention, mesh=mesh, layout=layout, causal=True, kernel=pc.kernel,
-                   ring_impl=pc.ring_impl)
-    model = Transformer(cfg.model, attn, checkpoint_activations=tc.activation_checkpointing)
-    model.init_weights(tc.seed)
+    if cfg.model.hf is None:
+        attn = partial(usp_attention, mesh=mesh, layout=layout, causal=True, kernel=pc.kernel,
+                       ring_impl=pc.ring_impl, a2a_chunks=chunks)
+        model = Transformer(cfg.model, attn, checkpoint_activations=tc.activation_checkpointing)
+        model.init_weights(tc.seed)
+        blocks = model.layers
+    else:
+        model, blocks = _hf_model(cfg, mesh, layout)
     model.to(device)
-    shard_model(model, mesh.submesh("dp_sp"), tc.dtype)
+    shard_model(model, mesh.submesh("dp_sp"), tc.dtype, blocks)
     oc = cfg.optim
     opt = torch.optim.AdamW(model.parameters(), lr=oc.lr, betas=(oc.beta1, oc.beta2),
                             weight_decay=oc.weight_decay)
@@ -198,7 +225,7 @@ def _loop(cfg: RunConfig, start: int, model, opt, sched, data, mesh: SPMesh, pos
     dp_sp = mesh.group("dp_sp")
     n_shard = mesh.submesh("dp_sp").size()
     tokens_per_step = cfg.data.global_batch(mesh.dp) * cfg.data.seq_len
-    flops_per_token = model.flops_per_token(cfg.data.seq_len)
+    flops = flops_per_token(cfg.model, cfg.data.seq_len)
     peak_mem = PeakMemory(device)
     summary: dict = {}
     for step in range(start, tc.steps):
@@ -258,7 +285,7 @@ def _loop(cfg: RunConfig, start: int, model, opt, sched, data, mesh: SPMesh, pos
             "lr": sched.get_last_lr()[0],
             "grad_norm": gn,
             "tokens_per_s": tokens_per_step / dt,
-            "mfu": flops_per_token * tokens_per_step / dt / (cfg.cluster.peak_flops * world),
+            "mfu": flops * tokens_per_step / dt / (cfg.cluster.peak_flops * world),
             "peak_mem_mb": peak.item(),
             "peak_mem_kind": peak_mem.kind,
             "attn_comm_share": comm / dt,
