@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -62,13 +63,20 @@ def shard_model(model, mesh: DeviceMesh, dtype: str, blocks=None) -> None:
     fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
+def _is_hf(model) -> bool:
+    """A transformers model (FSDP keeps the class as a base); transformers is imported
+    only when one was built."""
+    hf = sys.modules.get("transformers")
+    return hf is not None and isinstance(model, hf.PreTrainedModel)
+
+
 def forward(model, batch: Batch, positions: torch.Tensor) -> torch.Tensor:
     """logits [B, L/P, V] of this rank's ``batch`` (on the model's device): RoPE at the
     row's global ``positions`` [L/P], or at each token's place in its document when the
     batch carries ``doc_positions`` [B, L/P]; ``segment_ids`` only when documents are packed.
     A transformers model (``model.hf``) takes them as ``position_ids`` [B, L/P]."""
     rope = positions if batch.doc_positions is None else batch.doc_positions
-    if not isinstance(model, Transformer):
+    if _is_hf(model):
         ids = {} if batch.segment_ids is None else {"segment_ids": batch.segment_ids}
         return model(input_ids=batch.tokens, position_ids=rope.expand(batch.tokens.shape),
                      use_cache=False, **ids).logits
