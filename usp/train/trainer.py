@@ -102,7 +102,7 @@ def evaluate(model, data: TrainingData, cfg: RunConfig, mesh: SPMesh, positions,
     return (hits[0] / hits[1].clamp(min=1)).item()
 
 
-def _hf_model(cfg: RunConfig, mesh: SPMesh, layout: SequenceLayout):
+def _hf_model(cfg: RunConfig, mesh: SPMesh, layout: SequenceLayout, a2a_chunks: int = 1):
     """(transformers model, its decoder layers): built on every rank alike, its attention
     routed through usp; rank 0 writes its config to ``run_dir/hf_config`` for export."""
     from .. import hf
@@ -112,7 +112,7 @@ def _hf_model(cfg: RunConfig, mesh: SPMesh, layout: SequenceLayout):
     if cfg.trainer.activation_checkpointing:  # the same non-reentrant torch checkpoint
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf.patch(model, mesh, layout, kernel=cfg.parallel.kernel, ring_impl=cfg.parallel.ring_impl,
-             a2a_chunks=resolve_a2a_chunks(cfg, dist.get_world_size(), mesh.ulysses, mesh.ring))
+             a2a_chunks=a2a_chunks)
     if dist.get_rank() == 0:
         save_config(model.config, cfg.trainer.run_dir)
     return model, model.model.layers
@@ -159,7 +159,7 @@ def train(cfg: RunConfig, fault_hook: FaultHook | None = None) -> dict:
         model.init_weights(tc.seed)
         blocks = model.layers
     else:
-        model, blocks = _hf_model(cfg, mesh, layout)
+        model, blocks = _hf_model(cfg, mesh, layout, chunks)
     model.to(device)
     shard_model(model, mesh.submesh("dp_sp"), tc.dtype, blocks)
     oc = cfg.optim
