@@ -8,6 +8,8 @@ from typing import Optional
 from .checks import above, at_least, one_of
 
 HF_ARCHS = ("llama", "qwen2", "mistral")  # model.hf: transformers decoders of this shape
+# how the model computes, not its shape: a model option leaves these at their defaults
+EXECUTION_FIELDS = ("loss_chunk", "mlp_tiles")
 
 
 @dataclass
@@ -28,15 +30,19 @@ class ModelConfig:
     rope: str = "global"  # global: positions in the packed row | per_document: from each doc start
     hf: Optional[str] = None  # None: usp.model.Transformer | llama, qwen2, mistral: transformers'
     pretrained: Optional[str] = None  # with hf: a local model directory to load weights from
+    loss_chunk: int = 0  # tokens per LM-head + loss chunk (full logits never exist); 0: off
+    mlp_tiles: int = 1  # sequence tiles of the MLP, recomputed in backward; 1: off
 
     def __post_init__(self) -> None:
         one_of("model.rope", self.rope, ("global", "per_document"))
         self._check_hf()
-        at_least("model", 0, full_attention_every=self.full_attention_every)
+        at_least("model", 0, full_attention_every=self.full_attention_every,
+                 loss_chunk=self.loss_chunk)
         if self.sliding_window is not None:
             at_least("model", 1, sliding_window=self.sliding_window)
         at_least("model", 1, vocab_size=self.vocab_size, dim=self.dim, n_layers=self.n_layers,
-                 n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, ffn_dim=self.ffn_dim)
+                 n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, ffn_dim=self.ffn_dim,
+                 mlp_tiles=self.mlp_tiles)
         above("model", 0, rope_theta=self.rope_theta, norm_eps=self.norm_eps)
         if self.dim % self.n_heads != 0:
             raise ValueError(

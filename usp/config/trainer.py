@@ -41,6 +41,9 @@ class TrainerConfig:
     seed: int = 0
     dtype: str = "fp32"  # a key of DTYPES
     activation_checkpointing: bool = False
+    checkpoint_every: int = 1  # with checkpointing: blocks 0, k, 2k, ... are checkpointed
+    checkpoint_part: str = "block"  # what a checkpointed block recomputes: block | attention | mlp
+    activation_offload: bool = False  # CUDA: checkpointed inputs go to pinned host memory
     log_every: int = 10
     ckpt_every: int = 100  # steps between checkpoints (0: only at the end and on preemption)
     keep_checkpoints: int = 2  # complete checkpoints kept (the newest ones)
@@ -62,6 +65,12 @@ class TrainerConfig:
         above("trainer", 0, timeout_s=self.timeout_s)
         torch_dtype(self.dtype)
         one_of("trainer.on_nonfinite", self.on_nonfinite, ("stop", "skip"))
+        one_of("trainer.checkpoint_part", self.checkpoint_part, ("block", "attention", "mlp"))
+        at_least("trainer", 1, checkpoint_every=self.checkpoint_every)
+        if self.activation_offload and not self.activation_checkpointing:
+            raise ValueError("trainer.activation_offload=true offloads the inputs that activation "
+                             "checkpoints keep, but trainer.activation_checkpointing=false; set "
+                             "trainer.activation_checkpointing=true or activation_offload=false")
         parse_signals(self.preempt_signals)
         if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
             raise ValueError(f"trainer.stop_after={self.stop_after} is outside 1..trainer.steps="
