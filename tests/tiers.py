@@ -96,6 +96,12 @@ TIERS: dict[str, str] = {
     "test_hf_train.py": UNIT,
     "test_hf_train.py::test_hf_llama_trains_the_same_at_1x1_and_2x2_resumes_and_exports":
         DISTRIBUTED,
+    "test_tiling.py": UNIT,
+    "test_memory_features.py": DISTRIBUTED,
+    "test_memory_plan.py": UNIT,
+    "test_memory_bench.py": UNIT,
+    "test_memory_bench.py::test_measured_step_runs_on_ranks": DISTRIBUTED,
+    "test_chunk_gain.py": UNIT,
 }
 
 # Distributed tests in the fast selection: 2-10 s each on 2 cores, and between them every
