@@ -317,13 +317,13 @@ def _reason(fn, *args) -> str:
 
 
 def test_plan_enumerates_every_layout_once(h100):
-    p = plan(llama_like(32), h100, 1 << 17, global_batch=32)
+    p = plan(llama_like(32), h100.replace(mem_bytes=1e15), 1 << 17, global_batch=32)
     seen = [c.degrees for c in p.candidates] + [(x.dp, x.ring, x.ulysses) for x in p.dropped]
     expected = {(32 // (u * r), r, u) for u in [1, 2, 4, 8, 16, 32] for r in [1, 2, 4, 8, 16, 32]
                 if 32 % (u * r) == 0}
     assert sorted(seen) == sorted(expected)
-    steps = [c.cost.step_s for c in p.candidates]
-    assert steps == sorted(steps)
+    per_seq = [c.cost.step_s / c.global_batch for c in p.candidates]
+    assert per_seq == sorted(per_seq)
 
 
 def test_heads_rule_drops_with_check_heads_message(h100):
@@ -364,17 +364,20 @@ def test_batch_rule(h100):
 
 
 def test_memory_rule_drops_what_does_not_fit(h100):
-    # ~43.3 GiB per rank at 1M on 32 ranks; ulysses 16/32 hold more K/V (replicated) heads
-    p = plan(LLAMA3_8B, h100.replace(mem_bytes=48.5 * GiB), M)
-    over = {(x.ring, x.ulysses): x.reason for x in p.dropped if "GiB per rank" in x.reason}
-    assert set(over) == {(2, 16), (1, 32)}
-    assert "> 43.6 GiB (90% of 48 GiB); try more nodes, a shorter sequence" in over[(2, 16)]
-    assert all(c.cost.mem_bytes <= 0.9 * 48.5 * GiB for c in p.candidates)
-    assert p.best.degrees == (1, 4, 8)
-    with pytest.raises(ValueError, match=r"(?s)no feasible layout .*GiB per rank"):
-        plan(LLAMA3_8B, h100.replace(mem_bytes=40 * GiB), M)
+    """A layout is dropped exactly when its memory_split peak exceeds 90% of the GPU; the
+    refusal names the largest term and what lowers it."""
+    roomy = plan(LLAMA3_8B, h100.replace(mem_bytes=1e15), M)
+    totals = {c.degrees: c.memory.total for c in roomy.candidates}
+    cut = sorted(totals.values())[len(totals) // 2]
+    p = plan(LLAMA3_8B, h100.replace(mem_bytes=cut / 0.9), M)
+    over = {(x.dp, x.ring, x.ulysses): x.reason for x in p.dropped if x.rule == "memory"}
+    assert set(over) == {k for k, t in totals.items() if t > cut}
+    assert all("per rank at its peak" in r and "largest term" in r for r in over.values())
+    assert all(c.memory.total <= cut for c in p.candidates)
+    with pytest.raises(ValueError, match=r"(?s)no feasible layout .*largest term logits"):
+        plan(LLAMA3_8B, h100.replace(mem_bytes=20 * GiB), M)
     # replicated (no FSDP) Llama-8B state alone is 16 B/param = 120 GiB
-    with pytest.raises(ValueError, match=r"state 119\.\d.*try smaller dp than 32, fsdp=True"):
+    with pytest.raises(ValueError, match=r"largest term state 119\.\d GiB; try more ranks"):
         plan(LLAMA3_8B, h100, 1 << 15, fsdp=False, global_batch=32)
 
 
@@ -426,7 +429,7 @@ def test_llama3_8b_1m_on_4x8_h100_is_ulysses8_ring4(h100):
 
 def test_four_kv_heads_on_8_gpu_nodes_explains_replication_or_ring(h100):
     m = dataclasses.replace(LLAMA3_8B, n_kv_heads=4)
-    p = plan(m, h100, 1 << 18)
+    p = plan(m, h100, 1 << 18, dp=1)
     b = p.best
     if b.ulysses > 4:  # KV replication: say so, and against which ring
         assert "ulysses 8 = GPUs per node > 4 KV heads: KV heads replicated x2" in p.reason
@@ -437,29 +440,30 @@ def test_four_kv_heads_on_8_gpu_nodes_explains_replication_or_ring(h100):
 
 
 def test_slower_inter_node_link_pushes_toward_larger_ulysses(l40s):
-    uly = [plan(llama_like(4), l40s.replace(inter_bw=bw), 1 << 16, nodes=2).best.ulysses
+    uly = [plan(llama_like(4), l40s.replace(inter_bw=bw), 1 << 16, nodes=2, dp=1).best.ulysses
            for bw in [12.5e9, 6e9, 3e9, 1.5e9, 0.75e9]]
     assert uly == sorted(uly) and uly[0] < uly[-1]
     assert max(uly) <= 8  # it grows inside the node, not across it
 
 
 def test_fewer_kv_heads_push_toward_ring(l40s):
-    rings = [plan(llama_like(h), l40s, 1 << 16, nodes=2).best.ring for h in [32, 16, 8, 4, 2, 1]]
+    rings = [plan(llama_like(h), l40s, 1 << 16, nodes=2, dp=1).best.ring for h in [32, 16, 8, 4, 2, 1]]
     assert rings == sorted(rings) and rings[0] < rings[-1]
 
 
 def test_longer_sequences_shift_toward_ring(l40s):
     cl = l40s.replace(inter_bw=3e9)
-    rings = [plan(llama_like(4), cl, 1 << k, nodes=2).best.ring for k in range(13, 20)]
+    rings = [plan(llama_like(4), cl, 1 << k, nodes=2, dp=1).best.ring for k in range(13, 20)]
     assert rings == sorted(rings) and rings[0] < rings[-1]
 
 
 def test_format_table_lists_dropped_with_reasons(h100):
     p = plan(LLAMA3_8B, h100, M)
     lines = p.format_table().splitlines()
-    assert lines[0] == "plan: world 32 (4 x 8 on h100_ib), seq_len 1048576, global batch 1, zigzag"
+    assert lines[0] == ("plan: world 32 (4 x 8 on h100_ib), seq_len 1048576, batch 1 per dp "
+                        "rank, zigzag")
     assert "dropped:" in lines
-    assert sum("does not split over dp" in ln for ln in lines) == len(p.dropped) == 15
+    assert sum("largest term logits" in ln for ln in lines) == len(p.dropped) == 15
     assert "dropped:" not in p.format_table(show_dropped=False)
 
 

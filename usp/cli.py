@@ -189,6 +189,7 @@ def _plan(cfg: PlanConfig) -> None:
     best = p.best
     print(p.format_table())
     print(f"choice: dp {best.dp} x ring {best.ring} x ulysses {best.ulysses}")
+    print(p.memory_text())
     drawing = draw_mesh(best.dp, best.ring, best.ulysses, spec.ranks_per_node,
                         cfg.parallel.placement)
     print(drawing)

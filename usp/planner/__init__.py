@@ -4,22 +4,26 @@ Pure functions and dataclasses, no process group: ``plan()`` ranks layouts with 
 model in ``cost``, ``detect_topology()`` fills a ``ClusterSpec`` from the launcher and the
 machine, ``draw_mesh()`` pictures a layout. ``cost.attention_cost`` is the model's
 attention part; ``calibration`` sets it beside measured times, ``published`` beside
-published benchmark figures.
+published benchmark figures. ``memory.memory_split`` is the per-rank memory model
+(state, activations, attention, MLP, logits, peak) and ``max_seq_len`` its inverse.
 """
 
 from .cluster import ClusterSpec, GroupSpan, group_span, load_cluster, rank_grid
 from .cost import AttentionCost, StepCost, attention_cost, estimate
 from .detect import DetectReport, detect_topology
 from .draw import MeshDrawing, draw_mesh
+from .memory import CheckpointPolicy, MemorySplit, max_seq_len, memory_split
 from .plan import Candidate, Dropped, Plan, plan
 
 __all__ = [
     "AttentionCost",
     "Candidate",
+    "CheckpointPolicy",
     "ClusterSpec",
     "DetectReport",
     "Dropped",
     "GroupSpan",
+    "MemorySplit",
     "MeshDrawing",
     "Plan",
     "StepCost",
@@ -29,6 +33,8 @@ __all__ = [
     "estimate",
     "group_span",
     "load_cluster",
+    "max_seq_len",
+    "memory_split",
     "plan",
     "rank_grid",
 ]

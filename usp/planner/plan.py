@@ -1,11 +1,17 @@
 """Choose ``(dp, ring, ulysses)``: enumerate every layout of the world, drop the infeasible
-ones with the rule that refused them, rank the rest by predicted step time.
+ones with the rule that refused them, rank the rest by predicted step time per sequence
+(layouts with more dp ranks run more sequences per step).
+
+Every layout runs ``batch_per_dp_rank`` sequences per dp rank (a global batch of
+``batch_per_dp_rank x dp``, as the trainer does), or with ``global_batch`` fixed, that many
+split over dp. Memory is ``memory.memory_split`` (state, activations, attention, MLP and
+logits terms under the model's ``loss_chunk``/``mlp_tiles`` and the checkpoint policy).
 
 Rules, in order (each a ``ValueError`` text kept in ``Plan.dropped``):
-degrees multiply to the world (``check_degrees``); the global batch splits over dp; query
+degrees multiply to the world (``check_degrees``); a fixed global batch splits over dp; query
 and KV heads split over ulysses (``check_heads``: every rank needs a query head; uneven
 splits and KV replication are allowed and noted); the sequence splits over ``2 x ring x ulysses`` for zigzag
-(``check_seq_len``); the predicted memory fits. A ulysses group that spans nodes stays
+(``check_seq_len``); the predicted peak memory fits (the refusal names the largest term). A ulysses group that spans nodes stays
 feasible but is noted, and pays for its all-to-all on the inter-node link in the model.
 """
 
@@ -18,6 +24,7 @@ from ..validate import check_degrees, check_heads, check_placement, check_seq_le
 from .cluster import GiB, ClusterSpec, group_span
 from ..ulysses import check_a2a_chunks
 from .cost import StepCost, best_a2a_chunks, estimate
+from .memory import CheckpointPolicy, MemorySplit, max_seq_len, memory_split, size
 
 
 @dataclass
@@ -29,10 +36,22 @@ class Candidate:
     ulysses: int
     cost: StepCost
     notes: list[str] = field(default_factory=list)
+    memory: MemorySplit | None = None  # per rank, the busiest ulysses rank
+    batch: int = 1  # sequences per dp rank
 
     @property
     def degrees(self) -> tuple[int, int, int]:
         return self.dp, self.ring, self.ulysses
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per step over all dp ranks."""
+        return self.batch * self.dp
+
+    @property
+    def seq_s(self) -> float:
+        """Step time per sequence of the global batch: what ``plan`` ranks by."""
+        return self.cost.step_s / self.global_batch
 
     def label(self) -> str:
         return f"ulysses {self.ulysses} x ring {self.ring} x dp {self.dp}"
@@ -83,12 +102,31 @@ class Plan:
     model: ModelConfig
     candidates: list[Candidate]
     dropped: list[Dropped]
-    global_batch: int = 1
+    batch_per_dp_rank: int | None = 1  # None: ``fixed_global_batch`` split over dp
     balance: str = "zigzag"
+    fixed_global_batch: int | None = None
+    budget: float = 0.0  # bytes per rank a layout may use
+    memory_kw: dict = field(default_factory=dict)  # memory_split's keywords for this plan
 
     @property
     def best(self) -> Candidate:
         return self.candidates[0]
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per step of the best layout."""
+        return self.best.global_batch
+
+    def memory_text(self, c: Candidate | None = None) -> str:
+        """The memory split of layout ``c`` (default the best) against the budget, and the
+        longest sequence whose peak fits that budget with the same layout and features."""
+        c = c or self.best
+        longest = max_seq_len(self.model, self.budget, c.dp, c.ring, c.ulysses,
+                              balance=self.balance, batch=c.batch, **self.memory_kw)
+        return (f"memory per rank ({c.label()}), peak at {c.memory.peak_at}:\n"
+                f"  {c.memory.line(self.budget)}\n"
+                f"longest seq_len that fits this layout: {longest} "
+                f"(x{longest / self.seq_len:.2f} of {self.seq_len})")
 
     def find(self, dp: int, ring: int, ulysses: int) -> Candidate | None:
         return next((c for c in self.candidates if c.degrees == (dp, ring, ulysses)), None)
@@ -145,17 +183,17 @@ class Plan:
         c0 = self.cluster
         head = (
             f"plan: world {self.world} ({c0.nodes} x {c0.ranks_per_node} on {c0.name}), "
-            f"seq_len {self.seq_len}, global batch {self.global_batch}, {self.balance}"
+            f"seq_len {self.seq_len}, {self._batch_text()}, {self.balance}"
         )
         rows = [head, f"{'#':>2} {'dp':>3} {'ring':>4} {'ulysses':>7} {'step_s':>9} "
                 f"{'vs best':>8} {'comm':>6} {'mem/rank':>9}  notes"]
-        t0 = self.best.cost.step_s
+        t0 = self.best.seq_s
         for i, c in enumerate(self.candidates, 1):
             k = c.cost
             rows.append(
                 f"{i:>2} {c.dp:>3} {c.ring:>4} {c.ulysses:>7} {k.step_s:>9.3f} "
-                f"{k.step_s / t0 - 1:>+8.1%} {k.comm_share:>6.1%} "
-                f"{_size(k.mem_bytes):>9}  {'; '.join(c.notes)}"
+                f"{c.seq_s / t0 - 1:>+8.1%} {k.comm_share:>6.1%} "
+                f"{size(c.memory.total):>9}  {'; '.join(c.notes)}"
             )
         if show_dropped and len(self.dropped) > max_dropped:
             rows.append(f"dropped: {len(self.dropped)} layouts, by rule")
@@ -167,8 +205,20 @@ class Plan:
         return "\n".join(rows)
 
 
-def _size(nbytes: float) -> str:
-    return f"{nbytes / GiB:.1f} GiB" if nbytes >= GiB else f"{nbytes / 2**20:.1f} MiB"
+    def _batch_text(self) -> str:
+        if self.batch_per_dp_rank is None:
+            return f"global batch {self.fixed_global_batch}"
+        return f"batch {self.batch_per_dp_rank} per dp rank"
+
+
+FIXES = {  # what lowers each memory term, for the memory rule's message
+    "state": "more ranks (FSDP shards the state over all of them)",
+    "activations": "trainer.activation_checkpointing=true with checkpoint_every=1 "
+                   "(or activation_offload on CUDA)",
+    "attention": "a larger ring degree (shorter segments)",
+    "mlp": "model.mlp_tiles > 1",
+    "logits": "model.loss_chunk (e.g. 8192)",
+}
 
 
 def _divisors(n: int) -> list[int]:
@@ -186,25 +236,38 @@ def plan(
     ulysses: int | None = None,
     ring: int | None = None,
     dp: int | None = None,
-    global_batch: int = 1,
+    batch_per_dp_rank: int = 1,
+    global_batch: int | None = None,
     dtype_bytes: int = 2,
     causal: bool = True,
     fsdp: bool = True,
     placement: str = "ulysses_inner",
     act_checkpoint: bool = True,
+    checkpoint: CheckpointPolicy | None = None,
+    kernel: str = "torch",
+    device: str = "cuda",
     mem_fraction: float = 0.9,
     a2a_chunks: int | str = 1,
 ) -> Plan:
-    """Rank every ``dp x ring x ulysses = world`` layout for ``global_batch`` sequences of
-    ``seq_len`` tokens on ``cluster`` (``nodes`` of it, or ``world`` ranks; default the
-    whole cluster). Fix any degree by passing it; the others are searched.
+    """Rank every ``dp x ring x ulysses = world`` layout for sequences of ``seq_len`` tokens
+    on ``cluster`` (``nodes`` of it, or ``world`` ranks; default the whole cluster). Fix any
+    degree by passing it; the others are searched.
 
-    A layout fits when its predicted memory is at most ``mem_fraction`` of ``mem_bytes``.
+    Batch: ``batch_per_dp_rank`` sequences on every dp rank (the trainer's
+    ``data.batch_per_dp_rank``), or ``global_batch`` sequences split over dp (dp that do
+    not divide it are dropped). ``checkpoint``: the activation checkpoint policy (default
+    ``act_checkpoint`` on every block); ``kernel``/``device``: the attention kernel whose
+    work buffers the memory counts (``memory.attention_buffers``). A layout fits when its
+    peak memory (``memory.memory_split``) is at most ``mem_fraction`` of ``mem_bytes``.
     ``a2a_chunks``: pipeline stages of the ulysses all-to-alls for every layout, or
     ``"auto"``: each layout's ``best_a2a_chunks`` (its ``cost.a2a_chunks`` says which).
     Raises ``ValueError`` listing every reason when no layout is feasible.
     """
     check_placement(placement)
+    if batch_per_dp_rank < 1 or (global_batch is not None and global_batch < 1):
+        raise ValueError(f"batch_per_dp_rank={batch_per_dp_rank} and global_batch="
+                         f"{global_batch} must be >= 1 (global_batch may be None)")
+    policy = checkpoint or CheckpointPolicy(enabled=act_checkpoint)
     K = cluster.ranks_per_node
     if world is None:
         world = (nodes or cluster.nodes) * K
@@ -214,6 +277,8 @@ def plan(
         raise ValueError(f"world {world} is not a whole number of {K}-GPU nodes")
     cluster = cluster.replace(nodes=max(1, world // K))
     budget = mem_fraction * cluster.mem_bytes
+    mem_kw = dict(dtype_bytes=dtype_bytes, fsdp=fsdp, policy=policy, kernel=kernel,
+                  device=device)
 
     fixed = {k: v for k, v in (("dp", dp), ("ring", ring), ("ulysses", ulysses)) if v is not None}
     for k, v in fixed.items():
@@ -239,52 +304,59 @@ def plan(
             try:
                 check_degrees(world, u, r, d)
                 rule = "batch"
-                if global_batch % d:
+                if global_batch is not None and global_batch % d:
                     raise ValueError(
                         f"global batch {global_batch} sequences does not split over dp {d}; "
                         f"use a batch that is a multiple of {d} or a larger sequence-parallel group"
                     )
+                batch = batch_per_dp_rank if global_batch is None else global_batch // d
                 rule = "heads"
                 check_heads(model.n_heads, model.n_kv_heads, u)
                 rule = "seq_len"
                 check_seq_len(seq_len, u, r, balance)
-                rule = "memory"
                 rule = "a2a_chunks"
                 chunks = 1 if u == 1 else a2a_chunks
                 if chunks == "auto":
                     chunks = best_a2a_chunks(
                         cluster, seq_len, model.n_heads, model.n_kv_heads, model.head_dim, u,
                         r, dp=d, dtype_bytes=dtype_bytes, causal=causal, balance=balance,
-                        placement=placement, n_fwd=2 if act_checkpoint else 1)
+                        placement=placement, n_fwd=2 if policy.enabled else 1)
                 check_a2a_chunks(chunks, model.n_heads, model.n_kv_heads, u)
                 rule = "memory"
                 cost = estimate(
-                    model, cluster, seq_len, d, r, u, global_batch=global_batch,
+                    model, cluster, seq_len, d, r, u, global_batch=batch * d,
                     dtype_bytes=dtype_bytes, causal=causal, fsdp=fsdp, balance=balance,
-                    placement=placement, act_checkpoint=act_checkpoint, a2a_chunks=chunks,
+                    placement=placement, act_checkpoint=policy.enabled, a2a_chunks=chunks,
                 )
-                if cost.mem_bytes > budget:
-                    fixes = [f"smaller dp than {d}"] if d > 1 else []
-                    fixes += [] if fsdp else ["fsdp=True"]
-                    fixes += [] if act_checkpoint else ["act_checkpoint=True"]
-                    fixes += ["more nodes", "a shorter sequence"]
-                    raise ValueError(
-                        f"needs {cost.mem_bytes / GiB:.1f} GiB per rank "
-                        f"(state {cost.mem_state_bytes / GiB:.1f}, activations "
-                        f"{cost.mem_act_bytes / GiB:.1f}) > {budget / GiB:.1f} GiB "
-                        f"({mem_fraction:.0%} of {cluster.mem_bytes / GiB:.0f} GiB); "
-                        f"try {', '.join(fixes)}"
-                    )
+                mem = memory_split(model, seq_len, d, r, u, batch=batch, **mem_kw)
+                _check_memory(mem, budget, mem_fraction, cluster, d)
             except ValueError as e:
                 dropped.append(Dropped(d, r, u, str(e), rule))
                 continue
-            candidates.append(Candidate(d, r, u, cost, _notes(model, cluster, cost, placement)))
+            candidates.append(Candidate(d, r, u, cost, _notes(model, cluster, cost, placement),
+                                        mem, batch))
     if not candidates:
         why = "; ".join(f"{rule} refused {len(ds)} (e.g. {ds[0].line()})"
                         for rule, ds in group_dropped(dropped).items())
         raise ValueError(f"no feasible layout for world {world}, seq_len {seq_len}: {why}")
-    candidates.sort(key=lambda c: (c.cost.step_s, -c.ulysses))
-    return Plan(world, seq_len, cluster, model, candidates, dropped, global_batch, balance)
+    candidates.sort(key=lambda c: (c.seq_s, -c.ulysses))  # time per sequence
+    per_rank = batch_per_dp_rank if global_batch is None else None
+    return Plan(world, seq_len, cluster, model, candidates, dropped, per_rank, balance,
+                global_batch, budget, mem_kw)
+
+
+def _check_memory(mem: MemorySplit, budget: float, mem_fraction: float, cluster: ClusterSpec,
+                  dp: int) -> None:
+    """Refuse a layout whose peak exceeds ``budget``, naming the largest term and its fix."""
+    if mem.total <= budget:
+        return
+    big = mem.dominant
+    fixes = [FIXES[big]] + ([f"smaller dp than {dp}"] if dp > 1 else [])
+    raise ValueError(
+        f"needs {size(mem.total)} per rank at its peak ({mem.peak_at}) > {size(budget)} "
+        f"({mem_fraction:.0%} of {cluster.mem_bytes / GiB:.0f} GiB); largest term {big} "
+        f"{size(getattr(mem, big))}; try {', or '.join(fixes)}, more nodes "
+        f"or a shorter sequence")
 
 
 def _notes(model: ModelConfig, cluster: ClusterSpec, cost: StepCost, placement: str) -> list[str]:

@@ -1,0 +1,270 @@
+"""Per-rank memory of one training step: what ``usp.train`` holds on the busiest ulysses
+rank, term by term, from the tensors the code allocates.
+
+The run: the built-in ``usp.model.Transformer``, FSDP2 over all ``W = dp x ring x ulysses``
+ranks, AdamW, ``B`` sequences per dp rank in one forward. Per rank: ``T = L/P`` tokens,
+``S = L/r`` tokens of a ring segment, ``h``/``kv`` the query/KV heads the busiest ulysses
+rank attends with (``head_split``), ``d`` head_dim, ``D`` dim, ``F`` ffn_dim, ``V`` vocab,
+``a`` bytes of the compute dtype (``trainer.dtype``), ``N`` parameters. Bytes below are for
+one sequence unless they say ``B``; layers are counted one by one.
+
+Terms of ``MemorySplit`` (each is its own largest size over the step):
+
+- ``state``: parameters, gradients and AdamW m, v, sharded in fp32 (``16 N / W``; the
+  gradients exist from backward to the optimizer step). Gathered in the compute dtype: the
+  root module (embedding, final norm, LM head) from forward to the end of backward (FSDP2
+  keeps the root unsharded after forward) and two blocks (the current one and the
+  prefetched one); in backward also one block's unsharded gradients (``a``, plus the fp32
+  copy reduce-scatter sends when ``a < 4``) and the root's. Without ``fsdp``: ``16 N``.
+- ``activations``: what autograd holds at the end of forward. Per token of a layer: two
+  RMSNorms (fp32 input copy, fp32 normalised, output: ``(8 + a) D`` each), RoPE's fp32
+  q and k (``4 (Hq + Hkv) d``), the o-projection input (``a Hq d``), the MLP's gate, SiLU,
+  up and product (``4 a F``; none with ``mlp_tiles > 1``, whose tiles are recomputed); per
+  segment token the ring's q, k, v, out (``a``) and LSE (fp32) in head layout. A
+  checkpointed block keeps its input (``a D``) instead of the part it recomputes
+  (``block``: all; ``attention``: norm + qkv + attention + wo; ``mlp``: norm + MLP).
+  ``offload`` (CUDA) moves those inputs to host memory; two stay on the device (the block
+  in backward and the one prefetched or in flight). Plus RoPE tables and the final norm.
+- ``attention``: the attention call's work buffers beyond what it saves, the larger of
+  forward and backward (``attention_buffers``).
+- ``mlp``: MLP intermediates beyond what it saves: forward of a tile (``4 a F`` per tile
+  token), backward (two more ``a F`` gradients beside the four saved, or the tile's six).
+- ``logits``: LM head + loss. Whole (``loss_chunk=0``, ``usp.tiling.lm_loss``): in
+  backward the fp32 log-probabilities, their gradient and the logits' gradient
+  (``12 B T V``; forward holds at most ``(a + 8) B T V``). Chunked
+  (``usp.tiling.chunked_lm_loss``): one chunk's fp32 logits and softmax (``8 c V``), the
+  fp32 dW accumulator and one chunk's dW (``V D (4 + a)``, ``+ 4`` when ``a < 4``), and dh
+  (``a B T D``).
+- ``total``: the peak, the largest sum at one moment (so ``total <= `` the sum of terms):
+  the last layer's attention and MLP forward, the loss, and each layer's MLP and attention
+  backward (recomputed when checkpointed); ``peak_at`` names it.
+
+Not counted: per-thread kernel tiles (the CPU flash kernel and flash-attn hold
+``O(threads x tile^2)``), the data batch, allocator fragmentation, a2a_chunks stages
+(the unpipelined call is counted, an upper bound on their buffers), masks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from ..config import ModelConfig
+from ..validate import check_heads, head_split, seq_multiple
+
+FP32 = 4
+ADAM_STATE = 16  # bytes/param sharded: fp32 parameter, fp32 gradient, Adam m and v
+PARTS = ("block", "attention", "mlp")
+KERNELS = ("torch", "flash_attn", "reference")
+TERMS = ("state", "activations", "attention", "mlp", "logits")
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """Activation checkpointing as ``trainer`` sets it: blocks 0, k, 2k, ... (``every``)
+    recompute ``part`` in backward; ``offload`` parks their inputs in host memory."""
+
+    enabled: bool = False
+    every: int = 1
+    part: str = "block"
+    offload: bool = False
+
+    def __post_init__(self) -> None:
+        if self.every < 1 or self.part not in PARTS or (self.offload and not self.enabled):
+            raise ValueError(f"CheckpointPolicy(enabled={self.enabled}, every={self.every}, "
+                             f"part={self.part!r}, offload={self.offload}) needs every >= 1, "
+                             f"part in {PARTS}, and offload only with enabled=True")
+
+    @classmethod
+    def from_trainer(cls, trainer) -> "CheckpointPolicy":
+        """The policy of a ``TrainerConfig``."""
+        return cls(trainer.activation_checkpointing, trainer.checkpoint_every,
+                   trainer.checkpoint_part, trainer.activation_offload)
+
+    def checkpointed(self, layer: int) -> bool:
+        return self.enabled and layer % self.every == 0
+
+
+@dataclass(frozen=True)
+class MemorySplit:
+    """Bytes per rank (the busiest ulysses rank) for one step; see the module docstring."""
+
+    state: float
+    activations: float
+    attention: float
+    mlp: float
+    logits: float
+    total: float
+    peak_at: str  # the moment of the peak, e.g. "backward of layer 31's attention"
+
+    @property
+    def dominant(self) -> str:
+        """The largest term's name."""
+        return max(TERMS, key=lambda t: getattr(self, t))
+
+    def terms(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "peak_at"}
+
+    def line(self, budget: float | None = None) -> str:
+        """``state 9.7 GiB | ... | total 28.2 GiB`` (``of <budget>`` when given)."""
+        text = " | ".join(f"{k} {size(v)}" for k, v in self.terms().items())
+        return text + ("" if budget is None else f" of {size(budget)}")
+
+
+def size(nbytes: float) -> str:
+    """Bytes as ``1.5 GiB`` or ``12.0 MiB``."""
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def attention_buffers(seq_len: int, ring: int, ulysses: int, hq: int, hkv: int, d: int,
+                      dtype_bytes: int, kernel: str = "torch",
+                      device: str = "cuda") -> tuple[float, float]:
+    """(forward, backward) work bytes of one attention call for one sequence on the busiest
+    ulysses rank, beyond the q, k, v, out, LSE it saves.
+
+    Forward: the K/V block computed on and the one in flight (ring > 1); the fp32 output
+    and LSE accumulators; one block's output with its fp32 copy and merge product (ring 1:
+    the kernel output, its fp32 copy and the cast back); with ulysses, the caller's q, k, v
+    in token layout. Backward: dout, fp32 dq, the own fp32 dK/dV, the kernel's grads for a
+    block; ring > 1: the own, current and next K/V blocks and three fp32 dK/dV accumulators
+    (being filled, sent, received). Kernel workspace: ``torch`` on CUDA in fp32 (the
+    efficient kernel) expands K/V to the query heads (and dK/dV back); ``reference``
+    holds fp32 [S, S] score matrices per head (3 forward, 5 backward); the CPU flash op and
+    flash-attn work in tiles (not counted).
+    """
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    a, r, u = dtype_bytes, ring, ulysses
+    kv = check_heads(hq, hkv, u)
+    h = max(head_split(hq, hkv, u).q_counts)
+    S, T = seq_len / r, seq_len / (r * u)
+    kv_block = 2 * S * kv * d * a  # one stacked K/V block [2, S, kv, d]
+    low = FP32 if a < FP32 else 0  # an fp32 copy that is a new tensor only below fp32
+    if r > 1:
+        fwd = 2 * kv_block + S * h * (d + 1) * FP32 + S * h * d * (a + FP32 + low) + S * h * FP32
+    else:
+        fwd = S * h * d * (FP32 + (2 * a if low else 0)) + S * h * FP32
+    if u > 1:
+        fwd += T * (hq + 2 * hkv) * d * a
+    grads = S * (h + 2 * kv) * d * a
+    bwd = S * h * d * (a + FP32) + 2 * S * kv * d * FP32 + grads + kv_block
+    if r > 1:
+        bwd += 2 * kv_block + 3 * 2 * S * kv * d * FP32
+    if kernel == "torch" and device == "cuda" and a == FP32 and kv < h:
+        fwd += 2 * S * h * d * a
+        bwd += 4 * S * h * d * a
+    elif kernel == "reference":
+        fwd += 3 * S * S * h * FP32
+        bwd += 5 * S * S * h * FP32
+    return fwd, bwd
+
+
+def memory_split(model: ModelConfig, seq_len: int, dp: int, ring: int, ulysses: int, *,
+                 batch: int = 1, dtype_bytes: int = 2, fsdp: bool = True,
+                 policy: CheckpointPolicy = CheckpointPolicy(), kernel: str = "torch",
+                 device: str = "cuda") -> MemorySplit:
+    """Memory of one step of ``batch`` sequences of ``seq_len`` tokens per dp rank on the
+    busiest rank of ``dp x ring x ulysses``, in the module docstring's model. ``model``
+    supplies ``loss_chunk`` and ``mlp_tiles``; ``policy`` the activation checkpointing.
+    Raises ``ValueError`` when the heads cannot split over ``ulysses``."""
+    if min(dp, ring, ulysses, batch, seq_len) < 1:
+        raise ValueError(f"memory_split needs positive dp, ring, ulysses, batch and seq_len; "
+                         f"got dp={dp}, ring={ring}, ulysses={ulysses}, batch={batch}, "
+                         f"seq_len={seq_len}")
+    m, a, B = model, dtype_bytes, batch
+    D, F, V, d, hq, hkv = m.dim, m.ffn_dim, m.vocab_size, m.head_dim, m.n_heads, m.n_kv_heads
+    u, r, world = ulysses, ring, dp * ring * ulysses
+    kv, h = check_heads(hq, hkv, u), max(head_split(hq, hkv, u).q_counts)
+    T, S = seq_len / (r * u), seq_len / r
+    low = FP32 if a < FP32 else 0
+
+    # ---- state ---------------------------------------------------------------------------
+    n = m.num_params()
+    block = m.layer_matmul_params() + 2 * D
+    root = n - m.n_layers * block  # embedding (+ LM head), final norm
+    if fsdp:
+        sharded = ADAM_STATE * n / world
+        gathered = (root + 2 * block) * a
+        state_f = sharded - 4 * n / world + gathered  # no gradients before backward
+        state_b = sharded + gathered + block * (a + low) + root * a
+    else:
+        state_f, state_b = ADAM_STATE * n - 4 * n, ADAM_STATE * n
+
+    # ---- activations per layer (bytes per sequence) --------------------------------------
+    norm = (8 + a) * D * T
+    inp = a * D * T  # a block's input, what a checkpoint keeps
+    attn_part = (norm + 4 * (hq + hkv) * d * T + a * hq * d * T
+                 + S * (2 * h * d * a + 2 * kv * d * a + h * FP32))
+    tiles = m.mlp_tiles
+    mlp_saved = 4 * a * F * T if tiles == 1 else 0.0
+    mlp_part = norm + mlp_saved
+    keep_inp = 0.0 if policy.offload else inp  # an offloaded input leaves the device
+
+    def resident(i: int) -> float:
+        if not policy.checkpointed(i):
+            return attn_part + mlp_part
+        return keep_inp + {"block": 0.0, "attention": mlp_part, "mlp": attn_part}[policy.part]
+
+    nl = m.n_layers
+    res = [B * resident(i) for i in range(nl)]
+    n_ckpt = sum(policy.checkpointed(i) for i in range(nl))
+    on_device = B * min(2, n_ckpt) * inp if policy.offload else 0.0  # in use + in flight
+    common = B * (T * d * FP32 + norm) + on_device  # RoPE cos/sin, final norm
+    activations = sum(res) + common
+
+    # ---- transient terms -----------------------------------------------------------------
+    af, ab = attention_buffers(seq_len, r, u, hq, hkv, d, a, kernel, device)
+    attention = B * max(af, ab)
+    tile_tok = T if tiles == 1 else math.ceil(T / tiles)
+    mlp_f = 4 * a * F * tile_tok  # a tile's intermediates in forward (untiled: the saved ones)
+    mlp_b = (2 if tiles == 1 else 6) * a * F * tile_tok
+    mlp = B * (mlp_b if tiles == 1 else max(mlp_f, mlp_b))
+    if m.loss_chunk:
+        c = min(m.loss_chunk, B * T)
+        logits = 8 * c * V + V * D * (FP32 + a + low) + a * B * T * D
+    else:
+        logits = 12 * B * T * V
+
+    # ---- the peak: every moment of the step ------------------------------------------------
+    moments: dict[str, float] = {}
+    before_last = sum(res[:-1]) + common
+    last_ckpt = policy.checkpointed(nl - 1)
+    last_attn = B * (inp if last_ckpt and policy.part in ("block", "attention") else attn_part)
+    moments[f"forward of layer {nl - 1}'s attention"] = (
+        state_f + before_last + B * (inp + norm + 4 * (hq + hkv) * d * T) + B * af)
+    moments[f"forward of layer {nl - 1}'s MLP"] = (
+        state_f + before_last + last_attn + B * (norm + mlp_f))
+    moments["loss"] = state_f + activations + logits
+    total_res = sum(res)
+    for i in range(nl):
+        ck = policy.checkpointed(i)
+        held = state_b + total_res - res[i] + common + (B * inp if ck else 0.0)
+        whole = ck and policy.part == "block"  # the block recomputes all at its first unpack
+        attn_now = attn_part if whole or not ck or policy.part != "attention" else 0.0
+        moments[f"backward of layer {i}'s MLP"] = held + B * (attn_now + mlp_part + mlp_b)
+        moments[f"backward of layer {i}'s attention"] = held + B * attn_part + B * ab
+    peak_at = max(moments, key=moments.get)
+    state = max(state_f, state_b)
+    return MemorySplit(state=state, activations=activations, attention=attention, mlp=mlp,
+                       logits=logits, total=moments[peak_at], peak_at=peak_at)
+
+
+def max_seq_len(model: ModelConfig, budget: float, dp: int, ring: int, ulysses: int, *,
+                balance: str = "zigzag", **kw) -> int:
+    """The largest sequence length, a multiple of what ``check_seq_len`` needs for the
+    layout, whose ``memory_split(...).total`` is at most ``budget`` bytes; 0 when not even
+    the shortest fits. ``kw`` goes to ``memory_split`` (batch, dtype_bytes, policy, ...)."""
+    step = seq_multiple(ulysses, ring, balance)
+
+    def fits(k: int) -> bool:
+        return memory_split(model, k * step, dp, ring, ulysses, **kw).total <= budget
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi):  # the total grows with the length: double, then bisect
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * step
