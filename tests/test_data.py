@@ -116,6 +116,9 @@ def test_recall_chance_and_answer_accuracy():
     assert abs(correct.item() / answers.item() - task.chance_accuracy) < 0.05
     oracle = torch.nn.functional.one_hot(labels.clamp(min=0), 256).float()
     assert answer_accuracy(oracle, labels)[0].item() == 512
+    # predictions [B, n] (the chunked loss path) count the same as the logits they come from
+    assert torch.equal(answer_accuracy(logits.argmax(-1), labels)[0], correct)
+    assert answer_accuracy(labels.clamp(min=0), labels)[0].item() == 512
 
 
 def test_recall_refuses_bad_sizes_with_numbers():

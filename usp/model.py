@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .config import ModelConfig
+from .offload import ActivationOffload
+from .tiling import chunked_lm_loss, lm_loss, tiled
 
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -106,54 +108,107 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: x [B, n, D] -> w2(silu(w1 x) * w3 x) [B, n, D]."""
+    """SwiGLU: x [B, n, D] -> w2(silu(w1 x) * w3 x) [B, n, D]; over ``tiles`` sequence tiles
+    recomputed in backward when ``tiles > 1`` (``usp.tiling.tiled``: one tile's [B, n/tiles,
+    F] intermediates at a time)."""
 
-    def __init__(self, dim: int, ffn_dim: int):
+    def __init__(self, dim: int, ffn_dim: int, tiles: int = 1):
         super().__init__()
         self.w1 = nn.Linear(dim, ffn_dim, bias=False)  # gate
         self.w3 = nn.Linear(dim, ffn_dim, bias=False)  # up
         self.w2 = nn.Linear(ffn_dim, dim, bias=False)  # down
+        self.tiles = tiles
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return tiled(self._swiglu, x, self.tiles)
+
+    def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+RECOMPUTE_PARTS = ("block", "attention", "mlp")
+
+
 class Block(nn.Module):
-    """Pre-norm decoder block: h + attn(norm(h)), then + ffn(norm(.)); [B, n, D] -> [B, n, D]."""
+    """Pre-norm decoder block: h + attn(norm(h)), then + ffn(norm(.)); [B, n, D] -> [B, n, D].
+
+    ``recompute`` (set by ``Transformer``): None, or the part whose activations backward
+    recomputes (``block``; ``attention``: norm + qkv + attention + wo; ``mlp``: norm + w1/w3/w2).
+    ``offload``: an ``ActivationOffload`` that parks the recomputed part's input on the host.
+    """
 
     def __init__(self, cfg: ModelConfig, attn_fn: AttnFn, window: int | None = None):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg, attn_fn, window)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim, cfg.mlp_tiles)
+        self.recompute: str | None = None
+        self.offload: ActivationOffload | None = None
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-        h = h + self.attention(self.attention_norm(h), cos, sin, segment_ids)
-        return h + self.feed_forward(self.ffn_norm(h))
+        part = self.recompute if torch.is_grad_enabled() else None
+        if part == "block":
+            return self._checkpoint(self._block, h, cos, sin, segment_ids)
+        if part == "attention":
+            h = h + self._checkpoint(self._attention, h, cos, sin, segment_ids)
+        else:
+            h = h + self._attention(h, cos, sin, segment_ids)
+        if part == "mlp":
+            return h + self._checkpoint(self._mlp, h)
+        return h + self._mlp(h)
+
+    def _checkpoint(self, fn, x: torch.Tensor, *args) -> torch.Tensor:
+        if self.offload is not None:
+            return self.offload.checkpoint(fn, x, *args)
+        return checkpoint(fn, x, *args, use_reentrant=False)
+
+    def _block(self, h, cos, sin, segment_ids):
+        h = h + self._attention(h, cos, sin, segment_ids)
+        return h + self._mlp(h)
+
+    def _attention(self, h, cos, sin, segment_ids):
+        return self.attention(self.attention_norm(h), cos, sin, segment_ids)
+
+    def _mlp(self, h):
+        return self.feed_forward(self.ffn_norm(h))
 
 
 class Transformer(nn.Module):
     """Decoder-only LM: ``forward(tokens [B, n], positions [n] | [B, n], segment_ids [B, n]
-    | None) -> logits [B, n, V]``.
+    | None) -> logits [B, n, V]``, or with ``labels`` [B, n] -> (loss_sum, predictions).
 
     ``self.layers`` is an ``nn.ModuleList`` of ``Block`` so a trainer can wrap each block
-    (FSDP2 ``fully_shard``); with ``checkpoint_activations`` every block's activations are
-    recomputed in backward (``torch.utils.checkpoint``, non-reentrant). The weights are
-    initialised by ``init_weights(0)`` at construction; call ``init_weights(seed)`` again
-    (before sharding) for another seed.
+    (FSDP2 ``fully_shard``). With ``checkpoint_activations`` blocks 0, k, 2k, ... (k =
+    ``checkpoint_every``) recompute ``checkpoint_part`` (``block``, ``attention`` or
+    ``mlp``) in backward (``torch.utils.checkpoint``, non-reentrant); ``offload`` (an
+    ``usp.offload.ActivationOffload``) parks what those checkpoints keep on the host.
+    ``cfg.mlp_tiles`` tiles every MLP over the sequence, ``cfg.loss_chunk`` the LM head and
+    loss (``usp.tiling``). The weights are initialised by ``init_weights(0)`` at
+    construction; call ``init_weights(seed)`` again (before sharding) for another seed.
     """
 
-    def __init__(
-        self, cfg: ModelConfig, attn_fn: AttnFn, checkpoint_activations: bool = False
-    ):
+    def __init__(self, cfg: ModelConfig, attn_fn: AttnFn, checkpoint_activations: bool = False,
+                 checkpoint_every: int = 1, checkpoint_part: str = "block",
+                 offload: ActivationOffload | None = None):
         super().__init__()
+        if checkpoint_every < 1 or checkpoint_part not in RECOMPUTE_PARTS:
+            raise ValueError(f"checkpoint_every={checkpoint_every} checkpoint_part="
+                             f"{checkpoint_part!r}: use checkpoint_every >= 1 and a part in "
+                             f"{RECOMPUTE_PARTS}")
+        if offload is not None and not checkpoint_activations:
+            raise ValueError("offload parks the inputs activation checkpoints keep; pass "
+                             "checkpoint_activations=True with it")
         self.cfg = cfg
         self.checkpoint_activations = checkpoint_activations
+        self.offload = offload
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg, attn_fn, cfg.layer_window(i))
                                     for i in range(cfg.n_layers))
+        for i, block in enumerate(self.layers):
+            if checkpoint_activations and i % checkpoint_every == 0:
+                block.recompute, block.offload = checkpoint_part, offload
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.init_weights(0)
@@ -178,12 +233,16 @@ class Transformer(nn.Module):
             p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
-                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+                segment_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None):
         """tokens [B, n] long; positions [n] or [B, n] long (the RoPE positions of these
         tokens); segment_ids [B, n] long or None (packed documents: a token attends only
-        within its document) -> logits [B, n, V].
+        within its document) -> logits [B, n, V] in the parameter dtype.
 
-        Logits come in the parameter dtype; call ``.float()`` before the loss in low precision.
+        With labels [B, n] long (-100: not counted) -> (loss_sum, predictions): the summed
+        cross-entropy in fp32 (0-dim) and each token's argmax [B, n] long. With
+        ``cfg.loss_chunk`` the logits are made ``loss_chunk`` tokens at a time and never
+        whole (``usp.tiling.chunked_lm_loss``); the head weight is used here, inside the
+        root module, so a root FSDP wrap has it gathered.
         """
         b, n = tokens.shape if tokens.dim() == 2 else (None, None)
         if n is None or positions.shape not in ((n,), (b, n)):
@@ -191,20 +250,22 @@ class Transformer(nn.Module):
                 f"expected tokens [B, n] and positions [n] or [B, n], got tokens "
                 f"{tuple(tokens.shape)} and positions {tuple(positions.shape)}"
             )
-        if segment_ids is not None and segment_ids.shape != tokens.shape:
-            raise ValueError(f"segment_ids {tuple(segment_ids.shape)} must match tokens "
-                             f"{tuple(tokens.shape)}: one document id per token")
+        for name, t in (("segment_ids", segment_ids), ("labels", labels)):
+            if t is not None and t.shape != tokens.shape:
+                raise ValueError(f"{name} {tuple(t.shape)} must match tokens "
+                                 f"{tuple(tokens.shape)}: one per token")
+        if self.offload is not None and torch.is_grad_enabled():
+            self.offload.begin()
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)  # [*, n, hd/2]
         h = self.tok_embeddings(tokens)  # [B, n] -> [B, n, D]
         for layer in self.layers:
-            if self.checkpoint_activations and torch.is_grad_enabled():
-                h = checkpoint(layer, h, cos, sin, segment_ids, use_reentrant=False)
-            else:
-                h = layer(h, cos, sin, segment_ids)
+            h = layer(h, cos, sin, segment_ids)
         h = self.norm(h)
-        if self.output is None:
-            return F.linear(h, self.tok_embeddings.weight)  # [B, n, D] -> [B, n, V]
-        return self.output(h)  # [B, n, D] -> [B, n, V]
+        head = self.tok_embeddings.weight if self.output is None else self.output.weight  # [V, D]
+        if labels is not None and self.cfg.loss_chunk > 0:
+            return chunked_lm_loss(h, head, labels, self.cfg.loss_chunk)
+        logits = F.linear(h, head)  # [B, n, D] -> [B, n, V]
+        return logits if labels is None else lm_loss(logits, labels)
 
     def num_params(self) -> int:
         """Parameters actually held (tied embeddings counted once)."""

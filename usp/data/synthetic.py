@@ -232,14 +232,15 @@ class RecallTask:
 
 
 def answer_accuracy(
-    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX
+    scores: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, n, V], labels [B, n] -> (correct, answers): 0-dim long tensors on logits' device.
+    """scores: logits [B, n, V] or each token's prediction [B, n] long; labels [B, n] ->
+    (correct, answers): 0-dim long tensors on scores' device.
 
-    Argmax over the full vocabulary at every labelled position; works on a rank's shard,
-    so the trainer all-reduces both counts and divides.
+    Logits are reduced by argmax over the full vocabulary; works on a rank's shard, so the
+    trainer all-reduces both counts and divides.
     """
     mask = labels != ignore_index  # [B, n]
-    pred = logits.argmax(dim=-1)  # [B, n, V] -> [B, n]
+    pred = scores.argmax(dim=-1) if scores.is_floating_point() else scores  # [B, n]
     correct = ((pred == labels) & mask).sum()
     return correct, mask.sum()

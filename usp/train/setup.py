@@ -38,19 +38,19 @@ def _degree(value, name: str):
 
 def plan_run(cfg, spec, world: int):
     """The planner's ranking (``usp.planner.Plan``) of the layouts of ``world`` ranks on
-    ``spec`` for this run: its model, sequence, balance, placement, fixed degrees and
-    ``trainer.dtype``, and its global batch, ``batch_per_dp_rank`` x ``parallel.dp_degree``.
-    With ``dp_degree`` unset the planner searches dp and splits ``batch_per_dp_rank``
-    sequences over it; set ``dp_degree`` to price exactly the batch a run trains."""
-    from ..planner import plan
+    ``spec`` for this run: its model, sequence, balance, placement, fixed degrees,
+    ``trainer.dtype``, checkpoint policy and kernel. Every dp the planner considers runs
+    ``batch_per_dp_rank`` sequences per dp rank, as the trainer does."""
+    from ..planner import CheckpointPolicy, plan
 
     pc = cfg.parallel
-    dp = _degree(pc.dp_degree, "dp_degree")
     return plan(cfg.model, spec, cfg.data.seq_len, world=world, balance=pc.balance,
                 ulysses=_degree(pc.ulysses_degree, "ulysses_degree"),
-                ring=_degree(pc.ring_degree, "ring_degree"), dp=dp,
-                global_batch=cfg.data.global_batch(dp or 1), placement=pc.placement,
-                dtype_bytes=cfg.trainer.compute_dtype.itemsize, a2a_chunks=pc.a2a_chunks)
+                ring=_degree(pc.ring_degree, "ring_degree"), dp=_degree(pc.dp_degree, "dp_degree"),
+                batch_per_dp_rank=cfg.data.batch_per_dp_rank, placement=pc.placement,
+                dtype_bytes=cfg.trainer.compute_dtype.itemsize, a2a_chunks=pc.a2a_chunks,
+                checkpoint=CheckpointPolicy.from_trainer(cfg.trainer), kernel=pc.kernel,
+                device="cpu" if cfg.trainer.device == "cpu" else "cuda")
 
 
 def resolve_degrees(cfg, world: int, env=None) -> tuple[int, int, str]:
@@ -104,13 +104,16 @@ class TrainingData:
                                      positions=positions)
         return b if self.rope == "per_document" else replace(b, doc_positions=None)
 
-    def answer_accuracy(self, logits, labels) -> tuple[int, int]:
-        """(correct answers, answers) on this rank's shard; (0, 0) for plain text."""
+    def answer_accuracy(self, predictions, labels) -> tuple[int, int]:
+        """(correct answers, answers) on this rank's shard; (0, 0) for plain text.
+
+        ``predictions``: each token's argmax [B, n] long (what the model's loss path
+        returns), or logits [B, n, V]."""
         if not self.has_answers:
             return 0, 0
         from ..data.synthetic import answer_accuracy
 
-        correct, answers = answer_accuracy(logits, labels)
+        correct, answers = answer_accuracy(predictions, labels)
         return int(correct), int(answers)
 
 
@@ -193,10 +196,16 @@ def check_run_masks(cfg) -> None:
 
 
 def check_hf_model(mc: ModelConfig) -> None:
-    """Refuse ``model.hf`` when transformers is missing, and a ``model.pretrained``
-    directory that is not a local model of ``mc``'s architecture and shape."""
+    """Refuse ``model.hf`` when transformers is missing, the built-in model's memory tiling
+    (``loss_chunk``, ``mlp_tiles``), and a ``model.pretrained`` directory that is not a
+    local model of ``mc``'s architecture and shape."""
     if mc.hf is None:
         return
+    if mc.loss_chunk or mc.mlp_tiles != 1:
+        raise ValueError(f"model.hf={mc.hf} computes its own LM head and MLP; model.loss_chunk="
+                         f"{mc.loss_chunk} and model.mlp_tiles={mc.mlp_tiles} apply to the "
+                         "built-in model only: set model.loss_chunk=0 model.mlp_tiles=1, or "
+                         "unset model.hf")
     if not _installed("transformers"):
         raise ValueError(f"model.hf={mc.hf} needs the transformers package, which this Python "
                          "cannot import; pip install 'usp[hf]', or unset model.hf")
@@ -204,6 +213,23 @@ def check_hf_model(mc: ModelConfig) -> None:
         from ..hf_export import check_pretrained
 
         check_pretrained(mc)
+
+
+def check_recompute(cfg, device_type: str) -> None:
+    """Refuse activation offload off CUDA, and selective checkpoints or offload for a
+    transformers model (it checkpoints every layer whole, with its own switch)."""
+    tc = cfg.trainer
+    if tc.activation_offload and device_type != "cuda":
+        raise ValueError(f"trainer.activation_offload=true copies activations to pinned host "
+                         f"memory on a CUDA side stream, but the ranks compute on "
+                         f"{device_type}; set trainer.activation_offload=false")
+    selective = tc.checkpoint_every != 1 or tc.checkpoint_part != "block"
+    if cfg.model.hf is not None and (selective or tc.activation_offload):
+        raise ValueError(f"model.hf={cfg.model.hf} checkpoints every whole layer; "
+                         f"trainer.checkpoint_every={tc.checkpoint_every} checkpoint_part="
+                         f"{tc.checkpoint_part} activation_offload={tc.activation_offload} "
+                         "apply to the built-in model only: set checkpoint_every=1 "
+                         "checkpoint_part=block activation_offload=false, or unset model.hf")
 
 
 def resolve_a2a_chunks(cfg, world: int, ulysses: int, ring: int) -> int:
@@ -263,6 +289,7 @@ def preflight(cfg, world: int, device_type: str | None = None) -> tuple[int, int
                          f"trainer.dtype={cfg.trainer.dtype} on {device_type}: {e}") from None
     check_run_masks(cfg)
     check_hf_model(cfg.model)
+    check_recompute(cfg, device_type)
     if pc.ring_impl == "ring_flash_attn" and not _installed("ring_flash_attn"):
         raise ValueError("parallel.ring_impl=ring_flash_attn needs the ring-flash-attn package, "
                          "which this Python cannot import; pip install ring-flash-attn==0.1.8 "

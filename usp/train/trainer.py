@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -23,6 +22,8 @@ from ..data.packing import Batch
 from ..layout import SequenceLayout
 from ..mesh import SPMesh
 from ..model import Transformer, flops_per_token
+from ..offload import ActivationOffload, StreamCopier
+from ..tiling import lm_loss
 from .checkpoint import choose_checkpoint, load_checkpoint, run_fingerprint, save_checkpoint
 from .faults import NonFiniteGuard, Preempted, Preemption
 from .metrics import MetricsLogger, PeakMemory
@@ -70,12 +71,17 @@ def _is_hf(model) -> bool:
     return hf is not None and isinstance(model, hf.PreTrainedModel)
 
 
+def _rope(batch: Batch, positions: torch.Tensor) -> torch.Tensor:
+    """The RoPE positions: the row's global ``positions`` [L/P], or each token's place in
+    its document when the batch carries ``doc_positions`` [B, L/P]."""
+    return positions if batch.doc_positions is None else batch.doc_positions
+
+
 def forward(model, batch: Batch, positions: torch.Tensor) -> torch.Tensor:
-    """logits [B, L/P, V] of this rank's ``batch`` (on the model's device): RoPE at the
-    row's global ``positions`` [L/P], or at each token's place in its document when the
-    batch carries ``doc_positions`` [B, L/P]; ``segment_ids`` only when documents are packed.
-    A transformers model (``model.hf``) takes them as ``position_ids`` [B, L/P]."""
-    rope = positions if batch.doc_positions is None else batch.doc_positions
+    """logits [B, L/P, V] of this rank's ``batch`` (on the model's device), at the RoPE
+    positions of ``_rope``; ``segment_ids`` only when documents are packed. A transformers
+    model (``model.hf``) takes them as ``position_ids`` [B, L/P]."""
+    rope = _rope(batch, positions)
     if _is_hf(model):
         ids = {} if batch.segment_ids is None else {"segment_ids": batch.segment_ids}
         return model(input_ids=batch.tokens, position_ids=rope.expand(batch.tokens.shape),
@@ -83,6 +89,17 @@ def forward(model, batch: Batch, positions: torch.Tensor) -> torch.Tensor:
     if batch.segment_ids is None:
         return model(batch.tokens, rope)
     return model(batch.tokens, rope, batch.segment_ids)
+
+
+def loss_and_predictions(model, batch: Batch, positions: torch.Tensor):
+    """(loss_sum, predictions) of this rank's ``batch``: the summed cross-entropy of its
+    labelled tokens (0-dim fp32) and each token's argmax [B, L/P] long. The built-in
+    ``Transformer`` computes both itself (so ``model.loss_chunk`` can keep whole logits from
+    existing); any other model's logits (``forward``) go through the same loss
+    (``usp.tiling.lm_loss``)."""
+    if not isinstance(model, Transformer):
+        return lm_loss(forward(model, batch, positions), batch.labels)
+    return model(batch.tokens, _rope(batch, positions), batch.segment_ids, labels=batch.labels)
 
 
 @torch.no_grad()
@@ -94,8 +111,8 @@ def evaluate(model, data: TrainingData, cfg: RunConfig, mesh: SPMesh, positions,
     for i in range(data.eval_batches):
         b = data.model_batch(10**6 + i, cfg.data.batch_per_dp_rank, mesh.dp_rank, mesh.dp,
                              positions=positions).to(device)
-        logits = forward(model, b, positions)
-        correct, answers = data.answer_accuracy(logits.float(), b.labels)
+        _, predictions = loss_and_predictions(model, b, positions)
+        correct, answers = data.answer_accuracy(predictions, b.labels)
         hits += torch.tensor([correct, answers], dtype=torch.float64, device=device)
     dist.all_reduce(hits, group=mesh.group("dp_sp"))
     model.train()
@@ -155,7 +172,10 @@ def train(cfg: RunConfig, fault_hook: FaultHook | None = None) -> dict:
     if cfg.model.hf is None:
         attn = partial(usp_attention, mesh=mesh, layout=layout, causal=True, kernel=pc.kernel,
                        ring_impl=pc.ring_impl, a2a_chunks=chunks)
-        model = Transformer(cfg.model, attn, checkpoint_activations=tc.activation_checkpointing)
+        offload = ActivationOffload(StreamCopier(device)) if tc.activation_offload else None
+        model = Transformer(cfg.model, attn, checkpoint_activations=tc.activation_checkpointing,
+                            checkpoint_every=tc.checkpoint_every,
+                            checkpoint_part=tc.checkpoint_part, offload=offload)
         model.init_weights(tc.seed)
         blocks = model.layers
     else:
@@ -252,9 +272,8 @@ def _loop(cfg: RunConfig, start: int, model, opt, sched, data, mesh: SPMesh, pos
         # (usp's all-to-all and ring name their own axis inside)
         with naming_collectives("dp_sp", dp_sp):
             dist.all_reduce(counts, group=dp_sp)
-            logits = forward(model, b, positions).float()  # [B, L/P, V], bf16 -> fp32 for the loss
-            loss_sum = F.cross_entropy(logits.flatten(0, 1), labels.flatten(),
-                                       ignore_index=-100, reduction="sum")
+            # fp32 sum over this rank's labelled tokens; predictions [B, L/P] (no logits kept)
+            loss_sum, predictions = loss_and_predictions(model, b, positions)
             if fault_hook is not None:
                 loss_sum = fault_hook(step + 1, loss_sum)
             # grad of sum_r(loss_sum_r) / N: FSDP's mean over the n_shard ranks undoes the scale
@@ -266,7 +285,7 @@ def _loop(cfg: RunConfig, start: int, model, opt, sched, data, mesh: SPMesh, pos
         # Sync: global loss and answer accuracy (one all-reduce), read before the optimizer
         # steps so that a non-finite step never changes the weights.
         with torch.no_grad():
-            correct, answers = data.answer_accuracy(logits, labels)
+            correct, answers = data.answer_accuracy(predictions, labels)
         stats = torch.tensor([loss_sum.item(), correct, answers], dtype=torch.float64, device=device)
         dist.all_reduce(stats, group=dp_sp)
         loss = stats[0].item() / counts[0].item()

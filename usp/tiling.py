@@ -1,0 +1,124 @@
+"""Exact memory tiling of the two widest activations: the LM head's logits and the MLP's.
+
+- ``chunked_lm_loss``: LM head + cross-entropy ``chunk`` tokens at a time. Forward keeps
+  only the hidden states and the head weight; backward recomputes each chunk's logits and
+  accumulates the gradients chunk by chunk, so no ``[tokens, V]`` tensor ever exists.
+- ``tiled``: a token-wise function (the MLP) over sequence tiles, each recomputed in
+  backward (non-reentrant ``torch.utils.checkpoint``), so only one tile's intermediates
+  exist at a time.
+
+Both give the same loss and gradients as the untiled computation: every token's logits
+and MLP are computed by the same ops on the same values; only the grouping changes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+IGNORE_INDEX = -100
+
+
+def _upcast(logits: torch.Tensor) -> torch.Tensor:
+    """Logits in the dtype the loss takes: at least fp32 (bf16 -> fp32; fp64 stays)."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """h [c, D], weight [V, D] -> logits [c, V], the matmul in h's dtype, then upcast."""
+    return _upcast(F.linear(h, weight))
+
+
+class _ChunkedLMLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, labels, chunk):
+        flat_h = h.reshape(-1, h.shape[-1])  # [B, n, D] -> [B*n, D]
+        flat_y = labels.reshape(-1)  # [B, n] -> [B*n]
+        loss = torch.zeros((), dtype=_upcast(h[:0]).dtype, device=h.device)
+        preds = torch.empty_like(flat_y)
+        for s in range(0, flat_h.shape[0], chunk):
+            logits = _chunk_logits(flat_h[s:s + chunk], weight)  # [c, V] fp32
+            loss += F.cross_entropy(logits, flat_y[s:s + chunk], ignore_index=IGNORE_INDEX,
+                                    reduction="sum")
+            preds[s:s + chunk] = logits.argmax(-1)
+        ctx.save_for_backward(h, weight, labels)
+        ctx.chunk = chunk
+        ctx.mark_non_differentiable(preds)
+        return loss, preds.view(labels.shape)
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_preds):
+        h, weight, labels = ctx.saved_tensors
+        flat_h = h.reshape(-1, h.shape[-1])  # [B*n, D]
+        flat_y = labels.reshape(-1)  # [B*n]
+        dh = torch.empty_like(flat_h) if ctx.needs_input_grad[0] else None
+        # dW summed over chunks in fp32, rounded to the weight's dtype once at the end
+        dw = torch.zeros(weight.shape, dtype=_upcast(weight[:0]).dtype, device=weight.device) \
+            if ctx.needs_input_grad[1] else None
+        for s in range(0, flat_h.shape[0], ctx.chunk):
+            hc, yc = flat_h[s:s + ctx.chunk], flat_y[s:s + ctx.chunk]
+            # d(sum CE)/d logits = softmax - onehot(label) on counted rows, 0 on ignored ones
+            dlogits = torch.softmax(_chunk_logits(hc, weight), dim=-1)  # [c, V] >= fp32
+            keep = yc != IGNORE_INDEX  # [c]
+            rows = keep.nonzero().squeeze(1)
+            dlogits[rows, yc[rows]] -= 1.0
+            dlogits *= keep.unsqueeze(1) * grad_loss
+            dlogits = dlogits.to(h.dtype)  # the upcast's backward: back to h's dtype
+            if dh is not None:
+                dh[s:s + ctx.chunk] = dlogits @ weight  # [c, V] @ [V, D] -> [c, D]
+            if dw is not None:
+                dw += dlogits.t() @ hc  # [V, c] @ [c, D] -> [V, D]
+        return (None if dh is None else dh.view(h.shape),
+                None if dw is None else dw.to(weight.dtype), None, None)
+
+
+def chunked_lm_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                    chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """LM head + summed cross-entropy, ``chunk`` tokens at a time.
+
+    h [B, n, D] (after the final norm), weight [V, D] (the LM head, or the tied embedding),
+    labels [B, n] long (``-100``: not counted) -> (loss_sum: 0-dim fp32 (fp64 for fp64
+    h), the sum of the counted tokens' cross-entropy; predictions [B, n] long, each token's
+    argmax, no grad). Logits are computed in h's dtype and upcast to fp32 for the loss, as
+    ``F.cross_entropy(F.linear(h, weight).float(), labels, reduction="sum")`` does; the
+    gradients of h and weight are that expression's.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunked_lm_loss needs chunk >= 1 tokens, got {chunk}")
+    if h.dim() != 3 or labels.shape != h.shape[:2] or weight.shape[-1] != h.shape[-1]:
+        raise ValueError(f"expected h [B, n, D], labels [B, n], weight [V, D]; got h "
+                         f"{tuple(h.shape)}, labels {tuple(labels.shape)}, weight "
+                         f"{tuple(weight.shape)}")
+    return _ChunkedLMLoss.apply(h, weight, labels, chunk)
+
+
+def tiled(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tiles: int,
+          dim: int = 1) -> torch.Tensor:
+    """``fn(x)`` for a token-wise ``fn``, computed over ``tiles`` slices of ``x`` along
+    ``dim`` (sizes differ by at most one), each recomputed in backward.
+
+    Only one tile's intermediates exist at a time, in forward and in backward. With
+    gradients off the tiles run plainly, one after another. Nests inside an outer
+    non-reentrant checkpoint.
+    """
+    if tiles <= 1:
+        return fn(x)
+    parts = torch.tensor_split(x, min(tiles, x.shape[dim]), dim=dim)
+    if torch.is_grad_enabled():
+        outs = [checkpoint(fn, p, use_reentrant=False) for p in parts]
+    else:
+        outs = [fn(p) for p in parts]
+    return torch.cat(outs, dim=dim)
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, n, V] (any float dtype), labels [B, n] -> (loss_sum 0-dim fp32, the summed
+    cross-entropy of counted tokens; predictions [B, n] long): ``chunked_lm_loss``'s
+    result from whole logits, upcast to fp32 for the loss."""
+    logits = _upcast(logits)  # [B, n, V]: bf16 -> fp32 for the loss
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+    return loss, logits.detach().argmax(-1)
