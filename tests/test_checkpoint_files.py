@@ -58,12 +58,28 @@ def _write_steps(run_dir, fingerprint):
         ck.save_checkpoint(run_dir, step, model, opt, sched, keep=5, fingerprint=fingerprint)
 
 
+def _write_then_choose(run_dir, collective_dir, fingerprint, changed):
+    """The template's checkpoints, then ``_collective`` on a copy of them whose newest has a
+    truncated shard (one spawn: process start-up dominates)."""
+    _write_steps(run_dir, fingerprint)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.copytree(run_dir, collective_dir)
+        _truncate(_step3(Path(collective_dir)))  # rank 1's shard: both ranks must skip it
+    dist.barrier()
+    _collective(collective_dir, fingerprint, changed)
+    Path(collective_dir, f"checked_r{dist.get_rank()}").write_text("")
+
+
 @pytest.fixture(scope="module")
 def template(tmp_path_factory) -> Path:
-    """A run directory with step_000001..3, written by 2 gloo ranks."""
-    run = tmp_path_factory.mktemp("ckpt") / "run"
-    spawn_local(_write_steps, 2, str(run), ck.run_fingerprint(_cfg()))
-    return run
+    """A run directory with step_000001..3, written by 2 gloo ranks; next to it
+    ``collective``, where the same 2 ranks ran ``_collective`` on a damaged copy."""
+    root = tmp_path_factory.mktemp("ckpt")
+    changed = ck.run_fingerprint(_cfg(optim={"lr": 1e-3}))
+    spawn_local(_write_then_choose, 2, str(root / "run"), str(root / "collective"),
+                ck.run_fingerprint(_cfg()), changed)
+    return root / "run"
 
 
 def _copy(template, tmp_path) -> Path:
@@ -154,11 +170,10 @@ def _collective(run_dir, fingerprint, changed):
         ck.choose_checkpoint(run_dir, log=lambda line: None)
 
 
-def test_choose_checkpoint_is_collective_and_pruning_keeps_intact(template, tmp_path):
-    run = _copy(template, tmp_path)
-    _truncate(_step3(run))  # rank 1's shard: only rank 0 or 1 checks it, both must skip it
-    changed = ck.run_fingerprint(_cfg(optim={"lr": 1e-3}))
-    spawn_local(_collective, 2, str(run), ck.run_fingerprint(_cfg()), changed)
+def test_choose_checkpoint_is_collective_and_pruning_keeps_intact(template):
+    # the checks run on both ranks (``_collective``); each rank leaves a mark after them
+    done = template.parent / "collective"
+    assert sorted(p.name for p in done.glob("checked_r*")) == ["checked_r0", "checked_r1"]
 
 
 def test_check_resume_names_every_changed_key():

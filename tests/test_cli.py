@@ -186,13 +186,26 @@ def test_cli_end_to_end_with_overrides(tmp_path):
     assert (run / "checkpoints" / "step_000004" / "extra.pt").exists()
 
 
-@pytest.mark.parametrize("overrides,needle", [
+REFUSED = [
     (["parallel.ulysses_degree=3"], "ulysses (3) x ring (2) = 6 does not divide world size 4"),
     (["data.seq_len=1012"], "sequence length 1012 is not divisible by 2 x ring x ulysses = 8"),
     (["data=memmap", "data.path=/nonexistent/tokens"], "token file /nonexistent/tokens.bin not found"),
-])
-def test_cli_refuses_bad_input_before_launch(tmp_path, overrides, needle):
-    res = _cli(*overrides, f"hydra.run.dir={tmp_path}", timeout=120)
+]
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory) -> dict:
+    """Each ``REFUSED`` command line's result, all run in one process (``_cli.run_commands``)."""
+    from _cli import run_commands
+
+    tmp = tmp_path_factory.mktemp("refused")
+    calls = [("train_main", [*o, f"hydra.run.dir={tmp / str(i)}"]) for i, (o, _) in enumerate(REFUSED)]
+    return {tuple(o): res for (o, _), res in zip(REFUSED, run_commands(calls, tmp, timeout=300))}
+
+
+@pytest.mark.parametrize("overrides,needle", REFUSED)
+def test_cli_refuses_bad_input_before_launch(refused, overrides, needle):
+    res = refused[tuple(overrides)]
     assert res.returncode != 0
     assert needle in res.stderr + res.stdout
     assert "SPMesh" not in res.stdout  # no rank was started

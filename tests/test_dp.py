@@ -73,21 +73,20 @@ def _check_data(mesh, memmap_prefix):
             assert torch.equal(torch.cat([l0, l1]), want_l), (dc.kind, step)
 
 
-def _replica_worker(memmap_prefix):
-    for u, r in LAYOUTS:  # one spawn for both layouts: process start-up dominates
-        mesh = _mesh(u, r)
-        assert mesh.dp == DP and mesh.sp_size == u * r
-        _check_attention(mesh)
-        _check_data(mesh, memmap_prefix)
+def _check_replicas(root, memmap_prefix):
+    """Both layouts' attention and data checks (they assert on every rank); each rank leaves
+    a mark once they passed."""
+    for u, r in LAYOUTS:
+        with _mesh(u, r) as mesh:
+            assert mesh.dp == DP and mesh.sp_size == u * r
+            _check_attention(mesh)
+            _check_data(mesh, memmap_prefix)
+    Path(root, f"replicas_checked_r{dist.get_rank()}").write_text("")
 
 
-def test_dp_replicas_attend_and_draw_only_their_own_data(tmp_path):
-    from usp.data.memmap import TokenWriter
-
-    prefix = tmp_path / "tokens"
-    with TokenWriter(prefix, vocab_size=MODEL.vocab_size, tokenizer="test", source="rng") as w:
-        w.write(np.random.default_rng(0).integers(0, MODEL.vocab_size, 5000))
-    spawn_local(_replica_worker, 2 * DP, str(prefix))
+def test_dp_replicas_attend_and_draw_only_their_own_data(dp2_root):
+    assert sorted(p.name for p in dp2_root.glob("replicas_checked_r*")) == [
+        f"replicas_checked_r{r}" for r in range(2 * DP)]
 
 
 # ------------------------------------------------------------------------- training
@@ -108,8 +107,10 @@ def _cfg(run_dir, u, r, dp, batch_size, steps=5, **trainer_kw) -> RunConfig:
 B = 2  # sequences per dp replica under dp = 2; dp = 1 runs take B * DP (same global batch)
 
 
-def _dp2_worker(root):
-    """World 4, several runs in one spawn (process start-up dominates the cost)."""
+def _dp2_worker(root, memmap_prefix):
+    """World 4: the replica checks, then several runs, in one spawn (process start-up
+    dominates the cost)."""
+    _check_replicas(root, memmap_prefix)
     root = Path(root)
     for u, r in LAYOUTS:
         train(_cfg(root / f"dp2_{u}x{r}", u, r, DP, B))
@@ -136,8 +137,13 @@ def _metrics(run_dir) -> dict:
 
 @pytest.fixture(scope="module")
 def dp2_root(tmp_path_factory):
+    from usp.data.memmap import TokenWriter
+
     root = tmp_path_factory.mktemp("dp2")
-    spawn_local(_dp2_worker, 2 * DP, str(root))
+    prefix = root / "tokens"
+    with TokenWriter(prefix, vocab_size=MODEL.vocab_size, tokenizer="test", source="rng") as w:
+        w.write(np.random.default_rng(0).integers(0, MODEL.vocab_size, 5000))
+    spawn_local(_dp2_worker, 2 * DP, str(root), str(prefix))
     return root
 
 

@@ -163,14 +163,32 @@ def test_preemption_handler_only_records_and_is_restored():
 
 # ---- the training loop (2 gloo ranks) -----------------------------------------------------------
 
-def test_signal_on_one_rank_checkpoints_all_and_resume_matches(tmp_path):
-    run = tmp_path / "preempted"
-    (straight_ends, straight), (ends, _), (resumed_ends, resumed) = _run(
-        tmp_path / "ends",
-        (tiny_cfg(tmp_path / "straight"), None),
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One spawn, every run of the tests below, in turn:
+
+    - ``straight``: uninterrupted, 6 steps;
+    - ``preempted``: SIGUSR1 to rank 1 during step 3 (ckpt_every=0), then resumed with another
+      init seed (only the checkpoint can give the straight run's losses);
+    - ``stop``: an inf loss at step 4 under on_nonfinite=stop (ckpt_every=2);
+    - ``skip``: an inf loss at step 3 under on_nonfinite=skip.
+    """
+    root = tmp_path_factory.mktemp("faults")
+    run = root / "preempted"
+    straight, preempted, resumed, stop, skip = _run(
+        root / "ends",
+        (tiny_cfg(root / "straight"), None),
         (tiny_cfg(run, ckpt_every=0), SignalAt(step=3, rank=1)),
-        # another init seed: only the checkpoint can give the straight run's losses
-        (tiny_cfg(run, ckpt_every=0, seed=7), None))
+        (tiny_cfg(run, ckpt_every=0, seed=7), None),
+        (tiny_cfg(root / "stop", steps=6, ckpt_every=2), InfAt(step=4, rank=1)),
+        (tiny_cfg(root / "skip", steps=5, on_nonfinite="skip"), InfAt(step=3, rank=0)))
+    return {"straight": straight, "preempted": (run, *preempted), "resumed": resumed,
+            "stop": (root / "stop", *stop), "skip": (root / "skip", *skip)}
+
+
+def test_signal_on_one_rank_checkpoints_all_and_resume_matches(runs):
+    (straight_ends, straight), (run, ends, _) = runs["straight"], runs["preempted"]
+    resumed_ends, resumed = runs["resumed"]
     assert [e["end"] for e in straight_ends] == ["done", "done"]
     # both ranks stop after step 3 although only rank 1 got the signal
     assert [(e["end"], e["step"], e.get("signal"), e.get("code")) for e in ends] \
@@ -187,19 +205,8 @@ def test_signal_on_one_rank_checkpoints_all_and_resume_matches(tmp_path):
         assert abs(a - b) <= 1e-6 * abs(a), (s, a, b)
 
 
-@pytest.fixture(scope="module")
-def nonfinite_runs(tmp_path_factory):
-    """One spawn, two runs: an inf loss at step 4 under on_nonfinite=stop (ckpt_every=2), and
-    at step 3 under on_nonfinite=skip."""
-    root = tmp_path_factory.mktemp("nonfinite")
-    stop, skip = _run(root / "ends",
-                      (tiny_cfg(root / "stop", steps=6, ckpt_every=2), InfAt(step=4, rank=1)),
-                      (tiny_cfg(root / "skip", steps=5, on_nonfinite="skip"), InfAt(step=3, rank=0)))
-    return {"stop": (root / "stop", *stop), "skip": (root / "skip", *skip)}
-
-
-def test_inf_loss_stops_before_the_bad_steps_checkpoint(nonfinite_runs):
-    run_dir, ends, metrics = nonfinite_runs["stop"]
+def test_inf_loss_stops_before_the_bad_steps_checkpoint(runs):
+    run_dir, ends, metrics = runs["stop"]
     assert [(e["end"], e["step"], e.get("what")) for e in ends] == [("nonfinite", 4, "loss")] * 2
     assert "at step 4" in ends[0]["msg"] and "trainer.on_nonfinite=skip" in ends[0]["msg"]
     assert _checkpoints(run_dir) == ["step_000002"]  # the last good one; none at/after step 4
@@ -207,8 +214,8 @@ def test_inf_loss_stops_before_the_bad_steps_checkpoint(nonfinite_runs):
     assert all(e["handler_restored"] for e in ends)
 
 
-def test_skip_mode_skips_exactly_the_bad_step(nonfinite_runs):
-    _, ends, m = nonfinite_runs["skip"]
+def test_skip_mode_skips_exactly_the_bad_step(runs):
+    _, ends, m = runs["skip"]
     assert [e["end"] for e in ends] == ["done", "done"]
     assert [m[s]["skipped_steps"] for s in range(1, 6)] == [0, 0, 1, 1, 1]
     assert not math.isfinite(m[3]["loss"])

@@ -3,10 +3,8 @@ offending value in the message; the CLIs print it as one line ``usp-...: error: 
 
 import importlib.util
 import os
-import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +16,6 @@ from usp.config import ModelConfig
 from usp.planner import ClusterSpec, plan
 from usp.train.setup import preflight
 from usp.validate import check_heads
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -163,26 +159,36 @@ def test_ring_flash_attn_without_the_package_is_refused(monkeypatch):
 # ---- the command lines: one line, a non-zero status, nothing started ----------------------
 
 
-def _run(entry, *args):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "SLURM"))}
-    return subprocess.run([sys.executable, "-c", f"from usp.cli import {entry}; {entry}()", *args],
-                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
-
-
-@pytest.mark.parametrize("override,needle", [
+TRAIN_REFUSED = [
     ("trainer.steps=0", "trainer.steps=0 must be >= 1"),  # was: rc 0, loss nan
     ("+trainer.foo=1", "unknown config key trainer.foo"),  # was: ignored
-])
-def test_usp_train_refuses_in_one_line(tmp_path, override, needle):
-    res = _run("train_main", override, f"hydra.run.dir={tmp_path}")
+]
+PLAN_REFUSED = "data.seq_len=1001"  # odd: no zigzag layout splits it
+
+
+@pytest.fixture(scope="module")
+def command_lines(tmp_path_factory) -> dict:
+    """Each refused command line's result, all run in one process (``_cli.run_commands``)."""
+    from _cli import run_commands
+
+    tmp = tmp_path_factory.mktemp("refused")
+    calls = [("train_main", [o, f"hydra.run.dir={tmp / str(i)}"])
+             for i, (o, _) in enumerate(TRAIN_REFUSED)] + [("plan_main", [PLAN_REFUSED])]
+    return {(entry, args[0]): res for (entry, args), res in
+            zip(calls, run_commands(calls, tmp, timeout=300))}
+
+
+@pytest.mark.parametrize("override,needle", TRAIN_REFUSED)
+def test_usp_train_refuses_in_one_line(command_lines, override, needle):
+    res = command_lines["train_main", override]
     assert res.returncode == 2
     assert res.stderr.startswith("usp-train: error: ") and needle in res.stderr
     assert res.stderr.strip().count("\n") == 0  # one line, no traceback
     assert "SPMesh" not in res.stdout
 
 
-def test_usp_plan_refuses_in_one_line():
-    res = _run("plan_main", "data.seq_len=1001")  # odd: no zigzag layout splits it
+def test_usp_plan_refuses_in_one_line(command_lines):
+    res = command_lines["plan_main", PLAN_REFUSED]
     assert res.returncode == 2
     assert res.stderr.startswith("usp-plan: error: no feasible layout for world")
     assert "seq_len refused" in res.stderr and "sequence length 1001" in res.stderr

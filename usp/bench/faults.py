@@ -116,8 +116,9 @@ def usp_train(run_dir: Path, extra=(), act=None, timeout: float = 600) -> tuple[
     if proc.poll() is None:
         proc.kill()
     out, err = proc.communicate()
-    time.sleep(3)
-    left = _alive(sorted(seen))
+    grace = time.perf_counter() + 3.0  # ranks get 3 s to go after their launcher
+    while (left := _alive(sorted(seen))) and time.perf_counter() < grace:
+        time.sleep(0.1)
     for p in left:  # leave nothing behind, even when the run did
         try:
             os.kill(p, signal.SIGKILL)
