@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 
-from usp.bench.cli import add_timing_args, parse_sized
-from usp.bench.heads import DTYPES, HeadsBench, even_neighbours, report, run
+from usp.bench.cli import DTYPES, BenchScript
+from usp.bench.heads import HeadsBench, even_neighbours, report, run
 
 QUICK = dict(seq_len=1024, rounds=5, head_dim=32)
 FULL = dict(seq_len=4096, rounds=7, head_dim=64)
@@ -27,7 +27,7 @@ def parse_pairs(text: str) -> list[tuple[int, int]]:
         raise ValueError(f"bad --compare {text!r}: write HEADS:KV_HEADS,..., e.g. 8:8,4:4") from None
 
 
-def parse_args(argv=None) -> HeadsBench:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--heads", type=int, default=6, help="query heads of the uneven row")
     p.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: --heads)")
@@ -39,23 +39,20 @@ def parse_args(argv=None) -> HeadsBench:
     p.add_argument("--head-dim", type=int, default=None, help=f"default {FULL['head_dim']}")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--balance", choices=("zigzag", "contiguous"), default="zigzag")
-    add_timing_args(p, FULL, QUICK)
-    args = parse_sized(p, argv, FULL, QUICK)
+    return p
+
+
+def _config(args: argparse.Namespace) -> HeadsBench:
     uneven = (args.heads, args.kv_heads or args.heads)
-    try:
-        others = parse_pairs(args.compare) if args.compare else even_neighbours(*uneven, args.ulysses)
-        return HeadsBench(heads=(uneven, *others), ulysses=args.ulysses, ring=args.ring,
-                          batch=args.batch, seq_len=args.seq_len, head_dim=args.head_dim,
-                          dtype=args.dtype, balance=args.balance, warmup=args.warmup,
-                          rounds=args.rounds, threads=args.threads)
-    except ValueError as e:  # refuse before any process starts
-        p.error(str(e))
+    others = parse_pairs(args.compare) if args.compare else even_neighbours(*uneven, args.ulysses)
+    return HeadsBench(heads=(uneven, *others), ulysses=args.ulysses, ring=args.ring,
+                      batch=args.batch, seq_len=args.seq_len, head_dim=args.head_dim,
+                      dtype=args.dtype, balance=args.balance, warmup=args.warmup,
+                      rounds=args.rounds, threads=args.threads)
 
 
-def main(argv=None) -> None:
-    cfg = parse_args(argv)
-    print(report(cfg, run(cfg)))
-
+SCRIPT = BenchScript(_parser, FULL, QUICK, _config, run, report)
+parse_args, main = SCRIPT.parse_args, SCRIPT.main
 
 if __name__ == "__main__":
     main()

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import argparse
 
-from usp.bench.cli import add_timing_args, parse_sized
 from usp.bench.attention import parse_layouts
-from usp.bench.masks import DTYPES, MasksBench, report, run
+from usp.bench.cli import DTYPES, BenchScript
+from usp.bench.masks import MasksBench, report, run
 
 QUICK = dict(seq_len=2048, rounds=3, head_dim=32, doc_len=256)
 FULL = dict(seq_len=8192, rounds=3, head_dim=64, doc_len=512)
 
 
-def parse_args(argv=None) -> MasksBench:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layouts", default="1x4,2x2", help="ULYSSESxRING,... (one world size)")
     p.add_argument("--batch", type=int, default=1)
@@ -31,22 +31,19 @@ def parse_args(argv=None) -> MasksBench:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--window", type=int, default=None, help="default seq_len // 8")
     p.add_argument("--doc-len", type=int, default=None, help=f"default {FULL['doc_len']}")
-    add_timing_args(p, FULL, QUICK)
-    args = parse_sized(p, argv, FULL, QUICK)
-    try:
-        return MasksBench(layouts=parse_layouts(args.layouts), batch=args.batch,
-                          seq_len=args.seq_len, heads=args.heads,
-                          kv_heads=args.kv_heads or args.heads, head_dim=args.head_dim,
-                          dtype=args.dtype, window=args.window, doc_len=args.doc_len,
-                          warmup=args.warmup, rounds=args.rounds, threads=args.threads)
-    except ValueError as e:  # refuse before any process starts
-        p.error(str(e))
+    return p
 
 
-def main(argv=None) -> None:
-    cfg = parse_args(argv)
-    print(report(cfg, run(cfg)))
+def _config(args: argparse.Namespace) -> MasksBench:
+    return MasksBench(layouts=parse_layouts(args.layouts), batch=args.batch,
+                      seq_len=args.seq_len, heads=args.heads,
+                      kv_heads=args.kv_heads or args.heads, head_dim=args.head_dim,
+                      dtype=args.dtype, window=args.window, doc_len=args.doc_len,
+                      warmup=args.warmup, rounds=args.rounds, threads=args.threads)
 
+
+SCRIPT = BenchScript(_parser, FULL, QUICK, _config, run, report)
+parse_args, main = SCRIPT.parse_args, SCRIPT.main
 
 if __name__ == "__main__":
     main()

@@ -1,9 +1,16 @@
-"""Argument helpers the benchmark scripts in ``tools/`` share: the timing flags and the
-``--quick`` / full size presets."""
+"""What the benchmark scripts in ``tools/`` share: the timing flags and the ``--quick`` /
+full size presets, the config fields those flags set (``TimedBench``) and the script's
+argparse -> config -> run -> printed report (``BenchScript``)."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..config import DTYPES  # the dtype names: fp32, bf16
 
 
 def add_timing_args(p: argparse.ArgumentParser, full: dict, quick: dict) -> None:
@@ -22,3 +29,54 @@ def parse_sized(p: argparse.ArgumentParser, argv, full: dict, quick: dict) -> ar
         if getattr(args, key) is None:
             setattr(args, key, val)
     return args
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimedBench:
+    """The fields every attention benchmark config has: the tensors' batch, head dim and
+    dtype, and what the timing flags set (warmup calls, interleaved rounds, intra-op threads
+    per process; None: the CPUs shared evenly)."""
+
+    batch: int = 1
+    head_dim: int = 64
+    dtype: str = "fp32"
+    warmup: int = 1
+    rounds: int = 3
+    threads: int | None = None
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class BenchScript:
+    """A ``tools/bench_*.py`` script: ``parser()`` makes its own flags (the timing flags are
+    added after them), ``config(args)`` turns the parsed flags (presets applied) into the
+    benchmark's config, ``run(cfg)`` times it and ``report(cfg, rows)`` is the printed table."""
+
+    parser: Callable[[], argparse.ArgumentParser]
+    full: dict
+    quick: dict
+    config: Callable[[argparse.Namespace], Any]
+    run: Callable[[Any], list]
+    report: Callable[[Any, list], str]
+
+    def parse_args(self, argv=None):
+        """The config for ``argv``; a ValueError building it exits with the usage line and
+        the message (status 2) before any process starts."""
+        p = self.parser()
+        add_timing_args(p, self.full, self.quick)
+        args = parse_sized(p, argv, self.full, self.quick)
+        try:
+            return self.config(args)
+        except ValueError as e:
+            p.error(str(e))
+
+    def main(self, argv=None) -> None:
+        cfg = self.parse_args(argv)
+        print(self.report(cfg, self.run(cfg)))

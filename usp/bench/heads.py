@@ -25,31 +25,24 @@ import torch
 import torch.distributed as dist
 
 from ..validate import check_degrees, head_imbalance, head_split, seq_multiple
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+from .cli import TimedBench
 
 
 @dataclass(frozen=True)
-class HeadsBench:
+class HeadsBench(TimedBench):
     """What to time: ``heads`` [(Hq, Hkv), ...] on one (ulysses, ring) mesh; the first entry
-    is the row the others are compared with."""
+    is the row the others are compared with. Batch, head dim, dtype and timing: ``TimedBench``."""
 
     heads: tuple[tuple[int, int], ...]
     ulysses: int = 4
     ring: int = 1
-    batch: int = 1
     seq_len: int = 4096
-    head_dim: int = 64
-    dtype: str = "fp32"
     balance: str = "zigzag"
-    warmup: int = 1
-    rounds: int = 5
-    threads: int | None = None
+    rounds: int = field(default=5, kw_only=True)
 
     def __post_init__(self):
         check_degrees(self.ulysses * self.ring, self.ulysses, self.ring)
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        super().__post_init__()
         if not self.heads:
             raise ValueError("heads is empty; give at least one (query heads, KV heads) pair")
         for hq, hkv in self.heads:
@@ -95,7 +88,7 @@ def _worker(cfg: HeadsBench, path: str) -> None:
     from .. import SequenceLayout, SPMesh, usp_attention
     from .timing import round_robin
 
-    dtype = DTYPES[cfg.dtype]
+    dtype = cfg.torch_dtype
     with SPMesh.build(ulysses=cfg.ulysses, ring=cfg.ring) as mesh:
         layout = SequenceLayout(mesh, seq_len=cfg.seq_len, balance=cfg.balance)
         n = layout.local_len

@@ -28,29 +28,24 @@ import torch
 import torch.distributed as dist
 
 from ..validate import check_degrees, check_seq_len
+from .cli import TimedBench
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ROWS = ("causal zigzag", "causal contiguous", "window contiguous", "window zigzag",
         "documents zigzag")
 
 
 @dataclass(frozen=True)
-class MasksBench:
+class MasksBench(TimedBench):
     """What to time: every row of ``ROWS`` on each (ulysses, ring) of ``layouts``, all with
-    the same batch, sequence, heads and dtype. ``window`` None: seq_len // 8."""
+    the same batch, sequence, heads and dtype (batch, head dim, dtype and timing:
+    ``TimedBench``). ``window`` None: seq_len // 8."""
 
     layouts: tuple[tuple[int, int], ...] = ((1, 4), (2, 2))
-    batch: int = 1
     seq_len: int = 8192
     heads: int = 8
     kv_heads: int = 8
-    head_dim: int = 64
-    dtype: str = "fp32"
     window: int | None = None
     doc_len: int = 512
-    warmup: int = 1
-    rounds: int = 3
-    threads: int | None = None
 
     def __post_init__(self):
         if not self.layouts:
@@ -61,8 +56,7 @@ class MasksBench:
         if len({u * r for u, r in self.layouts}) != 1:
             raise ValueError(f"layouts {self.layouts} need different process counts; time "
                              f"layouts of one world size per run")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        super().__post_init__()
         if self.rounds < 1 or self.warmup < 0 or self.doc_len < 1:
             raise ValueError(f"need rounds >= 1, warmup >= 0, doc_len >= 1; got "
                              f"{self.rounds}, {self.warmup}, {self.doc_len}")
@@ -109,7 +103,7 @@ def _layout_rows(cfg: MasksBench, ulysses: int, ring: int) -> list[MasksRow]:
     from .. import SequenceLayout, SPMesh, usp_attention
     from .timing import round_robin
 
-    dtype = DTYPES[cfg.dtype]
+    dtype = cfg.torch_dtype
     with SPMesh.build(ulysses=ulysses, ring=ring) as mesh:
         gen = torch.Generator().manual_seed(mesh.rank)
         ids = (torch.arange(cfg.seq_len) // cfg.doc_len).expand(cfg.batch, -1)  # [B, L]
