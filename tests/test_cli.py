@@ -234,8 +234,8 @@ def test_the_planner_prices_the_global_batch_of_the_run():
     spec = cfg.cluster.replace(nodes=cfg.nodes)
     p = plan_run(cfg, spec, spec.world)
     assert p.global_batch == 6 and {c.dp for c in p.candidates} == {2}
-    fp32 = plan_run(dataclasses.replace(cfg, trainer=TrainerConfig(dtype="fp32")), spec,
-                    spec.world)
+    fp32 = plan_run(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, dtype="fp32")),
+                    spec, spec.world)
     mem32 = {(c.ring, c.ulysses): c.cost.mem_bytes for c in fp32.candidates}
     both = [c for c in p.candidates if (c.ring, c.ulysses) in mem32]
     assert both and all(mem32[c.ring, c.ulysses] > c.cost.mem_bytes for c in both)  # bf16 < fp32

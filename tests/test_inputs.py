@@ -211,7 +211,8 @@ LLAMA = ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_h
 def test_many_dropped_layouts_are_summarised_by_rule(h100):
     from usp.planner.plan import RULES
 
-    p = plan(LLAMA, h100, 1 << 20)  # 1024 ranks: dozens of layouts dropped
+    # 1024 ranks, one sequence in all (global_batch=1): every dp > 1 cannot take a share
+    p = plan(LLAMA, h100, 1 << 20, global_batch=1)
     assert len(p.dropped) > 20
     assert {d.rule for d in p.dropped} == {"batch", "heads"}
     assert all("does not split over dp" in d.reason for d in p.dropped if d.rule == "batch")
