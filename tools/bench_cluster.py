@@ -2,12 +2,16 @@
 
 Measures links, attention placement (a), degrees (b), ring efficiency (c), saved
 activations (d) and bytes per layer (e), plus ``usp-train`` steps next to the planner's
-ranking (``usp.bench.cluster``). Tables are printed and written to ``OUT/tables.txt``,
-everything to ``OUT/results.json``, a PNG per benchmark to OUT.
+ranking (``usp.bench.cluster``); with ``--a2a-chunks`` also (f), the pipelined all-to-all
+where it crosses nodes, against the planner's predicted gain and choice. Tables are
+printed and written to ``OUT/tables.txt``, everything to ``OUT/results.json``, a PNG per
+benchmark to OUT.
 
     python tools/bench_cluster.py               # rate auto (loopback / 9), out runs/bench_cluster
     python tools/bench_cluster.py --rate 300mbit --intra-rate 2700mbit --out runs/bench_cluster/r300m
     python tools/bench_cluster.py --placement-sweep 1gbit:9gbit,200mbit:1800mbit
+    python tools/bench_cluster.py --rate 300mbit --intra-rate 2700mbit --a2a-chunks 1,2,auto \\
+        --only-chunks --out runs/bench_cluster/chunks
     python tools/bench_cluster.py --report-only --out runs/bench_cluster/r300m
 """
 
@@ -44,6 +48,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="(c) on 2 nodes x 1 rank (one process per core): lengths, comma-separated")
     ap.add_argument("--ring-iters", type=int, default=d.ring_iters)
     ap.add_argument("--link-bytes", type=int, default=d.link_bytes)
+    ap.add_argument("--a2a-chunks", default="",
+                    help="(f) pipelined all-to-all across nodes: usp-train a2a_chunks, e.g. "
+                         "'1,2,auto' (auto: the planner's count); attention runs every legal "
+                         "count")
+    ap.add_argument("--only-chunks", action="store_true",
+                    help="run (f) alone; without --a2a-chunks its attention part only")
     ap.add_argument("--placement-sweep", default=None,
                     help="only (a) attention, once per INTER:INTRA rate pair, e.g. "
                          "'1gbit:9gbit,200mbit:1800mbit' (INTRA empty: loopback)")
@@ -53,8 +63,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def config(args: argparse.Namespace) -> ClusterBench:
-    fields = {k: v for k, v in vars(args).items() if k in ClusterBench.__dataclass_fields__}
-    return ClusterBench(**fields, ring_seq_lens=[int(x) for x in args.ring_seq_len.split(",")])
+    fields = {k: v for k, v in vars(args).items()
+              if k in ClusterBench.__dataclass_fields__ and k != "a2a_chunks"}
+    return ClusterBench(**fields, ring_seq_lens=[int(x) for x in args.ring_seq_len.split(",")],
+                        a2a_chunks=ClusterBench.parse_chunks(args.a2a_chunks))
 
 
 def main(argv=None) -> int:
@@ -74,7 +86,7 @@ def main(argv=None) -> int:
             pairs = [p.partition(":") for p in args.placement_sweep.split(",")]
             lines = placement_sweep(cfg, [(inter, intra or None) for inter, _, intra in pairs])
         else:
-            lines = run(cfg)[1]
+            lines = run(cfg, only_chunks=args.only_chunks)[1]
     except ValueError as e:  # a bad rate in --placement-sweep
         print(f"bench_cluster: error: {e}", file=sys.stderr)
         return 2

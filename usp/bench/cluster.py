@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..validate import check_heads, check_seq_len
+from ..validate import check_heads, check_seq_len, head_split
 from .simcluster import SimCluster, rate_to_bytes_per_s, say
 
 NODES, PER_NODE = 2, 2
@@ -38,6 +38,9 @@ TRAIN_CASES = (("(2,2) ulysses_inner", 2, 2, "ulysses_inner"),
                ("(2,2) ring_inner", 2, 2, "ring_inner"),
                ("(4,1)", 4, 1, "ulysses_inner"), ("(1,4)", 1, 4, "ulysses_inner"))
 DEGREES = ((4, 1), (2, 2), (1, 4), (1, 2))  # every (ulysses, ring) the benchmarks run
+# (f): layouts whose ulysses all-to-all crosses the inter-node link, (name, u, r, placement)
+CHUNK_LAYOUTS = (("(4,1)", 4, 1, "ulysses_inner"), ("(2,2) ring_inner", 2, 2, "ring_inner"))
+MAX_CHUNKS = 8  # best_a2a_chunks' default bound
 
 
 @dataclass(frozen=True)
@@ -69,9 +72,11 @@ class ClusterBench:
     ring_seq_lens: tuple[int, ...] = (2048, 4096, 8192)
     ring_iters: int = 7
     link_bytes: int = 32 * 2**20
+    a2a_chunks: tuple = ()
 
     def __post_init__(self):
         object.__setattr__(self, "ring_seq_lens", tuple(self.ring_seq_lens))
+        object.__setattr__(self, "a2a_chunks", tuple(self.a2a_chunks))
         low = {k: getattr(self, k) for k, lo in (("iters", 1), ("warmup", 0), ("ring_iters", 1),
                                                    ("train_steps", 2), ("train_passes", 1),
                                                    ("train_batch", 1), ("head_dim", 1))
@@ -95,6 +100,36 @@ class ClusterBench:
                 check_seq_len(L, u, r, "zigzag")
         for L in self.ring_seq_lens:
             check_seq_len(L, 1, 2, "zigzag")
+        self._check_chunks()
+
+    def _check_chunks(self) -> None:
+        legal = {c for _, u, _, _ in CHUNK_LAYOUTS for c in self.legal_chunks(u)}
+        bad = [c for c in self.a2a_chunks if c != "auto" and c not in legal]
+        if bad:
+            raise ValueError(f"a2a_chunks {bad} fit no layout of {[n for n, *_ in CHUNK_LAYOUTS]}"
+                             f" with {self.heads} query / {self.kv_heads} KV heads; use "
+                             f"'auto' or counts in {sorted(legal)}")
+
+    def legal_chunks(self, ulysses: int) -> list[int]:
+        """Every ``a2a_chunks`` a layout with ``ulysses`` accepts for these heads (at most
+        ``MAX_CHUNKS``)."""
+        most = max(head_split(self.heads, self.kv_heads, ulysses).q_counts)
+        return list(range(1, min(most, MAX_CHUNKS) + 1))
+
+    def train_model(self) -> list[str]:
+        """usp-train overrides for (f): a model with the attention benchmark's heads."""
+        return [f"model.dim={self.heads * self.head_dim}", f"model.n_heads={self.heads}",
+                f"model.n_kv_heads={self.kv_heads}"]
+
+    @classmethod
+    def parse_chunks(cls, text: str) -> tuple:
+        """'1,2,auto' -> (1, 2, 'auto'); a bad item raises ValueError naming it."""
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in items if x != "auto" and not (x.isdigit() and int(x) >= 1)]
+        if bad:
+            raise ValueError(f"--a2a-chunks takes integers >= 1 and 'auto', comma-separated; "
+                             f"got {bad} in {text!r}, e.g. 1,2,auto")
+        return tuple(x if x == "auto" else int(x) for x in items)
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(dataclasses.asdict(self), indent=2))
@@ -117,8 +152,9 @@ def run_phase(cluster: SimCluster, cfg: ClusterBench, phase: str, echo: bool = T
     if r.returncode:
         raise RuntimeError(f"bench_cluster: worker phase {phase} failed ({r.returncode}):\n"
                            f"{r.output[-3000:]}")
-    return json.loads((out / ("worker_ring.json" if phase == "ring" else "worker.json"))
-                      .read_text())
+    from .cluster_worker import result_file
+
+    return json.loads((out / result_file(phase)).read_text())
 
 
 def train_step_s(cluster: SimCluster, cfg: ClusterBench, tag: str, overrides: list[str]
@@ -138,39 +174,88 @@ def train_step_s(cluster: SimCluster, cfg: ClusterBench, tag: str, overrides: li
     return statistics.median([row["step_s"] for row in rows if "step_s" in row][1:])
 
 
-def train_all(cluster: SimCluster, cfg: ClusterBench, log: Callable[[str], None]) -> dict:
-    """{case name: lowest median step s over ``train_passes`` passes}, order alternating per
-    pass so that drift hits every case alike."""
-    train: dict[str, float] = {}
+def _alternating(cluster: SimCluster, cfg: ClusterBench, cases: list, log) -> dict:
+    """{key: [median step s of each pass]} of ``cases`` = [(key, label, tag, usp-train
+    overrides)] over ``train_passes`` passes, the order reversed every other pass so that
+    drift hits every case alike."""
+    steps: dict = {}
     for pas in range(cfg.train_passes):
-        for name, u, r, pl in TRAIN_CASES if pas % 2 == 0 else TRAIN_CASES[::-1]:
-            tag = f"{u}x{r}_{pl}_p{pas}"
-            got = train_step_s(cluster, cfg, tag, [f"parallel.ulysses_degree={u}",
-                                                   f"parallel.ring_degree={r}",
-                                                   f"parallel.placement={pl}"])
-            log(f"usp-train {name} pass {pas}: median step {got:.3f} s")
-            train[name] = min(got, train.get(name, got))
-    return train
+        for key, label, tag, overrides in cases if pas % 2 == 0 else cases[::-1]:
+            got = train_step_s(cluster, cfg, f"{tag}_p{pas}", overrides)
+            log(f"usp-train {label} pass {pas}: median step {got:.3f} s")
+            steps.setdefault(key, []).append(got)
+    return steps
 
 
-def run(cfg: ClusterBench, log: Callable[[str], None] = say) -> tuple[dict, list[str]]:
-    """Every benchmark (needs root); writes ``results.json``, ``tables.txt`` and the PNGs
-    into ``cfg.out`` and returns ``report``'s (summary, text lines)."""
+def train_all(cluster: SimCluster, cfg: ClusterBench, log: Callable[[str], None]) -> dict:
+    """{case name: lowest median step s over the passes} of ``TRAIN_CASES``."""
+    steps = _alternating(cluster, cfg, [
+        (name, name, f"{u}x{r}_{pl}", [f"parallel.ulysses_degree={u}",
+                                       f"parallel.ring_degree={r}", f"parallel.placement={pl}"])
+        for name, u, r, pl in TRAIN_CASES], log)
+    return {name: min(passes) for name, passes in steps.items()}
+
+
+def chunk_train_counts(cfg: ClusterBench, picks: dict) -> dict:
+    """{layout name: the a2a_chunks its usp-train runs take}: ``cfg.a2a_chunks`` legal for
+    the layout, ``auto`` replaced by ``picks[layout]`` (the planner's count)."""
+    return {name: sorted({picks[name] if c == "auto" else c for c in cfg.a2a_chunks}
+                         & set(cfg.legal_chunks(u))) for name, u, _, _ in CHUNK_LAYOUTS}
+
+
+def train_chunks(cluster: SimCluster, cfg: ClusterBench, counts: dict,
+                 log: Callable[[str], None]) -> dict:
+    """(f): {layout name: {a2a_chunks: [median step s per pass]}} of usp-train with the
+    benchmark's heads (``train_model``), every layout of ``CHUNK_LAYOUTS`` at ``counts``."""
+    cases = [((name, c), f"{name} a2a_chunks={c}", f"chunks_{u}x{r}_{pl}_c{c}",
+              [*cfg.train_model(), f"parallel.ulysses_degree={u}", f"parallel.ring_degree={r}",
+               f"parallel.placement={pl}", f"parallel.a2a_chunks={c}"])
+             for name, u, r, pl in CHUNK_LAYOUTS for c in counts[name]]
+    steps = _alternating(cluster, cfg, cases, log)
+    return {name: {c: steps[(name, c)] for c in counts[name]} for name, *_ in CHUNK_LAYOUTS}
+
+
+def measure_chunks(cluster: SimCluster, cfg: ClusterBench, log: Callable[[str], None]) -> dict:
+    """(f) on a started 2 x 2 cluster: the ``chunks`` worker phase, the planner's counts on
+    a spec of its measurements, and usp-train at ``cfg.a2a_chunks`` (none when empty)."""
+    from .cluster_report import chunk_picks
+
+    w = run_phase(cluster, cfg, "chunks")
+    picks = chunk_picks(cfg, w)
+    log(f"planner a2a_chunks (attention, training): {picks}")
+    counts = chunk_train_counts(cfg, {k: v["train"] for k, v in picks.items()})
+    w["train"] = {name: {str(c): s for c, s in by_c.items()}
+                  for name, by_c in train_chunks(cluster, cfg, counts, log).items()}
+    return w
+
+
+def run(cfg: ClusterBench, log: Callable[[str], None] = say, only_chunks: bool = False
+        ) -> tuple[dict, list[str]]:
+    """Every benchmark (needs root), (f) too when ``cfg.a2a_chunks`` is set; with
+    ``only_chunks`` (f) alone (its usp-train runs only at ``cfg.a2a_chunks``). Writes
+    ``results.json``, ``tables.txt`` and the PNGs into ``cfg.out`` and returns
+    ``report``'s (summary, text lines)."""
     from .cluster_report import report
 
     out = Path(cfg.out).resolve()
     cfg = cfg.replace(out=str(out))
+    w, train = {}, {}
     with SimCluster(NODES, PER_NODE, rate=cfg.rate, ratio=cfg.ratio, intra_rate=cfg.intra_rate,
                     log=log) as cluster:
-        w = run_phase(cluster, cfg, "main")
-        train = train_all(cluster, cfg, log)
+        if not only_chunks:
+            w = run_phase(cluster, cfg, "main")
+            train = train_all(cluster, cfg, log)
+        if cfg.a2a_chunks or only_chunks:
+            w["chunks"] = measure_chunks(cluster, cfg, log)
         rate, intra_rate = cluster.rate, cluster.intra_rate  # "auto" resolved
-    with SimCluster(NODES, 1, rate=rate, intra_rate=intra_rate, log=log) as cluster:
-        w["ring"] = run_phase(cluster, cfg, "ring")
+    if not only_chunks:
+        with SimCluster(NODES, 1, rate=rate, intra_rate=intra_rate, log=log) as cluster:
+            w["ring"] = run_phase(cluster, cfg, "ring")
     log(f"simulated cluster: {NODES} nodes x {PER_NODE} ranks, inter-node rate {rate}")
     summary, lines = report(cfg, w, train, out)
     summary.update(rate=rate, train=train)
-    (out / "results.json").write_text(json.dumps(dict(worker=w, summary=summary), indent=2))
+    (out / "results.json").write_text(json.dumps(dict(worker=w, summary=summary), indent=2,
+                                                  default=str))
     return summary, lines
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 from ..config import ModelConfig
 from ..planner import plan
 from ..planner.cluster import ClusterSpec, load_cluster
-from .cluster import NODES, PER_NODE, WORLD, ClusterBench
+from ..planner.cost import attention_cost, best_a2a_chunks, estimate
+from .cluster import CHUNK_LAYOUTS, NODES, PER_NODE, WORLD, ClusterBench
 from .plots import bar_png, grouped_bar_png
 
 RINGS = ("ring P=2 zigzag", "ring P=2 contiguous")
@@ -118,29 +119,37 @@ def planner_spec(cfg: ClusterBench, w: dict, ms: dict) -> ClusterSpec:
     """The planner's ClusterSpec of the simulated cluster, every figure measured: link
     rates, one shared link of each kind per node (a node's ranks share its veth and its
     loopback), the dense attention's FLOP/s at mfu 1 (causal fwd 2 L^2 Hq d, backward
-    2.5x that), and the overlap of a cross-node transfer with a kernel (cpu_local's when
-    it was not measured)."""
+    2.5x that), the overlap of a cross-node transfer with a kernel and the latency of a
+    small message on each link (``cluster_worker.measure_latency``); cpu_local's overlap
+    and latencies where they were not measured."""
     base, L = load_cluster("cpu_local"), cfg.seq_len
     flops = 3.5 * 2 * L * L * cfg.heads * cfg.head_dim / (ms["dense P=1"] / 1e3)
     overlap = w["overlap"]["share"] if "overlap" in w else base.overlap
+    lat = w.get("latency", {"intra": base.intra_latency_s, "inter": base.inter_latency_s})
     return base.replace(name="simcluster", ranks_per_node=PER_NODE, nodes=NODES,
                         intra_bw=w["links"]["intra"], inter_bw=w["links"]["inter"],
+                        intra_latency_s=lat["intra"], inter_latency_s=lat["inter"],
                         peak_flops=flops, mfu=1.0, overlap=overlap,
                         gpus_per_nic=PER_NODE, gpus_per_intra_link=PER_NODE)
 
 
-def _degrees(cfg: ClusterBench, w: dict, ms: dict, train: dict, out: Path,
-             lines: list[str]) -> dict:
-    spec = planner_spec(cfg, w, ms)
+def _spec_lines(spec: ClusterSpec, w: dict, lines: list[str]) -> None:
     lines.append(f"planner spec: intra {spec.intra_bw / 1e6:.0f} MB/s, inter "
-                 f"{spec.inter_bw / 1e6:.0f} MB/s, one of each per node; "
-                 f"{spec.peak_flops / 1e9:.1f} GFLOP/s per rank; overlap {spec.overlap:.2f} "
-                 f"(all measured)")
+                 f"{spec.inter_bw / 1e6:.0f} MB/s, one of each per node; latency intra "
+                 f"{spec.intra_latency_s * 1e3:.2f} ms, inter {spec.inter_latency_s * 1e3:.2f} "
+                 f"ms; {spec.peak_flops / 1e9:.1f} GFLOP/s per rank; overlap "
+                 f"{spec.overlap:.2f} ({'all' if 'latency' in w else 'latency not'} measured)")
     if "overlap" in w:
         o = w["overlap"]
         lines.append(f"overlap test: kernel {o['kernel_ms']:.1f} ms, cross-node transfer "
                      f"{o['transfer_ms']:.1f} ms, both {o['both_ms']:.1f} ms -> {o['share']:.0%} "
                      f"of the shorter hidden (median of paired repetitions)")
+
+
+def _degrees(cfg: ClusterBench, w: dict, ms: dict, train: dict, out: Path,
+             lines: list[str]) -> dict:
+    spec = planner_spec(cfg, w, ms)
+    _spec_lines(spec, w, lines)
     p = plan(ModelConfig(), spec, cfg.train_seq_len, world=WORLD, dp=1,
              global_batch=cfg.train_batch, dtype_bytes=4, act_checkpoint=False)
     pred = {(c.ulysses, c.ring): c.cost.step_s for c in p.candidates}
@@ -165,19 +174,116 @@ def _degrees(cfg: ClusterBench, w: dict, ms: dict, train: dict, out: Path,
     return dict(choice=list(choice), best=list(best), gap=gap)
 
 
-def report(cfg: ClusterBench, w: dict, train: dict, out: Path) -> tuple[dict, list[str]]:
-    """(summary, text lines) of one ``main`` + ``ring`` run; writes ``out/tables.txt`` and
-    the PNGs. ``cfg``: the run's ``ClusterBench``; ``w``: ``worker.json`` with the ``ring``
-    phase's result under ``"ring"``; ``train``: {case name: median usp-train step s}."""
-    lines: list[str] = []
+CHUNK_TOL = 0.05  # the planner's count is "right" within 5% of the measured best
+
+
+def chunk_verdict(measured: dict, predicted: dict, choice: int) -> dict:
+    """Pipelined all-to-all of one layout: ``measured`` {a2a_chunks: [s per round]} (every
+    count timed in the same rounds), ``predicted`` {a2a_chunks: s}, the planner's
+    ``choice``. A measured gain is the median over rounds of time at 1 stage / time at c
+    stages (paired: load that drifts between rounds cancels); the best count has the
+    highest gain (the fewest stages on a tie); ``gap`` = best's gain / choice's - 1."""
+    gain = {c: statistics.median(a / b for a, b in zip(measured[1], t, strict=True))
+            for c, t in measured.items()}
+    best = max(gain, key=lambda c: (gain[c], -c))
+    gap = gain[best] / gain[choice] - 1
+    return dict(gain=gain, predicted_gain={c: predicted[1] / t for c, t in predicted.items()},
+                choice=choice, best=best, gap=gap, within=gap <= CHUNK_TOL)
+
+
+def chunk_lines(title: str, unit: str, by_layout: dict, extra: dict | None = None
+                ) -> list[str]:
+    """A table (one row per layout and a2a_chunks: median time, gains) and one verdict line
+    per layout. ``by_layout``: {layout: (measured {c: [s per round]}, chunk_verdict)};
+    ``extra``: {layout: {c: [cells]}} appended to each row (the all-to-all split)."""
+    head = ["layout", "a2a_chunks", unit, "measured gain", "predicted gain", "planner"]
+    if extra:
+        head += ["a2a exposed ms", "a2a hidden ms", "ring exposed ms"]
+    rows, verdicts = [], []
+    for name, (t, v) in by_layout.items():
+        for c in sorted(t):
+            scale = 1e3 if unit.endswith("ms") else 1.0
+            rows.append([name, c, f"{statistics.median(t[c]) * scale:.3f}",
+                         f"{v['gain'][c]:.2f}x", f"{v['predicted_gain'][c]:.2f}x",
+                         "<- choice" if c == v["choice"] else ""]
+                        + (extra[name][c] if extra else []))
+        verdicts.append(f"{name}: planner a2a_chunks={v['choice']}, measured best "
+                        f"{v['best']}: {v['gap'] * 100:+.1f}% (within {CHUNK_TOL:.0%}: "
+                        f"{'yes' if v['within'] else 'no'})")
+    return table(title, head, rows) + verdicts
+
+
+def chunk_picks(cfg: ClusterBench, w: dict) -> dict:
+    """{layout: {"attention": c, "train": c}}: ``best_a2a_chunks`` on the spec of ``w``'s
+    measurements (``planner_spec``) for the attention benchmark and for the usp-train runs."""
+    spec = planner_spec(cfg, w, medians(w["attention_ms"]))
+    heads = (cfg.heads, cfg.kv_heads, cfg.head_dim)
+    return {name: {k: best_a2a_chunks(spec, L, *heads, u, r, dtype_bytes=4, placement=pl)
+                   for k, L in (("attention", cfg.seq_len), ("train", cfg.train_seq_len))}
+            for name, u, r, pl in CHUNK_LAYOUTS}
+
+
+def _chunks(cfg: ClusterBench, w: dict, out: Path, lines: list[str]) -> dict:
+    """(f) from the ``chunks`` phase (``w``, with its usp-train steps under ``"train"``)."""
     ms = medians(w["attention_ms"])
-    _links(w, lines)
-    summary = {"links": w["links"],
-               "placement": _placement(cfg, ms, train, out, lines),
-               "bytes_max_rel_err": _bytes(cfg, w["bytes"], out, lines),
-               "act_ratio": _activations(cfg, w["saved_bytes"], out, lines),
-               "ring_eff": _ring(cfg, w, ms, out, lines),
-               "planner": _degrees(cfg, w, ms, train, out, lines)}
+    spec = planner_spec(cfg, w, ms)
+    _spec_lines(spec, w, lines)
+    picks, heads = chunk_picks(cfg, w), (cfg.heads, cfg.kv_heads, cfg.head_dim)
+    model = ModelConfig(dim=cfg.heads * cfg.head_dim, n_heads=cfg.heads, n_kv_heads=cfg.kv_heads)
+    attn, step, split, summary = {}, {}, {}, {}
+    for name, u, r, pl in CHUNK_LAYOUTS:
+        t = {c: [x / 1e3 for x in w["attention_ms"][f"{name} c={c}"]]
+             for c in cfg.legal_chunks(u)}
+        pred = {c: attention_cost(spec, cfg.seq_len, *heads, u, r, dtype_bytes=4, placement=pl,
+                                  a2a_chunks=c).total_s for c in t}
+        attn[name] = t, chunk_verdict(t, pred, picks[name]["attention"])
+        split[name] = {c: [f"{x:.1f}" for x in w["split"][f"{name} c={c}"].values()] for c in t}
+        summary[name] = {"attention": attn[name][1]}
+        st = {int(c): passes for c, passes in w.get("train", {}).get(name, {}).items()}
+        if 1 in st and picks[name]["train"] in st:
+            pred = {c: estimate(model, spec, cfg.train_seq_len, 1, r, u, placement=pl,
+                                global_batch=cfg.train_batch, dtype_bytes=4,
+                                act_checkpoint=False, a2a_chunks=c).step_s for c in st}
+            step[name] = st, chunk_verdict(st, pred, picks[name]["train"])
+            summary[name]["train"] = step[name][1]
+    lines += chunk_lines(f"(f) pipelined all-to-all across nodes: attention fwd+bwd "
+                         f"L={cfg.seq_len} (median ms of {cfg.iters} rounds, max over ranks); "
+                         f"gain = median over rounds of time at a2a_chunks=1 / time; "
+                         f"split per call, mean over ranks",
+                         "attn ms", attn, split)
+    if step:
+        lines += chunk_lines(f"(f) usp-train step, L={cfg.train_seq_len} batch "
+                             f"{cfg.train_batch}, model {' '.join(cfg.train_model())}: median "
+                             f"step s over {cfg.train_passes} passes, gain paired by pass",
+                             "train step s", step)
+    labels = [f"{n} c={c}" for n, (t, _) in attn.items() for c in sorted(t)]
+    bar_png(out / "f_a2a_chunks.png", "(f) attention gain of a2a_chunks", labels,
+            [v["gain"][c] for _, (t, v) in attn.items() for c in sorted(t)], "x vs chunks=1",
+            ref=[v["predicted_gain"][c] for _, (t, v) in attn.items() for c in sorted(t)],
+            ref_label="planner")
+    return summary
+
+
+def report(cfg: ClusterBench, w: dict, train: dict, out: Path) -> tuple[dict, list[str]]:
+    """(summary, text lines) of one run; writes ``out/tables.txt`` and the PNGs. ``cfg``:
+    the run's ``ClusterBench``; ``w``: ``worker.json`` with the ``ring`` phase's result
+    under ``"ring"`` and the ``chunks`` phase's (if run) under ``"chunks"``; ``train``:
+    {case name: median usp-train step s}. A run of (f) alone has only ``"chunks"``."""
+    lines: list[str] = []
+    summary: dict = {}
+    if "attention_ms" in w:
+        ms = medians(w["attention_ms"])
+        _links(w, lines)
+        summary = {"links": w["links"],
+                   "placement": _placement(cfg, ms, train, out, lines),
+                   "bytes_max_rel_err": _bytes(cfg, w["bytes"], out, lines),
+                   "act_ratio": _activations(cfg, w["saved_bytes"], out, lines),
+                   "ring_eff": _ring(cfg, w, ms, out, lines),
+                   "planner": _degrees(cfg, w, ms, train, out, lines)}
+    if "chunks" in w:
+        if "attention_ms" not in w:
+            _links(w["chunks"], lines)
+        summary["chunks"] = _chunks(cfg, w["chunks"], out, lines)
     (out / "tables.txt").write_text("\n".join(lines) + "\n")
     return summary, lines
 

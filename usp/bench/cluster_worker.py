@@ -2,14 +2,15 @@
 
 Started by torchrun on each node (``SimCluster.run``)::
 
-    python -m usp.bench.cluster_worker OUT/bench.json {main|placement|ring}
+    python -m usp.bench.cluster_worker OUT/bench.json {main|placement|ring|chunks}
 
 ``main`` (2 nodes x 2 ranks) measures the links, the overlap of a cross-node transfer with
 a kernel, attention fwd+bwd for every case of ``MAIN_CASES`` (timed round-robin in the same
 processes, max over ranks), the bytes each case sends per rank, and the bytes saved for
 backward at P = 1, 2, 4; ``placement`` the links and the two (2,2) placements only;
-``ring`` (2 nodes x 1 rank) the ring at P=2 against dense at every ``ring_seq_lens``.
-Rank 0 writes ``worker.json`` (``worker_ring.json`` for ``ring``) into ``out``.
+``ring`` (2 nodes x 1 rank) the ring at P=2 against dense at every ``ring_seq_lens``;
+``chunks`` the links, the overlap and (f) the pipelined all-to-all (``measure_chunks``).
+Rank 0 writes ``result_file(phase)`` into ``out``.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ import torch.distributed as dist
 from ..kernels import local_attention
 from ..layout import SequenceLayout
 from ..mesh import SPMesh
-from .cluster import PER_NODE, ClusterBench
+from .cluster import CHUNK_LAYOUTS, PER_NODE, ClusterBench
 from .simcluster import p2p_rate
+from .timing import mean_over_ranks
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class Case:
     ring: int = 0
     placement: str = "ulysses_inner"
     balance: str = "zigzag"
+    a2a_chunks: int = 1
 
 
 DENSE = Case("dense P=1")
@@ -62,10 +65,11 @@ def _inputs(cfg: ClusterBench, seq_len: int) -> tuple[torch.Tensor, ...]:
 
 
 def attention_calls(cfg: ClusterBench, seq_len: int, cases, stack: ExitStack,
-                    sent: dict | None = None) -> dict:
+                    sent: dict | None = None, comms: dict | None = None) -> dict:
     """{case name: a fwd+bwd call}. With ``sent``, each usp case is called once here and
     ``sent[name]`` gets the bytes it sent per rank next to ``attention_bytes``' value and
-    how many hosts its ulysses and ring groups span. Meshes close when ``stack`` does."""
+    how many hosts its ulysses and ring groups span; ``comms[name]`` gets each usp case's
+    ``mesh.comm``. Meshes close when ``stack`` does."""
     from ..attention import usp_attention
     from ..planner.traffic import attention_bytes
 
@@ -81,8 +85,11 @@ def attention_calls(cfg: ClusterBench, seq_len: int, cases, stack: ExitStack,
             lay = SequenceLayout(mesh, seq_len=seq_len, balance=c.balance)
             # [1, L, H, d] -> [1, L/P, H, d]: this rank's tokens
             ins = [lay.shard(t, dim=1).clone().requires_grad_(True) for t in (q, k, v)]
-            attn = partial(usp_attention, mesh=mesh, layout=lay, causal=True, kernel="torch")
+            attn = partial(usp_attention, mesh=mesh, layout=lay, causal=True, kernel="torch",
+                           a2a_chunks=c.a2a_chunks)
             grad = lay.shard(dout, dim=1)
+            if comms is not None:
+                comms[c.name] = mesh.comm
 
         def call(ins=ins, attn=attn, grad=grad):
             for t in ins:
@@ -94,7 +101,8 @@ def attention_calls(cfg: ClusterBench, seq_len: int, cases, stack: ExitStack,
             mesh.comm.reset()
             call()  # one call's bytes; also a warm-up
             fwd, bwd = attention_bytes(1, seq_len, cfg.heads, cfg.kv_heads, cfg.head_dim,
-                                       c.ulysses, c.ring, q.element_size())
+                                       c.ulysses, c.ring, q.element_size(),
+                                       a2a_chunks=c.a2a_chunks)
             b = {a: mesh.comm.bytes[a] for a in ("ulysses", "ring")}
             sent[c.name] = dict(
                 measured=sum(b.values()), formula=sum(fwd.values()) + sum(bwd.values()), **b,
@@ -143,6 +151,25 @@ def saved_activation_bytes(seq_len: int) -> dict:
     return res
 
 
+def _block_kernel(cfg: ClusterBench):
+    """The forward of one ring block of the (2,2) layout, as a call with no arguments."""
+    blk, h = cfg.seq_len // 2, cfg.heads // 2
+    q = torch.randn(1, blk, h, cfg.head_dim)
+    k, v = (torch.randn(1, blk, 1, cfg.head_dim) for _ in range(2))
+
+    def kernel():
+        with torch.no_grad():
+            local_attention(q, k, v, causal=False, kernel="torch")
+
+    return kernel
+
+
+def _swap(send: torch.Tensor, recv: torch.Tensor, partner: int) -> list:
+    """Post a ring step's exchange with ``partner``: its requests."""
+    return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, partner),
+                                   dist.P2POp(dist.irecv, recv, partner)])
+
+
 def measure_overlap(cfg: ClusterBench, reps: int = 7) -> dict:
     """Share of a cross-node transfer hidden behind a kernel running at the same time.
 
@@ -152,26 +179,60 @@ def measure_overlap(cfg: ClusterBench, reps: int = 7) -> dict:
     from ..planner.calibration import overlap_share
     from .timing import overlap_times
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    partner = (rank + PER_NODE) % world
-    blk, h = cfg.seq_len // 2, cfg.heads // 2  # the (2,2) layout's ring block
-    q = torch.randn(1, blk, h, cfg.head_dim)
-    k, v = (torch.randn(1, blk, 1, cfg.head_dim) for _ in range(2))
-    send = torch.randn(2 * blk * cfg.head_dim)  # one K/V block, fp32
+    partner = (dist.get_rank() + PER_NODE) % dist.get_world_size()
+    send = torch.randn(2 * (cfg.seq_len // 2) * cfg.head_dim)  # one K/V block, fp32
     recv = torch.empty_like(send)
-
-    def kernel():
-        with torch.no_grad():
-            local_attention(q, k, v, causal=False, kernel="torch")
-
-    def post():
-        return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, partner),
-                                       dist.P2POp(dist.irecv, recv, partner)])
-
-    kernel_s, comm_s, both_s = overlap_times(kernel, post, reps, warmup=1)
+    kernel_s, comm_s, both_s = overlap_times(_block_kernel(cfg),
+                                             lambda: _swap(send, recv, partner), reps, warmup=1)
     med = statistics.median
     return dict(share=overlap_share(kernel_s, comm_s, both_s), kernel_ms=med(kernel_s) * 1e3,
                 transfer_ms=med(comm_s) * 1e3, both_ms=med(both_s) * 1e3)
+
+
+def measure_latency(reps: int = 15, nbytes: int = 1024) -> dict:
+    """{link: seconds} of one small (``nbytes``) ring-step exchange with a partner on the
+    same node (``intra``) and on the other node (``inter``): median over ``reps`` of the
+    slowest rank's time, barriers between (the message start-up ``ClusterSpec`` calls
+    ``*_latency_s``)."""
+    from .timing import timed
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    send, recv = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    res = {}
+    for link, partner in (("intra", rank ^ 1), ("inter", (rank + PER_NODE) % world)):
+        def step(partner=partner):
+            for req in _swap(send, recv, partner):
+                req.wait()
+
+        step()  # connection set-up
+        res[link] = statistics.median(timed(step, reps))
+    return res
+
+
+def chunk_case(layout: str, chunks: int) -> str:
+    """The (f) case name of ``layout`` (a ``CHUNK_LAYOUTS`` name) at ``chunks`` stages."""
+    return f"{layout} c={chunks}"
+
+
+def measure_chunks(cfg: ClusterBench, stack: ExitStack) -> dict:
+    """(f): attention fwd+bwd of every ``CHUNK_LAYOUTS`` layout at every legal
+    ``a2a_chunks``, interleaved with the dense case, plus per case the ulysses time the
+    compute was blocked on (``a2a_exposed_ms``), the ulysses transfer time that ran behind
+    compute (``a2a_hidden_ms``) and the ring's blocked time, per call, mean over ranks."""
+    cases = [Case(chunk_case(name, c), u, r, pl, a2a_chunks=c)
+             for name, u, r, pl in CHUNK_LAYOUTS for c in cfg.legal_chunks(u)]
+    sent, comms = {}, {}
+    calls = attention_calls(cfg, cfg.seq_len, [*cases, DENSE], stack, sent, comms)
+    for comm in comms.values():
+        comm.reset()  # from here: the timed calls only
+    _log(f"timing {len(calls)} attention cases x {cfg.iters} rounds (a2a_chunks)")
+    times = time_cases(calls, cfg.iters, cfg.warmup)
+    n = cfg.iters + cfg.warmup
+    split = mean_over_ranks([[comms[k].exposed_s["ulysses"], comms[k].hidden_s["ulysses"],
+                              comms[k].exposed_s["ring"]] for k in comms])
+    return dict(attention_ms=times, bytes=sent, split={
+        k: dict(a2a_exposed_ms=e / n * 1e3, a2a_hidden_ms=h / n * 1e3,
+                ring_exposed_ms=g / n * 1e3) for k, (e, h, g) in zip(comms, split)})
 
 
 def _log(msg: str) -> None:
@@ -192,14 +253,18 @@ def measure(cfg: ClusterBench, phase: str) -> dict:
         res = {"links": {"intra": p2p_rate(cfg.link_bytes, 0, 1),
                          "inter": p2p_rate(cfg.link_bytes, 0, PER_NODE)}}
         _log(f"links: {res['links']}")
-        if phase == "main":
+        if phase in ("main", "chunks"):
+            res["latency"] = measure_latency()
             res["overlap"] = measure_overlap(cfg)
-            _log(f"overlap: {res['overlap']}")
-        cases, sent = MAIN_CASES if phase == "main" else PLACEMENT_CASES, {}
-        calls = attention_calls(cfg, cfg.seq_len, cases, stack, sent)
-        _log(f"timing {len(calls)} attention cases x {cfg.iters} rounds")
-        res["attention_ms"] = time_cases(calls, cfg.iters, cfg.warmup)
-        res["bytes"] = sent
+            _log(f"latency: {res['latency']}, overlap: {res['overlap']}")
+        if phase == "chunks":
+            res.update(measure_chunks(cfg, stack))
+        else:
+            cases, sent = MAIN_CASES if phase == "main" else PLACEMENT_CASES, {}
+            calls = attention_calls(cfg, cfg.seq_len, cases, stack, sent)
+            _log(f"timing {len(calls)} attention cases x {cfg.iters} rounds")
+            res["attention_ms"] = time_cases(calls, cfg.iters, cfg.warmup)
+            res["bytes"] = sent
     if phase == "main":
         res["saved_bytes"] = saved_activation_bytes(cfg.mem_seq_len)
     res["hosts"] = [None] * dist.get_world_size()
@@ -207,7 +272,12 @@ def measure(cfg: ClusterBench, phase: str) -> dict:
     return res
 
 
-PHASES = ("main", "placement", "ring")
+PHASES = ("main", "placement", "ring", "chunks")
+
+
+def result_file(phase: str) -> str:
+    """The file rank 0 writes into ``out`` for ``phase``."""
+    return "worker.json" if phase in ("main", "placement") else f"worker_{phase}.json"
 
 
 def main(argv: list[str]) -> int:
@@ -220,8 +290,7 @@ def main(argv: list[str]) -> int:
     try:
         res = measure(cfg, argv[1])
         if dist.get_rank() == 0:
-            name = "worker_ring.json" if argv[1] == "ring" else "worker.json"
-            Path(cfg.out, name).write_text(json.dumps(res, indent=2))
+            Path(cfg.out, result_file(argv[1])).write_text(json.dumps(res, indent=2))
         dist.barrier()
     finally:
         dist.destroy_process_group()
