@@ -41,10 +41,10 @@ from ..config import ModelConfig
 from ..ulysses import check_a2a_chunks
 from ..validate import BALANCES, check_heads, head_split
 from .cluster import ClusterSpec, GroupSpan, group_span
+from .memory import CheckpointPolicy, memory_split
 from .traffic import attention_bytes, ring_kv_heads
 
 FP32 = 4  # bytes: LSE, merge accumulators, dK/dV in flight, logits for the loss
-OPTIM_BYTES = 12  # bytes/param: fp32 master weights + Adam m and v
 FLASH_BWD = 2.5  # flash-attention backward FLOPs / forward FLOPs (recomputes P)
 
 
@@ -90,13 +90,6 @@ def layer_params(model: ModelConfig) -> int:
 def layer_matmul_params(model: ModelConfig) -> int:
     """Weights one token multiplies through in a layer (``ModelConfig.layer_matmul_params``)."""
     return model.layer_matmul_params()
-
-
-def act_bytes_per_token_layer(model: ModelConfig, dtype_bytes: int) -> float:
-    """Activations one layer saves for backward per token (flash attention, SwiGLU):
-    norm in/out x2, q, out, o-proj out (7D), k, v, gate/up/act/down-in (4F), fp32 LSE."""
-    kv = 2 * model.n_kv_heads * model.head_dim
-    return (7 * model.dim + kv + 4 * model.ffn_dim) * dtype_bytes + model.n_heads * FP32
 
 
 def ring_step_link(cluster: ClusterSpec, span: GroupSpan) -> tuple[float, float]:
@@ -289,8 +282,9 @@ def estimate(
 ) -> StepCost:
     """Predict one step of ``global_batch`` sequences of ``seq_len`` tokens.
 
-    Each dp rank runs ``global_batch / dp`` sequences one after another (one sequence per
-    micro-batch); memory is for one micro-batch, on the busiest ulysses rank when the
+    Each dp rank runs ``global_batch / dp`` sequences in one forward (the trainer's batch
+    dimension; timed as that many sequences); memory (``usp.planner.memory.memory_split``)
+    holds all of them at once, on the busiest ulysses rank when the
     heads split unevenly. ``a2a_chunks``: pipeline stages of the ulysses all-to-alls
     (``attention_cost``). Raises ``ValueError`` when the heads cannot split over
     ``ulysses`` (see ``usp.validate.head_split``) or into ``a2a_chunks`` stages.
@@ -299,7 +293,6 @@ def estimate(
     world = dp * P
     hq, hkv, hd, D = model.n_heads, model.n_kv_heads, model.head_dim, model.dim
     kv = check_heads(hq, hkv, u)
-    hq_u = max(head_split(hq, hkv, u).q_counts)  # query heads on the busiest ulysses rank
     seqs = global_batch / dp  # micro-batches of one sequence per dp rank
     T = L / P  # tokens per rank
     rate = cluster.peak_flops * cluster.mfu  # FLOP/s
@@ -336,26 +329,9 @@ def estimate(
     grad_exposed = max(grad_s / nl, grad_s - compute_s) if grad_s else 0.0
     step_s = seqs * per_seq + grad_exposed
 
-    # ---- memory per rank, one micro-batch -----------------------------------------------
-    state_per_param = 2 * dtype_bytes + OPTIM_BYTES  # param + grad + fp32 optimizer
-    if fsdp:  # sharded over every rank, plus the current and the prefetched layer gathered
-        mem_state = state_per_param * n_params / world + 2 * layer_params(model) * dtype_bytes
-    else:
-        mem_state = state_per_param * n_params
-    per_tok_layer = act_bytes_per_token_layer(model, dtype_bytes)
-    if act_checkpoint:  # layer inputs kept, one layer's activations rebuilt at a time
-        acts = nl * T * D * dtype_bytes + T * per_tok_layer
-    else:
-        acts = nl * T * per_tok_layer
-    blk = L / r  # tokens per ring segment
-    attn_buf = blk * hd * (
-        (2 * hq_u + 2 * kv) * dtype_bytes  # q, out, k, v in head layout
-        + 2 * 2 * kv * dtype_bytes  # next K/V block (double buffer)
-        + hq_u * FP32  # fp32 output accumulator
-        + 2 * 2 * kv * FP32  # fp32 dK/dV accumulator and the one in flight
-    )
-    logits = T * model.vocab_size * (dtype_bytes + FP32)  # logits and fp32 loss copy
-    mem_act = acts + attn_buf + logits
+    # ---- memory per rank: usp.planner.memory ------------------------------------------------
+    mem = memory_split(model, L, dp, r, u, batch=max(1, global_batch // dp),
+                       dtype_bytes=dtype_bytes, fsdp=fsdp, policy=CheckpointPolicy(act_checkpoint))
 
     return StepCost(
         dp=dp,
@@ -374,9 +350,9 @@ def estimate(
         step_s=step_s,
         a2a_bytes=sent_f["ulysses"] + sent_b["ulysses"],
         ring_bytes=sent_f["ring"] + sent_b["ring"],
-        mem_bytes=mem_state + mem_act,
-        mem_state_bytes=mem_state,
-        mem_act_bytes=mem_act,
+        mem_bytes=mem.total,
+        mem_state_bytes=mem.state,
+        mem_act_bytes=mem.activations + mem.attention + mem.mlp + mem.logits,
         a2a_link=att.a2a_link,
         ring_link=att.ring_link,
         a2a_chunks=att.a2a_chunks,
