@@ -42,7 +42,10 @@ def auto_cfg() -> RunConfig:
                        inter_bw=50e9, peak_flops=989e12, mem_bytes=80 * 2**30, mfu=0.5,
                        hbm_bw=3.35e12)
     return RunConfig(model=ModelConfig(n_heads=8, n_kv_heads=8),
-                     parallel=ParallelConfig(ulysses_degree="auto", ring_degree="auto"),
+                     # dp fixed at 1: the planner chooses between the two SP degrees,
+                     # which is what differs with the detected topology
+                     parallel=ParallelConfig(ulysses_degree="auto", ring_degree="auto",
+                                             dp_degree=1),
                      cluster=h100, data=RecallData(seq_len=16384, batch_per_dp_rank=1),
                      trainer=TrainerConfig(nprocs=2, device="cpu"))
 
