@@ -6,7 +6,8 @@ import torch
 
 from usp.bench.memory import LiveTensorTracker, StepMemory, StepProbe, measure_run
 from usp.bench.memory_report import deviation, report
-from usp.bench.memory_sweep import FEATURES, MemoryBench, Point, Sweep, bracket, longest_fit
+from usp.bench.memory_sweep import (FEATURES, MemoryBench, Point, Sweep, bracket, longest_fit,
+                                    predict)
 from usp.launch import spawn_local
 
 F32 = 4
@@ -165,3 +166,6 @@ def test_measured_step_runs_on_ranks(tmp_path):
         assert step.peak > step.before > 0
     assert long.activations > short.activations  # 4x the tokens per rank
     assert long.peak > short.peak
+    for n, step in ((32, short), (128, long)):  # the planner's peak, from shapes alone
+        planned = predict(TINY, Point("baseline", n, 2, 2, step)).total
+        assert 0.85 <= planned / step.peak <= 1.15, (n, planned / step.peak)

@@ -82,6 +82,15 @@ def test_state_and_peak():
     assert split().peak_at == "loss" and split().dominant == "logits"
 
 
+def test_short_sequences_peak_at_the_embedding_backward_whatever_the_length():
+    # the root's gathered weight and gradients outweigh a few tokens' activations
+    short, shorter = split(seq_len=64, batch=1), split(seq_len=32, batch=1)
+    assert short.peak_at == shorter.peak_at == "backward of the embedding"
+    assert short.total == shorter.total and short.state == short.total
+    # tied: the gathered weight, its LM-head and lookup gradients and their sum, all fp32
+    assert M.tie_embeddings and short.state > 4 * M.vocab_size * M.dim * 4
+
+
 def test_attention_buffers_depend_on_the_kernel():
     args = (L, R, U, M.n_heads, M.n_kv_heads, M.head_dim)
     flash = attention_buffers(*args, 4, "torch", "cpu")

@@ -16,6 +16,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+# torch 2.11-2.13 ``torch/utils/_python_dispatch.py`` (private): the base class of Python
+# dispatch modes (``__torch_dispatch__(func, types, args, kwargs)``, entered with ``with``);
+# ``usp.bench.memory.LiveTensorTracker`` subclasses it.
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
+
 
 class CudaSdpaOps(NamedTuple):
     """The four aten ops behind ``TorchKernel`` on CUDA (schemas as in torch 2.11-2.13).

@@ -26,8 +26,7 @@ import ctypes
 import gc
 import time
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -35,9 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-# private module, read in torch 2.11-2.13: the base class of Python dispatch modes
-from torch.utils._python_dispatch import TorchDispatchMode
-
+from ..compat import TorchDispatchMode
 from ..config import RunConfig
 
 MIB = 2**20
@@ -179,7 +176,7 @@ class StepMemory:
 
 
 class StepProbe:
-    """Stands in for the trainer's ``PeakMemory``: ``start()`` at the step start,
+    """The trainer's ``memory_probe`` (``train(cfg, memory_probe=...)``): ``start()`` at the step start,
     ``peak_mb()`` at its end; appends a ``StepMemory`` per step to ``records``.
 
     ``tracker``: CPU runs (None: no tensor tracking, e.g. for timing); on CUDA the
@@ -220,19 +217,6 @@ class StepProbe:
         return peak / MIB
 
 
-@contextmanager
-def _trainer_probe(factory: Callable[[torch.device], StepProbe]):
-    """The trainer builds ``factory(device)`` as its per-step memory probe while inside."""
-    from ..train import trainer
-
-    saved = trainer.PeakMemory
-    trainer.PeakMemory = factory
-    try:
-        yield
-    finally:
-        trainer.PeakMemory = saved
-
-
 def measure_run(cfg: RunConfig, track: bool = True) -> list[StepMemory]:
     """Train ``cfg`` on this process group (collective: every rank calls it with the same
     ``cfg``) and return every step's record on the busiest rank (largest ``peak``, or the
@@ -245,12 +229,14 @@ def measure_run(cfg: RunConfig, track: bool = True) -> list[StepMemory]:
     tracker = LiveTensorTracker(device.type) if track and device.type == "cpu" else None
     from ..train.trainer import train
 
-    with _trainer_probe(lambda dev: StepProbe(dev, tracker, rss_idle, records)):
-        if tracker is None:
-            train(cfg)
-        else:
-            with tracker:
-                train(cfg)
+    def probe(dev: torch.device) -> StepProbe:
+        return StepProbe(dev, tracker, rss_idle, records)
+
+    if tracker is None:
+        train(cfg, memory_probe=probe)
+    else:
+        with tracker:
+            train(cfg, memory_probe=probe)
     return_free_heap()
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, [asdict(r) for r in records])

@@ -15,7 +15,11 @@ Terms of ``MemorySplit`` (each is its own largest size over the step):
   root module (embedding, final norm, LM head) from forward to the end of backward (FSDP2
   keeps the root unsharded after forward) and two blocks (the current one and the
   prefetched one); in backward also one block's unsharded gradients (``a``, plus the fp32
-  copy reduce-scatter sends when ``a < 4``) and the root's. Without ``fsdp``: ``16 N``.
+  copy reduce-scatter sends when ``a < 4``) and the root's. At the embedding's backward
+  (the last op of backward): the root gathered and its unsharded gradients (``2 a root``),
+  the blocks' gradients sharded, one block gathered; tied embeddings add ``2 a V D`` (the
+  LM head's and the lookup's gradients of the one weight and their sum are live at once).
+  Without ``fsdp``: ``16 N`` (+ ``2 a V D`` tied).
 - ``activations``: what autograd holds at the end of forward. Per token of a layer: two
   RMSNorms (fp32 input copy, fp32 normalised, output: ``(8 + a) D`` each), RoPE's fp32
   q and k (``4 (Hq + Hkv) d``), the o-projection input (``a Hq d``), the MLP's gate, SiLU,
@@ -187,8 +191,15 @@ def memory_split(model: ModelConfig, seq_len: int, dp: int, ring: int, ulysses: 
         gathered = (root + 2 * block) * a
         state_f = sharded - 4 * n / world + gathered  # no gradients before backward
         state_b = sharded + gathered + block * (a + low) + root * a
+        # the embedding's backward: the root gathered, its unsharded gradients, the blocks'
+        # gradients already sharded, one block still gathered; tied, the embedding's two
+        # gradients (LM head, lookup) and their sum are live at once
+        emb = V * D
+        state_e = ((ADAM_STATE - 4) * n / world + 4 * (n - root) / world + block * a
+                   + 2 * root * a + (2 * emb * a if m.tie_embeddings else 0))
     else:
         state_f, state_b = ADAM_STATE * n - 4 * n, ADAM_STATE * n
+        state_e = state_b + (2 * V * D * a if m.tie_embeddings else 0)
 
     # ---- activations per layer (bytes per sequence) --------------------------------------
     norm = (8 + a) * D * T
@@ -243,8 +254,9 @@ def memory_split(model: ModelConfig, seq_len: int, dp: int, ring: int, ulysses: 
         attn_now = attn_part if whole or not ck or policy.part != "attention" else 0.0
         moments[f"backward of layer {i}'s MLP"] = held + B * (attn_now + mlp_part + mlp_b)
         moments[f"backward of layer {i}'s attention"] = held + B * attn_part + B * ab
+    moments["backward of the embedding"] = state_e
     peak_at = max(moments, key=moments.get)
-    state = max(state_f, state_b)
+    state = max(state_f, state_b, state_e)
     return MemorySplit(state=state, activations=activations, attention=attention, mlp=mlp,
                        logits=logits, total=moments[peak_at], peak_at=peak_at)
 

@@ -138,7 +138,8 @@ def _hf_model(cfg: RunConfig, mesh: SPMesh, layout: SequenceLayout, a2a_chunks: 
 FaultHook = Callable[[int, torch.Tensor], torch.Tensor]
 
 
-def train(cfg: RunConfig, fault_hook: FaultHook | None = None) -> dict:
+def train(cfg: RunConfig, fault_hook: FaultHook | None = None,
+          memory_probe: Callable[[torch.device], PeakMemory] = PeakMemory) -> dict:
     """Train ``cfg.trainer.steps`` steps; returns the summary of the last step (every rank).
 
     Faults (``usp.train.faults``): a signal in ``trainer.preempt_signals`` on any rank makes
@@ -147,7 +148,8 @@ def train(cfg: RunConfig, fault_hook: FaultHook | None = None) -> dict:
     ``NonFiniteError`` before the optimizer step (``trainer.on_nonfinite=stop``) or skips the
     step (``skip``). ``fault_hook(step, loss_sum) -> loss_sum`` (tests): called on every rank
     with the 1-based step and this rank's loss sum before backward; it may send a signal or
-    return a changed loss.
+    return a changed loss. ``memory_probe(device)`` builds the per-step memory probe
+    (``start()`` at each step start, ``peak_mb()`` after the optimizer step).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
@@ -213,7 +215,7 @@ def train(cfg: RunConfig, fault_hook: FaultHook | None = None) -> dict:
         # The handlers only set a flag; the previous ones are back however the loop ends.
         with Preemption(tc.preempt_signals) as preemption:
             summary = _loop(cfg, start, model, opt, sched, data, mesh, positions, device,
-                            logger, bar, guard, preemption, fault_hook)
+                            logger, bar, guard, preemption, fault_hook, memory_probe)
     except BaseException:  # Preempted, NonFiniteError, a lost peer: flush what was logged
         if bar is not None:
             bar.close()
@@ -245,7 +247,8 @@ def train(cfg: RunConfig, fault_hook: FaultHook | None = None) -> dict:
 
 def _loop(cfg: RunConfig, start: int, model, opt, sched, data, mesh: SPMesh, positions, device,
           logger: MetricsLogger, bar, guard: NonFiniteGuard, preemption: Preemption,
-          fault_hook: FaultHook | None) -> dict:
+          fault_hook: FaultHook | None, memory_probe: Callable[[torch.device], PeakMemory]
+          ) -> dict:
     """Steps ``start`` .. ``trainer.steps`` - 1; returns the last step's summary."""
     tc, oc = cfg.trainer, cfg.optim
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -254,7 +257,7 @@ def _loop(cfg: RunConfig, start: int, model, opt, sched, data, mesh: SPMesh, pos
     n_shard = mesh.submesh("dp_sp").size()
     tokens_per_step = cfg.data.global_batch(mesh.dp) * cfg.data.seq_len
     flops = flops_per_token(cfg.model, cfg.data.seq_len)
-    peak_mem = PeakMemory(device)
+    peak_mem = memory_probe(device)
     summary: dict = {}
     for step in range(start, tc.steps):
         t0 = time.perf_counter()
