@@ -35,6 +35,9 @@ def parse_args(argv=None) -> tuple[MemoryBench, bool, argparse.Namespace]:
     p.add_argument("--resolution", type=int, default=None, help="bisection step (tokens per rank)")
     p.add_argument("--no-weak", action="store_true", help="skip the weak-scaling runs")
     p.add_argument("--weak-only", action="store_true", help="only the weak-scaling runs")
+    p.add_argument("--weak-per-rank", type=int, default=None,
+                   help=f"tokens per rank of the weak-scaling runs (default "
+                        f"{MemoryBench.weak_per_rank})")
     p.add_argument("--threads", type=int, default=None, help="intra-op threads per rank")
     p.add_argument("--plot", type=Path, default=None, help="write the curves to this PNG")
     p.add_argument("--save", type=Path, default=None, help="write the points to this JSON")
@@ -49,6 +52,8 @@ def parse_args(argv=None) -> tuple[MemoryBench, bool, argparse.Namespace]:
         preset["budget_mib"] = args.budget_mib
     if args.resolution is not None:
         preset["resolution"] = args.resolution
+    if args.weak_per_rank is not None:
+        preset["weak_per_rank"] = args.weak_per_rank
     try:
         return MemoryBench(**preset, threads=args.threads), weak, args
     except ValueError as e:  # refuse before any process starts
