@@ -201,7 +201,6 @@ class Transformer(nn.Module):
             raise ValueError("offload parks the inputs activation checkpoints keep; pass "
                              "checkpoint_activations=True with it")
         self.cfg = cfg
-        self.checkpoint_activations = checkpoint_activations
         self.offload = offload
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg, attn_fn, cfg.layer_window(i))
