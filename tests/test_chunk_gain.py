@@ -4,6 +4,8 @@ and ``best_a2a_chunks`` choosing what ``attention_cost`` ranks first."""
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from usp.bench.cluster import ClusterBench, chunk_train_counts
@@ -93,6 +95,32 @@ def test_report_of_a_chunks_only_run(tmp_path):
     text = (tmp_path / "tables.txt").read_text()
     assert "(f) pipelined all-to-all across nodes" in text and "(f) usp-train step" in text
     assert (tmp_path / "f_a2a_chunks.png").stat().st_size > 1000
+
+
+def test_report_adds_the_one_rank_per_node_cluster_and_the_steps_comm_share(tmp_path):
+    ms = {"(4,1) c=1": 700.0, "(4,1) c=2": 480.0, "(2,2) ring_inner c=1": 490.0,
+          "(2,2) ring_inner c=2": 495.0, "(2,2) ring_inner c=3": 520.0,
+          "(2,2) ring_inner c=4": 560.0, "dense P=1": 1076.0}
+    w = worker_chunks(ms)
+    solo_ms = {"(2,1) 1 rank/node c=1": 320.0, "(2,1) 1 rank/node c=2": 218.0,
+               "(2,1) 1 rank/node c=3": 214.0, "(2,1) 1 rank/node c=4": 189.0,
+               "dense P=1": 370.0}
+    solo = {**worker_chunks(solo_ms), "hosts": ["n0", "n1"]}
+    # the 2 x 2 picks do not name the 2 x 1 layout, and the other way round
+    assert set(chunk_picks(CFG, w)) == {"(4,1)", "(2,2) ring_inner"}
+    picks = chunk_picks(CFG, solo, per_node=1)
+    assert set(picks) == {"(2,1) 1 rank/node"}
+    c = picks["(2,1) 1 rank/node"]["train"]
+    w["solo"] = {**solo, "train": {"(2,1) 1 rank/node": {"1": [1.5, 1.52], str(c): [1.2, 1.25]}},
+                 "train_share": {"(2,1) 1 rank/node": {"1": [0.29, 0.31], str(c): [0.1, 0.12]}}}
+    s, lines = report(CFG, {"chunks": w}, {}, tmp_path)
+    v = s["chunks"]["(2,1) 1 rank/node"]
+    assert v["attention"]["gain"][4] == pytest.approx(320.0 / 189.0)
+    assert v["train"]["gain"][c] == pytest.approx(statistics.median([1.5 / 1.2, 1.52 / 1.25]))
+    row = next(ln.split() for ln in lines  # the step table's row (only it has a % column)
+               if ln.split()[:4] == ["(2,1)", "1", "rank/node", str(c)] and "%" in ln)
+    assert row[-1] == "11.0%"  # the step's attention-communication share, median of passes
+    assert any("one rank per core" in ln for ln in lines)
 
 
 def test_measured_latency_reaches_the_planners_choice(tmp_path):

@@ -221,6 +221,15 @@ def ring_backward(dout, q, k, v, out, lse, comm: RingComm | None, rank: int, siz
     goes to the block's owner, which meanwhile runs the "later" part of its diagonal.
     """
     plan = _plan(plan, rank, size, q.shape[1], causal, balance)
+    hops, whole = plan.hops, slice(0, q.shape[1])
+    if not hops and len(diag := plan.diagonal()) == 1 and diag[0].qs == diag[0].ks == whole:
+        # one kernel call holds every gradient (pure ulysses, or a window within the
+        # segment): no accumulators, no K/V stack; the same values as the general path
+        _count(stats, "backward", 0, diag)
+        p = diag[0]
+        args = (dout, q, k, v, out, lse, p.causal, scale)
+        grads = kernel.backward(*args) if p.mask is None else kernel.backward(*args, mask=p.mask)
+        return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     own = torch.stack([k, v])  # [2, B, S, Hkv, d]
     dkv_own = torch.zeros(own.shape, dtype=torch.float32, device=q.device)
@@ -235,7 +244,6 @@ def ring_backward(dout, q, k, v, out, lse, comm: RingComm | None, rank: int, siz
             dkv[0][:, p.ks] += grads[1]
             dkv[1][:, p.ks] += grads[2]
 
-    hops = plan.hops
     now, later = plan.diagonal_split() if hops else (plan.diagonal(), [])
     _count(stats, "backward", 0, now + later)
     kv_pending = comm.start(own, tag=0) if hops else None

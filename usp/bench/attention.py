@@ -23,7 +23,10 @@ contiguous L/N slices). Before timing, every row's gathered output is compared w
 first row's, and so are the input gradients, so a fast but wrong config cannot hide in
 the table (column ``max|diff|``). ``a2a exp``/``a2a hid``: ulysses all-to-all ms per call
 (mean over ranks and rounds) waited for / travelling beside compute (``CommStats``'s
-``exposed_s``/``hidden_s``); ``exp %``: exposed share of the row's mean. ``vs DS``: mean /
+``exposed_s``/``hidden_s``); ``exp %``: exposed share of the row's mean; ``cpu ms``:
+the process's CPU time per call (all its threads, gloo's included), mean over ranks and
+rounds; when the processes outnumber the cores, wall time follows it, and a transfer can
+only hide behind another rank's compute. ``vs DS``: mean /
 DeepSpeed's mean; the summary adds the ratio of medians, of minima, and the median of
 per-round ratios, per ``a2a_chunks`` of the pure-ulysses layout.
 
@@ -38,6 +41,7 @@ import json
 import os
 import platform
 import tempfile
+import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -167,6 +171,7 @@ class Row:
     a2a_chunks: int = 1
     a2a_exposed_ms: list[float] = field(default_factory=list)  # per timed round
     a2a_hidden_ms: list[float] = field(default_factory=list)
+    cpu_ms: list[float] = field(default_factory=list)  # process CPU per call, all its threads
 
     def stats(self) -> dict:
         t = torch.tensor(self.times_ms, dtype=torch.float64)
@@ -175,8 +180,10 @@ class Row:
                    median_ms=t.median().item())
         exp, hid = (sum(x) / len(x) if x else None
                     for x in (self.a2a_exposed_ms, self.a2a_hidden_ms))
+        cpu = sum(self.cpu_ms) / len(self.cpu_ms) if self.cpu_ms else None
         return dict(out, a2a_exposed_mean_ms=exp, a2a_hidden_mean_ms=hid,
-                    a2a_exposed_share=None if exp is None else exp / out["mean_ms"])
+                    a2a_exposed_share=None if exp is None else exp / out["mean_ms"],
+                    cpu_mean_ms=cpu)
 
 
 # ---- one rank -----------------------------------------------------------------------------
@@ -272,8 +279,11 @@ def _measure_rows(bench: AttentionBench, configs, tensors, say) -> list[Row]:
             t.grad = None
         if comm is not None:
             seen = comm.exposed_s["ulysses"], comm.hidden_s["ulysses"]
+        cpu0 = time.process_time()
         out = call(*inputs)
         out.backward(dout_l)
+        if row is not None:
+            row.cpu_ms.append((time.process_time() - cpu0) * 1e3)
         if comm is not None:  # this call's ulysses time, waited for and hidden
             row.a2a_exposed_ms.append((comm.exposed_s["ulysses"] - seen[0]) * 1e3)
             row.a2a_hidden_ms.append((comm.hidden_s["ulysses"] - seen[1]) * 1e3)
@@ -304,6 +314,9 @@ def _measure_rows(bench: AttentionBench, configs, tensors, say) -> list[Row]:
                              for row in timed])  # the timed rounds': [rows][2][iters]
     for row, (exposed, hidden) in zip(timed, spans):
         row.a2a_exposed_ms, row.a2a_hidden_ms = exposed, hidden
+    cpu = mean_over_ranks([row.cpu_ms[-bench.iters:] for row, *_rest in prepared])
+    for (row, *_rest), ms in zip(prepared, cpu):
+        row.cpu_ms = ms
     return [p[0] for p in prepared]
 
 
@@ -346,7 +359,8 @@ def format_report(result: dict) -> str:
                  f"threads/proc={a['threads']} iters={a['iters']} "
                  f"(max over ranks per iteration)"]
     head = (f"{'config':<21} {'mean ms':>10} {'std ms':>9} {'min ms':>10} {'median ms':>10} "
-            f"{'vs DS':>7} {'max|diff|':>10} {'a2a exp':>8} {'a2a hid':>8} {'exp %':>6}")
+            f"{'vs DS':>7} {'max|diff|':>10} {'a2a exp':>8} {'a2a hid':>8} {'exp %':>6} "
+            f"{'cpu ms':>7}")
     lines += [head, "-" * len(head)]
     for r in result["rows"]:
         ratio = r["ratio_to_deepspeed"]
@@ -354,9 +368,11 @@ def format_report(result: dict) -> str:
         a2a = (f" {r['a2a_exposed_mean_ms']:8.1f} {r['a2a_hidden_mean_ms']:8.1f} "
                f"{100 * r['a2a_exposed_share']:6.1f}" if r.get("a2a_exposed_share") is not None
                else f" {'-':>8} {'-':>8} {'-':>6}")
+        cpu = r.get("cpu_mean_ms")
         lines.append(f"{r['name']:<21} {r['mean_ms']:10.1f} {r['std_ms']:9.1f} "
                      f"{r['min_ms']:10.1f} {r['median_ms']:10.1f} {rtxt} "
-                     f"{r['max_abs_diff']:10.2e}{a2a}")
+                     f"{r['max_abs_diff']:10.2e}{a2a} "
+                     + (f"{cpu:7.1f}" if cpu is not None else f"{'-':>7}"))
     n, by_chunks = a["nprocs"], result.get("usp_over_deepspeed_by_chunks")
     if by_chunks:
         lines.append("")

@@ -14,7 +14,11 @@
    alternating order, the lowest median kept, beside the planner's ranking on a
    ClusterSpec made of the measured figures (``cluster_report.planner_spec``);
 3. (c) once more on a 2-node x 1-rank cluster at the same rates (phase ``ring``): one
-   process per core, so a waiting rank idles its core the way a waiting GPU idles.
+   process per core, so a waiting rank idles its core the way a waiting GPU idles;
+4. with ``a2a_chunks`` (or ``only_chunks``): (f) the pipelined all-to-all
+   (``measure_chunks``), the ulysses group across the link, on 2 x 2 at (4,1) and (2,2)
+   ``ring_inner`` and on 2 x 1 at (2,1): attention at every legal count, usp-train at
+   the asked ones.
 
 ``report`` (``usp.bench.cluster_report``) turns the results into tables and PNGs;
 everything is saved to ``OUT/results.json``.
@@ -38,9 +42,18 @@ TRAIN_CASES = (("(2,2) ulysses_inner", 2, 2, "ulysses_inner"),
                ("(2,2) ring_inner", 2, 2, "ring_inner"),
                ("(4,1)", 4, 1, "ulysses_inner"), ("(1,4)", 1, 4, "ulysses_inner"))
 DEGREES = ((4, 1), (2, 2), (1, 4), (1, 2))  # every (ulysses, ring) the benchmarks run
-# (f): layouts whose ulysses all-to-all crosses the inter-node link, (name, u, r, placement)
-CHUNK_LAYOUTS = (("(4,1)", 4, 1, "ulysses_inner"), ("(2,2) ring_inner", 2, 2, "ring_inner"))
+# (f): layouts whose ulysses all-to-all crosses the inter-node link, (name, u, r, placement,
+# ranks per node of the cluster they run on): 2 x 2 (two ranks share a core) and 2 x 1 (one
+# rank per core, so a transfer can only hide behind the rank's own compute)
+CHUNK_LAYOUTS = (("(4,1)", 4, 1, "ulysses_inner", PER_NODE),
+                 ("(2,2) ring_inner", 2, 2, "ring_inner", PER_NODE),
+                 ("(2,1) 1 rank/node", 2, 1, "ulysses_inner", 1))
 MAX_CHUNKS = 8  # best_a2a_chunks' default bound
+
+
+def chunk_layouts(per_node: int = PER_NODE) -> tuple:
+    """The ``CHUNK_LAYOUTS`` of the 2-node cluster with ``per_node`` ranks per node."""
+    return tuple(x for x in CHUNK_LAYOUTS if x[4] == per_node)
 
 
 @dataclass(frozen=True)
@@ -103,7 +116,7 @@ class ClusterBench:
         self._check_chunks()
 
     def _check_chunks(self) -> None:
-        legal = {c for _, u, _, _ in CHUNK_LAYOUTS for c in self.legal_chunks(u)}
+        legal = {c for _, u, *_ in CHUNK_LAYOUTS for c in self.legal_chunks(u)}
         bad = [c for c in self.a2a_chunks if c != "auto" and c not in legal]
         if bad:
             raise ValueError(f"a2a_chunks {bad} fit no layout of {[n for n, *_ in CHUNK_LAYOUTS]}"
@@ -158,8 +171,10 @@ def run_phase(cluster: SimCluster, cfg: ClusterBench, phase: str, echo: bool = T
 
 
 def train_step_s(cluster: SimCluster, cfg: ClusterBench, tag: str, overrides: list[str]
-                 ) -> float:
-    """Median ``step_s`` of a ``usp-train`` run on ``cluster`` (its first step dropped)."""
+                 ) -> dict:
+    """A ``usp-train`` run on ``cluster``, medians over its steps (the first dropped):
+    ``step_s`` and ``attn_comm_share`` (the step's share blocked in attention
+    communication, ulysses and ring)."""
     run_dir = Path(cfg.out) / f"train_{tag}"
     cmd = ["-m", "usp.cli", *overrides, "parallel.ranks_per_node=null",
            f"data.seq_len={cfg.train_seq_len}", f"data.batch_per_dp_rank={cfg.train_batch}",
@@ -171,18 +186,20 @@ def train_step_s(cluster: SimCluster, cfg: ClusterBench, tag: str, overrides: li
         raise RuntimeError(f"bench_cluster: training {tag} failed ({r.returncode}):\n"
                            f"{r.output[-3000:]}")
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
-    return statistics.median([row["step_s"] for row in rows if "step_s" in row][1:])
+    steps = [row for row in rows if "step_s" in row][1:]
+    return {k: statistics.median(row[k] for row in steps) for k in ("step_s", "attn_comm_share")}
 
 
 def _alternating(cluster: SimCluster, cfg: ClusterBench, cases: list, log) -> dict:
-    """{key: [median step s of each pass]} of ``cases`` = [(key, label, tag, usp-train
+    """{key: [``train_step_s`` of each pass]} of ``cases`` = [(key, label, tag, usp-train
     overrides)] over ``train_passes`` passes, the order reversed every other pass so that
     drift hits every case alike."""
     steps: dict = {}
     for pas in range(cfg.train_passes):
         for key, label, tag, overrides in cases if pas % 2 == 0 else cases[::-1]:
             got = train_step_s(cluster, cfg, f"{tag}_p{pas}", overrides)
-            log(f"usp-train {label} pass {pas}: median step {got:.3f} s")
+            log(f"usp-train {label} pass {pas}: median step {got['step_s']:.3f} s, attention "
+                f"comm {got['attn_comm_share']:.1%} of it")
             steps.setdefault(key, []).append(got)
     return steps
 
@@ -193,39 +210,49 @@ def train_all(cluster: SimCluster, cfg: ClusterBench, log: Callable[[str], None]
         (name, name, f"{u}x{r}_{pl}", [f"parallel.ulysses_degree={u}",
                                        f"parallel.ring_degree={r}", f"parallel.placement={pl}"])
         for name, u, r, pl in TRAIN_CASES], log)
-    return {name: min(passes) for name, passes in steps.items()}
+    return {name: min(p["step_s"] for p in passes) for name, passes in steps.items()}
 
 
 def chunk_train_counts(cfg: ClusterBench, picks: dict) -> dict:
-    """{layout name: the a2a_chunks its usp-train runs take}: ``cfg.a2a_chunks`` legal for
-    the layout, ``auto`` replaced by ``picks[layout]`` (the planner's count)."""
+    """{layout name: the a2a_chunks its usp-train runs take} for the layouts in ``picks``:
+    ``cfg.a2a_chunks`` legal for the layout, ``auto`` replaced by ``picks[layout]`` (the
+    planner's count)."""
     return {name: sorted({picks[name] if c == "auto" else c for c in cfg.a2a_chunks}
-                         & set(cfg.legal_chunks(u))) for name, u, _, _ in CHUNK_LAYOUTS}
+                         & set(cfg.legal_chunks(u))) for name, u, *_ in CHUNK_LAYOUTS
+            if name in picks}
 
 
 def train_chunks(cluster: SimCluster, cfg: ClusterBench, counts: dict,
                  log: Callable[[str], None]) -> dict:
-    """(f): {layout name: {a2a_chunks: [median step s per pass]}} of usp-train with the
-    benchmark's heads (``train_model``), every layout of ``CHUNK_LAYOUTS`` at ``counts``."""
-    cases = [((name, c), f"{name} a2a_chunks={c}", f"chunks_{u}x{r}_{pl}_c{c}",
+    """(f): {layout name: {a2a_chunks: [``train_step_s`` per pass]}} of usp-train with the
+    benchmark's heads (``train_model``), every layout in ``counts`` at its counts."""
+    cases = [((name, c), f"{name} a2a_chunks={c}", f"chunks_{u}x{r}_{pl}_n{n}_c{c}",
               [*cfg.train_model(), f"parallel.ulysses_degree={u}", f"parallel.ring_degree={r}",
                f"parallel.placement={pl}", f"parallel.a2a_chunks={c}"])
-             for name, u, r, pl in CHUNK_LAYOUTS for c in counts[name]]
+             for name, u, r, pl, n in CHUNK_LAYOUTS if name in counts for c in counts[name]]
     steps = _alternating(cluster, cfg, cases, log)
-    return {name: {c: steps[(name, c)] for c in counts[name]} for name, *_ in CHUNK_LAYOUTS}
+    return {name: {c: steps[(name, c)] for c in cs} for name, cs in counts.items()}
 
 
-def measure_chunks(cluster: SimCluster, cfg: ClusterBench, log: Callable[[str], None]) -> dict:
-    """(f) on a started 2 x 2 cluster: the ``chunks`` worker phase, the planner's counts on
-    a spec of its measurements, and usp-train at ``cfg.a2a_chunks`` (none when empty)."""
+def measure_chunks(cluster: SimCluster, cfg: ClusterBench, log: Callable[[str], None],
+                   per_node: int = PER_NODE, base: dict | None = None) -> dict:
+    """(f) on a started 2-node cluster of ``per_node`` ranks per node: the worker phase
+    (``chunks``, or ``chunks_solo`` on 2 x 1, which takes the links, latency and overlap
+    of ``base``, the 2 x 2 phase's result), the planner's counts on a spec of the
+    measurements, and usp-train at ``cfg.a2a_chunks`` (none when empty): ``train`` holds
+    the step s and ``train_share`` the attention-communication share per pass."""
     from .cluster_report import chunk_picks
 
-    w = run_phase(cluster, cfg, "chunks")
-    picks = chunk_picks(cfg, w)
+    w = run_phase(cluster, cfg, "chunks" if per_node == PER_NODE else "chunks_solo")
+    if base is not None:
+        w.update({k: base[k] for k in ("links", "latency", "overlap") if k in base})
+    picks = chunk_picks(cfg, w, per_node)
     log(f"planner a2a_chunks (attention, training): {picks}")
     counts = chunk_train_counts(cfg, {k: v["train"] for k, v in picks.items()})
-    w["train"] = {name: {str(c): s for c, s in by_c.items()}
-                  for name, by_c in train_chunks(cluster, cfg, counts, log).items()}
+    runs = train_chunks(cluster, cfg, counts, log)
+    for key, field in (("train", "step_s"), ("train_share", "attn_comm_share")):
+        w[key] = {name: {str(c): [p[field] for p in passes] for c, passes in by_c.items()}
+                  for name, by_c in runs.items()}
     return w
 
 
@@ -245,12 +272,15 @@ def run(cfg: ClusterBench, log: Callable[[str], None] = say, only_chunks: bool =
         if not only_chunks:
             w = run_phase(cluster, cfg, "main")
             train = train_all(cluster, cfg, log)
-        if cfg.a2a_chunks or only_chunks:
+        chunks = bool(cfg.a2a_chunks or only_chunks)
+        if chunks:
             w["chunks"] = measure_chunks(cluster, cfg, log)
         rate, intra_rate = cluster.rate, cluster.intra_rate  # "auto" resolved
-    if not only_chunks:
-        with SimCluster(NODES, 1, rate=rate, intra_rate=intra_rate, log=log) as cluster:
+    with SimCluster(NODES, 1, rate=rate, intra_rate=intra_rate, log=log) as cluster:
+        if not only_chunks:
             w["ring"] = run_phase(cluster, cfg, "ring")
+        if chunks:
+            w["chunks"]["solo"] = measure_chunks(cluster, cfg, log, 1, base=w["chunks"])
     log(f"simulated cluster: {NODES} nodes x {PER_NODE} ranks, inter-node rate {rate}")
     summary, lines = report(cfg, w, train, out)
     summary.update(rate=rate, train=train)

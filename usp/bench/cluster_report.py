@@ -14,7 +14,7 @@ from ..config import ModelConfig
 from ..planner import plan
 from ..planner.cluster import ClusterSpec, load_cluster
 from ..planner.cost import attention_cost, best_a2a_chunks, estimate
-from .cluster import CHUNK_LAYOUTS, NODES, PER_NODE, WORLD, ClusterBench
+from .cluster import NODES, PER_NODE, WORLD, ClusterBench, chunk_layouts
 from .plots import bar_png, grouped_bar_png
 
 RINGS = ("ring P=2 zigzag", "ring P=2 contiguous")
@@ -115,22 +115,24 @@ def _ring(cfg: ClusterBench, w: dict, ms: dict, out: Path, lines: list[str]) -> 
     return eff
 
 
-def planner_spec(cfg: ClusterBench, w: dict, ms: dict) -> ClusterSpec:
-    """The planner's ClusterSpec of the simulated cluster, every figure measured: link
-    rates, one shared link of each kind per node (a node's ranks share its veth and its
-    loopback), the dense attention's FLOP/s at mfu 1 (causal fwd 2 L^2 Hq d, backward
-    2.5x that), the overlap of a cross-node transfer with a kernel and the latency of a
-    small message on each link (``cluster_worker.measure_latency``); cpu_local's overlap
-    and latencies where they were not measured."""
+def planner_spec(cfg: ClusterBench, w: dict, ms: dict, per_node: int = PER_NODE
+                 ) -> ClusterSpec:
+    """The planner's ClusterSpec of the simulated cluster of ``per_node`` ranks per node,
+    every figure measured: link rates, one shared link of each kind per node (a node's
+    ranks share its veth and its loopback), the dense attention's FLOP/s at mfu 1 (causal
+    fwd 2 L^2 Hq d, backward 2.5x that; timed on every rank at once, so with the cores
+    shared as they are in the layouts), the overlap of a cross-node transfer with a kernel
+    and the latency of a small message on each link (``cluster_worker.measure_latency``);
+    cpu_local's overlap and latencies where they were not measured."""
     base, L = load_cluster("cpu_local"), cfg.seq_len
     flops = 3.5 * 2 * L * L * cfg.heads * cfg.head_dim / (ms["dense P=1"] / 1e3)
     overlap = w["overlap"]["share"] if "overlap" in w else base.overlap
     lat = w.get("latency", {"intra": base.intra_latency_s, "inter": base.inter_latency_s})
-    return base.replace(name="simcluster", ranks_per_node=PER_NODE, nodes=NODES,
+    return base.replace(name="simcluster", ranks_per_node=per_node, nodes=NODES,
                         intra_bw=w["links"]["intra"], inter_bw=w["links"]["inter"],
                         intra_latency_s=lat["intra"], inter_latency_s=lat["inter"],
                         peak_flops=flops, mfu=1.0, overlap=overlap,
-                        gpus_per_nic=PER_NODE, gpus_per_intra_link=PER_NODE)
+                        gpus_per_nic=per_node, gpus_per_intra_link=per_node)
 
 
 def _spec_lines(spec: ClusterSpec, w: dict, lines: list[str]) -> None:
@@ -191,14 +193,18 @@ def chunk_verdict(measured: dict, predicted: dict, choice: int) -> dict:
                 choice=choice, best=best, gap=gap, within=gap <= CHUNK_TOL)
 
 
-def chunk_lines(title: str, unit: str, by_layout: dict, extra: dict | None = None
-                ) -> list[str]:
+SPLIT_COLUMNS = ["a2a exposed ms", "a2a hidden ms", "ring exposed ms"]
+
+
+def chunk_lines(title: str, unit: str, by_layout: dict,
+                extra: tuple[list[str], dict] | None = None) -> list[str]:
     """A table (one row per layout and a2a_chunks: median time, gains) and one verdict line
     per layout. ``by_layout``: {layout: (measured {c: [s per round]}, chunk_verdict)};
-    ``extra``: {layout: {c: [cells]}} appended to each row (the all-to-all split)."""
+    ``extra``: (column names, {layout: {c: [cells]}}) appended to each row (the
+    all-to-all split, the step's communication share)."""
     head = ["layout", "a2a_chunks", unit, "measured gain", "predicted gain", "planner"]
     if extra:
-        head += ["a2a exposed ms", "a2a hidden ms", "ring exposed ms"]
+        head += extra[0]
     rows, verdicts = [], []
     for name, (t, v) in by_layout.items():
         for c in sorted(t):
@@ -206,56 +212,72 @@ def chunk_lines(title: str, unit: str, by_layout: dict, extra: dict | None = Non
             rows.append([name, c, f"{statistics.median(t[c]) * scale:.3f}",
                          f"{v['gain'][c]:.2f}x", f"{v['predicted_gain'][c]:.2f}x",
                          "<- choice" if c == v["choice"] else ""]
-                        + (extra[name][c] if extra else []))
+                        + (extra[1][name][c] if extra else []))
         verdicts.append(f"{name}: planner a2a_chunks={v['choice']}, measured best "
                         f"{v['best']}: {v['gap'] * 100:+.1f}% (within {CHUNK_TOL:.0%}: "
                         f"{'yes' if v['within'] else 'no'})")
     return table(title, head, rows) + verdicts
 
 
-def chunk_picks(cfg: ClusterBench, w: dict) -> dict:
-    """{layout: {"attention": c, "train": c}}: ``best_a2a_chunks`` on the spec of ``w``'s
-    measurements (``planner_spec``) for the attention benchmark and for the usp-train runs."""
-    spec = planner_spec(cfg, w, medians(w["attention_ms"]))
+def chunk_picks(cfg: ClusterBench, w: dict, per_node: int = PER_NODE) -> dict:
+    """{layout: {"attention": c, "train": c}} for the layouts of the cluster with
+    ``per_node`` ranks per node: ``best_a2a_chunks`` on the spec of ``w``'s measurements
+    (``planner_spec``) for the attention benchmark and for the usp-train runs."""
+    spec = planner_spec(cfg, w, medians(w["attention_ms"]), per_node)
     heads = (cfg.heads, cfg.kv_heads, cfg.head_dim)
     return {name: {k: best_a2a_chunks(spec, L, *heads, u, r, dtype_bytes=4, placement=pl)
                    for k, L in (("attention", cfg.seq_len), ("train", cfg.train_seq_len))}
-            for name, u, r, pl in CHUNK_LAYOUTS}
+            for name, u, r, pl, _ in chunk_layouts(per_node)}
 
 
 def _chunks(cfg: ClusterBench, w: dict, out: Path, lines: list[str]) -> dict:
-    """(f) from the ``chunks`` phase (``w``, with its usp-train steps under ``"train"``)."""
-    ms = medians(w["attention_ms"])
-    spec = planner_spec(cfg, w, ms)
-    _spec_lines(spec, w, lines)
-    picks, heads = chunk_picks(cfg, w), (cfg.heads, cfg.kv_heads, cfg.head_dim)
+    """(f) from the ``chunks`` phase (``w``, with its usp-train steps under ``"train"`` and
+    their attention-communication shares under ``"train_share"``), and from the 2 x 1
+    cluster's under ``w["solo"]`` when it ran."""
+    heads = (cfg.heads, cfg.kv_heads, cfg.head_dim)
     model = ModelConfig(dim=cfg.heads * cfg.head_dim, n_heads=cfg.heads, n_kv_heads=cfg.kv_heads)
-    attn, step, split, summary = {}, {}, {}, {}
-    for name, u, r, pl in CHUNK_LAYOUTS:
-        t = {c: [x / 1e3 for x in w["attention_ms"][f"{name} c={c}"]]
-             for c in cfg.legal_chunks(u)}
-        pred = {c: attention_cost(spec, cfg.seq_len, *heads, u, r, dtype_bytes=4, placement=pl,
-                                  a2a_chunks=c).total_s for c in t}
-        attn[name] = t, chunk_verdict(t, pred, picks[name]["attention"])
-        split[name] = {c: [f"{x:.1f}" for x in w["split"][f"{name} c={c}"].values()] for c in t}
-        summary[name] = {"attention": attn[name][1]}
-        st = {int(c): passes for c, passes in w.get("train", {}).get(name, {}).items()}
-        if 1 in st and picks[name]["train"] in st:
-            pred = {c: estimate(model, spec, cfg.train_seq_len, 1, r, u, placement=pl,
-                                global_batch=cfg.train_batch, dtype_bytes=4,
-                                act_checkpoint=False, a2a_chunks=c).step_s for c in st}
-            step[name] = st, chunk_verdict(st, pred, picks[name]["train"])
-            summary[name]["train"] = step[name][1]
+    attn, step, split, share, summary = {}, {}, {}, {}, {}
+    for part, per_node in ((w, PER_NODE), (w.get("solo"), 1)):
+        if part is None:
+            continue
+        spec = planner_spec(cfg, part, medians(part["attention_ms"]), per_node)
+        if per_node == PER_NODE:
+            _spec_lines(spec, part, lines)
+        else:
+            lines.append(f"2 x 1 cluster (one rank per core): {spec.peak_flops / 1e9:.1f} "
+                         f"GFLOP/s per rank; links, latency and overlap as above")
+        picks = chunk_picks(cfg, part, per_node)
+        for name, u, r, pl, _ in chunk_layouts(per_node):
+            t = {c: [x / 1e3 for x in part["attention_ms"][f"{name} c={c}"]]
+                 for c in cfg.legal_chunks(u)}
+            pred = {c: attention_cost(spec, cfg.seq_len, *heads, u, r, dtype_bytes=4,
+                                      placement=pl, a2a_chunks=c).total_s for c in t}
+            attn[name] = t, chunk_verdict(t, pred, picks[name]["attention"])
+            split[name] = {c: [f"{x:.1f}" for x in part["split"][f"{name} c={c}"].values()]
+                           for c in t}
+            summary[name] = {"attention": attn[name][1]}
+            st = {int(c): passes for c, passes in part.get("train", {}).get(name, {}).items()}
+            if 1 in st and picks[name]["train"] in st:
+                pred = {c: estimate(model, spec, cfg.train_seq_len, 1, r, u, placement=pl,
+                                    global_batch=cfg.train_batch, dtype_bytes=4,
+                                    act_checkpoint=False, a2a_chunks=c).step_s for c in st}
+                step[name] = st, chunk_verdict(st, pred, picks[name]["train"])
+                summary[name]["train"] = step[name][1]
+                shares = part.get("train_share", {}).get(name, {})
+                share[name] = {c: [f"{statistics.median(shares[str(c)]):.1%}"
+                                   if str(c) in shares else "-"] for c in st}
     lines += chunk_lines(f"(f) pipelined all-to-all across nodes: attention fwd+bwd "
                          f"L={cfg.seq_len} (median ms of {cfg.iters} rounds, max over ranks); "
                          f"gain = median over rounds of time at a2a_chunks=1 / time; "
                          f"split per call, mean over ranks",
-                         "attn ms", attn, split)
+                         "attn ms", attn, (SPLIT_COLUMNS, split))
     if step:
         lines += chunk_lines(f"(f) usp-train step, L={cfg.train_seq_len} batch "
                              f"{cfg.train_batch}, model {' '.join(cfg.train_model())}: median "
-                             f"step s over {cfg.train_passes} passes, gain paired by pass",
-                             "train step s", step)
+                             f"step s over {cfg.train_passes} passes, gain paired by pass; "
+                             f"attention comm: the step's share blocked in attention "
+                             f"communication (median over passes)",
+                             "train step s", step, (["attention comm"], share))
     labels = [f"{n} c={c}" for n, (t, _) in attn.items() for c in sorted(t)]
     bar_png(out / "f_a2a_chunks.png", "(f) attention gain of a2a_chunks", labels,
             [v["gain"][c] for _, (t, v) in attn.items() for c in sorted(t)], "x vs chunks=1",

@@ -9,7 +9,8 @@ a kernel, attention fwd+bwd for every case of ``MAIN_CASES`` (timed round-robin 
 processes, max over ranks), the bytes each case sends per rank, and the bytes saved for
 backward at P = 1, 2, 4; ``placement`` the links and the two (2,2) placements only;
 ``ring`` (2 nodes x 1 rank) the ring at P=2 against dense at every ``ring_seq_lens``;
-``chunks`` the links, the overlap and (f) the pipelined all-to-all (``measure_chunks``).
+``chunks`` the links, the overlap and (f) the pipelined all-to-all (``measure_chunks``);
+``chunks_solo`` (2 nodes x 1 rank) (f) alone for the layouts of that cluster.
 Rank 0 writes ``result_file(phase)`` into ``out``.
 """
 
@@ -31,7 +32,7 @@ import torch.distributed as dist
 from ..kernels import local_attention
 from ..layout import SequenceLayout
 from ..mesh import SPMesh
-from .cluster import CHUNK_LAYOUTS, PER_NODE, ClusterBench
+from .cluster import PER_NODE, ClusterBench, chunk_layouts
 from .simcluster import p2p_rate
 from .timing import mean_over_ranks
 
@@ -210,17 +211,19 @@ def measure_latency(reps: int = 15, nbytes: int = 1024) -> dict:
 
 
 def chunk_case(layout: str, chunks: int) -> str:
-    """The (f) case name of ``layout`` (a ``CHUNK_LAYOUTS`` name) at ``chunks`` stages."""
+    """The (f) case name of ``layout`` (a ``cluster.CHUNK_LAYOUTS`` name) at ``chunks``
+    stages."""
     return f"{layout} c={chunks}"
 
 
-def measure_chunks(cfg: ClusterBench, stack: ExitStack) -> dict:
-    """(f): attention fwd+bwd of every ``CHUNK_LAYOUTS`` layout at every legal
-    ``a2a_chunks``, interleaved with the dense case, plus per case the ulysses time the
-    compute was blocked on (``a2a_exposed_ms``), the ulysses transfer time that ran behind
-    compute (``a2a_hidden_ms``) and the ring's blocked time, per call, mean over ranks."""
+def measure_chunks(cfg: ClusterBench, stack: ExitStack, per_node: int = PER_NODE) -> dict:
+    """(f): attention fwd+bwd of every layout of this cluster (``chunk_layouts(per_node)``)
+    at every legal ``a2a_chunks``, interleaved with the dense case, plus per case the
+    ulysses time the compute was blocked on (``a2a_exposed_ms``), the ulysses transfer time
+    that ran behind compute (``a2a_hidden_ms``) and the ring's blocked time, per call,
+    mean over ranks."""
     cases = [Case(chunk_case(name, c), u, r, pl, a2a_chunks=c)
-             for name, u, r, pl in CHUNK_LAYOUTS for c in cfg.legal_chunks(u)]
+             for name, u, r, pl, _ in chunk_layouts(per_node) for c in cfg.legal_chunks(u)]
     sent, comms = {}, {}
     calls = attention_calls(cfg, cfg.seq_len, [*cases, DENSE], stack, sent, comms)
     for comm in comms.values():
@@ -250,6 +253,8 @@ def measure(cfg: ClusterBench, phase: str) -> dict:
                                         cfg.ring_iters, cfg.warmup)
                 _log(f"ring P=2, L={n_tok}: done")
             return res
+        if phase == "chunks_solo":
+            return {**measure_chunks(cfg, stack, per_node=1), "hosts": _hosts()}
         res = {"links": {"intra": p2p_rate(cfg.link_bytes, 0, 1),
                          "inter": p2p_rate(cfg.link_bytes, 0, PER_NODE)}}
         _log(f"links: {res['links']}")
@@ -267,12 +272,18 @@ def measure(cfg: ClusterBench, phase: str) -> dict:
             res["bytes"] = sent
     if phase == "main":
         res["saved_bytes"] = saved_activation_bytes(cfg.mem_seq_len)
-    res["hosts"] = [None] * dist.get_world_size()
-    dist.all_gather_object(res["hosts"], socket.gethostname())
+    res["hosts"] = _hosts()
     return res
 
 
-PHASES = ("main", "placement", "ring", "chunks")
+def _hosts() -> list[str]:
+    """Every rank's host name, in rank order (collective)."""
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    return hosts
+
+
+PHASES = ("main", "placement", "ring", "chunks", "chunks_solo")
 
 
 def result_file(phase: str) -> str:
