@@ -87,3 +87,18 @@ def test_rate_parsing():
         rate_to_bytes_per_s("fast")
     with pytest.raises(ValueError, match="bad rate 'fast'"):
         SimCluster(rate="fast")  # refused before any namespace exists
+
+
+def test_queue_reaches_every_shaped_link_and_a_bad_one_is_refused(monkeypatch):
+    import usp.bench.simcluster as sc
+    from usp.bench.cluster import ClusterBench
+
+    calls = []
+    monkeypatch.setattr(sc, "_sh", lambda *args, **kw: calls.append(args))
+    sc._tbf("ns", "eth0", "300mbit", "262144b", 30.0)
+    assert calls[-1][-4:] == ("burst", "262144b", "latency", "30ms")
+    assert SimCluster(queue_ms=30).queue_ms == 30 and SimCluster().queue_ms == 100
+    with pytest.raises(ValueError, match="queue_ms must be > 0"):
+        SimCluster(queue_ms=0)  # refused before any namespace exists
+    with pytest.raises(ValueError, match="queue_ms must be > 0"):
+        ClusterBench(queue_ms=-1.0)

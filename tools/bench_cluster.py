@@ -32,6 +32,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rate", default=d.rate, help="inter-node rate, tc units or 'auto'")
     ap.add_argument("--ratio", type=float, default=d.ratio, help="loopback / inter for auto")
     ap.add_argument("--intra-rate", default=d.intra_rate, help="shape loopback too")
+    ap.add_argument("--queue-ms", type=float, default=d.queue_ms,
+                    help="tbf queue of each shaped link, ms (30 avoids the slowdown of large "
+                         "two-way exchanges that 100 causes; see usp.bench.simcluster)")
     ap.add_argument("--seq-len", type=int, default=d.seq_len, help="attention benchmarks")
     ap.add_argument("--heads", type=int, default=d.heads)
     ap.add_argument("--kv-heads", type=int, default=d.kv_heads, help="GQA like the tiny model")

@@ -36,6 +36,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="fast/slow ratio for --rate auto (NVLink/IB ~ 9)")
     p.add_argument("--burst", default=None, help="tbf burst (default: rate/250, >= 256 KiB)")
     p.add_argument("--mtu", type=int, default=9000)
+    p.add_argument("--queue-ms", type=float, default=100.0,
+                   help="tbf queue of each shaped link (default 100; 30 avoids the slowdown of "
+                        "large two-way exchanges, see SimCluster)")
     p.add_argument("--intra-rate", default=None,
                    help="also shape loopback inside each node (e.g. 9gbit with --rate 1gbit): "
                         "slower links at the same ratio, to match a GPU's compute/comm balance")
@@ -56,7 +59,7 @@ def main(argv=None) -> int:
     try:
         preflight()
         with SimCluster(args.nodes, args.nproc_per_node, args.rate, args.burst, args.ratio,
-                        args.mtu, intra_rate=args.intra_rate) as cluster:
+                        args.mtu, intra_rate=args.intra_rate, queue_ms=args.queue_ms) as cluster:
             result = cluster.run(cmd, timeout=args.timeout)
         print(f"simcluster: node exit codes {result.node_returncodes}, "
               f"{result.seconds:.1f} s", flush=True)

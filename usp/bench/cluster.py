@@ -61,7 +61,8 @@ class ClusterBench:
     """Sizes and link rates of the benchmarks; ``out`` holds every file they write.
 
     ``rate``: inter-node tc rate or ``"auto"`` (loopback gloo / ``ratio``); ``intra_rate``:
-    also shape loopback (None: full speed). Attention: one layer [1, ``seq_len``, ``heads``
+    also shape loopback (None: full speed); ``queue_ms``: each shaped link's queue
+    (``SimCluster``; 100 as before 2026-12-01, 30 for (f) since). Attention: one layer [1, ``seq_len``, ``heads``
     (``kv_heads`` for K/V), ``head_dim``] fp32, ``iters`` timed rounds after ``warmup``;
     (d) at ``mem_seq_len``; ``usp-train`` at ``train_seq_len`` x ``train_batch``; (c) on
     one rank per core at each of ``ring_seq_lens``, ``ring_iters`` rounds; the link test
@@ -71,6 +72,7 @@ class ClusterBench:
     rate: str = "auto"
     ratio: float = 9.0
     intra_rate: str | None = None
+    queue_ms: float = 100.0
     seq_len: int = 2048
     heads: int = 8
     kv_heads: int = 2
@@ -98,6 +100,8 @@ class ClusterBench:
             raise ValueError(f"need iters, ring_iters, train_passes, train_batch, head_dim >= 1, "
                              f"warmup >= 0 and train_steps >= 2 (the first step is dropped), "
                              f"got {low}")
+        if not self.queue_ms > 0:
+            raise ValueError(f"queue_ms must be > 0, got {self.queue_ms}; e.g. 30")
         if self.link_bytes < 4 or self.link_bytes % 4:
             raise ValueError(f"link_bytes must be a positive multiple of 4 (fp32), got "
                              f"{self.link_bytes}; e.g. {32 * 2**20}")
@@ -268,6 +272,7 @@ def run(cfg: ClusterBench, log: Callable[[str], None] = say, only_chunks: bool =
     cfg = cfg.replace(out=str(out))
     w, train = {}, {}
     with SimCluster(NODES, PER_NODE, rate=cfg.rate, ratio=cfg.ratio, intra_rate=cfg.intra_rate,
+                    queue_ms=cfg.queue_ms,
                     log=log) as cluster:
         if not only_chunks:
             w = run_phase(cluster, cfg, "main")
@@ -276,7 +281,8 @@ def run(cfg: ClusterBench, log: Callable[[str], None] = say, only_chunks: bool =
         if chunks:
             w["chunks"] = measure_chunks(cluster, cfg, log)
         rate, intra_rate = cluster.rate, cluster.intra_rate  # "auto" resolved
-    with SimCluster(NODES, 1, rate=rate, intra_rate=intra_rate, log=log) as cluster:
+    with SimCluster(NODES, 1, rate=rate, intra_rate=intra_rate, log=log,
+                    queue_ms=cfg.queue_ms) as cluster:
         if not only_chunks:
             w["ring"] = run_phase(cluster, cfg, "ring")
         if chunks:
@@ -308,7 +314,8 @@ def placement_sweep(cfg: ClusterBench, pairs: list[tuple[str, str | None]],
     subs = [cfg.replace(out=str(out / f"sweep_{inter}_{intra or 'lo'}"), rate=inter,
                         intra_rate=intra) for inter, intra in pairs]  # bad rates raise here
     for (inter, intra), sub in zip(pairs, subs):
-        with SimCluster(NODES, PER_NODE, rate=inter, intra_rate=intra, log=log) as cluster:
+        with SimCluster(NODES, PER_NODE, rate=inter, intra_rate=intra, log=log,
+                        queue_ms=cfg.queue_ms) as cluster:
             w = run_phase(cluster, sub, "placement", echo=False)
         runs.append((inter, intra, w))
         log(f"done {inter}:{intra or 'loopback'}: across/inside "
