@@ -78,6 +78,7 @@ TIERS: dict[str, str] = {
     "test_simcluster.py::test_refuses_when_tc_is_missing": E2E,  # refusals: no root needed
     "test_simcluster.py::test_refuses_when_not_root": UNIT,
     "test_simcluster.py::test_rate_parsing": UNIT,
+    "test_simcluster.py::test_queue_reaches_every_shaped_link_and_a_bad_one_is_refused": UNIT,
     "test_tiers.py": UNIT,
     "test_train.py": DISTRIBUTED,
     "test_train_gpu_contract.py": UNIT,

@@ -3,15 +3,16 @@
 Measures links, attention placement (a), degrees (b), ring efficiency (c), saved
 activations (d) and bytes per layer (e), plus ``usp-train`` steps next to the planner's
 ranking (``usp.bench.cluster``); with ``--a2a-chunks`` also (f), the pipelined all-to-all
-where it crosses nodes, against the planner's predicted gain and choice. Tables are
+where it crosses nodes (2 x 2 and 2 x 1 clusters), against the planner's predicted gain
+and choice, and the usp-train step's attention-communication share. Tables are
 printed and written to ``OUT/tables.txt``, everything to ``OUT/results.json``, a PNG per
 benchmark to OUT.
 
     python tools/bench_cluster.py               # rate auto (loopback / 9), out runs/bench_cluster
     python tools/bench_cluster.py --rate 300mbit --intra-rate 2700mbit --out runs/bench_cluster/r300m
     python tools/bench_cluster.py --placement-sweep 1gbit:9gbit,200mbit:1800mbit
-    python tools/bench_cluster.py --rate 300mbit --intra-rate 2700mbit --a2a-chunks 1,2,auto \\
-        --only-chunks --out runs/bench_cluster/chunks
+    python tools/bench_cluster.py --rate 300mbit --intra-rate 2700mbit --queue-ms 30 \\
+        --a2a-chunks 1,2,auto --only-chunks --out runs/bench_cluster/chunks
     python tools/bench_cluster.py --report-only --out runs/bench_cluster/r300m
 """
 

@@ -25,10 +25,10 @@ the table (column ``max|diff|``). ``a2a exp``/``a2a hid``: ulysses all-to-all ms
 (mean over ranks and rounds) waited for / travelling beside compute (``CommStats``'s
 ``exposed_s``/``hidden_s``); ``exp %``: exposed share of the row's mean; ``cpu ms``:
 the process's CPU time per call (all its threads, gloo's included), mean over ranks and
-rounds; when the processes outnumber the cores, wall time follows it, and a transfer can
-only hide behind another rank's compute. ``vs DS``: mean /
-DeepSpeed's mean; the summary adds the ratio of medians, of minima, and the median of
-per-round ratios, per ``a2a_chunks`` of the pure-ulysses layout.
+rounds: when the processes outnumber the cores, wall time follows it, and a transfer can
+only hide behind another rank's compute. ``vs DS``: mean / DeepSpeed's mean; the summary
+adds the ratio of medians, of minima, and the median of per-round ratios, per
+``a2a_chunks`` of the pure-ulysses layout.
 
 Threads: every process uses ``threads`` intra-op threads (default: its CPUs / N, at least
 1), the same for all configs, which share the processes.

@@ -62,11 +62,11 @@ class ClusterBench:
 
     ``rate``: inter-node tc rate or ``"auto"`` (loopback gloo / ``ratio``); ``intra_rate``:
     also shape loopback (None: full speed); ``queue_ms``: each shaped link's queue
-    (``SimCluster``; 100 as before 2026-12-01, 30 for (f) since). Attention: one layer [1, ``seq_len``, ``heads``
-    (``kv_heads`` for K/V), ``head_dim``] fp32, ``iters`` timed rounds after ``warmup``;
-    (d) at ``mem_seq_len``; ``usp-train`` at ``train_seq_len`` x ``train_batch``; (c) on
-    one rank per core at each of ``ring_seq_lens``, ``ring_iters`` rounds; the link test
-    sends ``link_bytes``."""
+    (``SimCluster``; 100 as before 2026-12-01, 30 for (f) since). Attention: one layer
+    [1, ``seq_len``, ``heads`` (``kv_heads`` for K/V), ``head_dim``] fp32, ``iters`` timed
+    rounds after ``warmup``; (d) at ``mem_seq_len``; ``usp-train`` at ``train_seq_len`` x
+    ``train_batch``; (c) on one rank per core at each of ``ring_seq_lens``, ``ring_iters``
+    rounds; the link test sends ``link_bytes``."""
 
     out: str = "runs/bench_cluster"
     rate: str = "auto"
@@ -272,8 +272,7 @@ def run(cfg: ClusterBench, log: Callable[[str], None] = say, only_chunks: bool =
     cfg = cfg.replace(out=str(out))
     w, train = {}, {}
     with SimCluster(NODES, PER_NODE, rate=cfg.rate, ratio=cfg.ratio, intra_rate=cfg.intra_rate,
-                    queue_ms=cfg.queue_ms,
-                    log=log) as cluster:
+                    queue_ms=cfg.queue_ms, log=log) as cluster:
         if not only_chunks:
             w = run_phase(cluster, cfg, "main")
             train = train_all(cluster, cfg, log)
