@@ -8,7 +8,8 @@
   with dense attention.
 - ``check_usp_attention``: 4 processes sharing the device over gloo (usp's comm stages CUDA
   tensors through the CPU for gloo), layouts (2,2), (1,4), (4,1), GQA with KV replication,
-  fp32 and bf16.
+  fp32 and bf16; with 8/2 heads, (2,2) and (4,1) also with the all-to-alls pipelined in 2
+  stages (``a2a_chunks=2``).
 
 Tolerances: fp32 errors <= 2e-5 (absolute, as in the CPU tests). bf16 follows the
 flash-attention convention: an error at most ``factor`` times the error of the same math done
@@ -210,6 +211,7 @@ def _single_process(q, k, v, dout, causal, scale):
 
 # ---- 3. usp_attention on processes sharing the GPU ----------------------------------------
 LAYOUTS = ((2, 2), (1, 4), (4, 1))
+PIPELINED = ((2, 2), (4, 1))  # also run with a2a_chunks=2 where the heads allow it (8/2)
 
 
 def _usp_worker(device_name: str, seq_len: int, d: int, result_path: str) -> None:
@@ -220,9 +222,10 @@ def _usp_worker(device_name: str, seq_len: int, d: int, result_path: str) -> Non
     if device.type == "cuda":
         torch.cuda.set_device(0)  # every process shares the one GPU
     rows = []
-    for (u, r), (hq, hkv), dtype in itertools.product(
-        LAYOUTS, ((8, 2), (4, 4)), (torch.float32, torch.bfloat16)
-    ):
+    cases = [(lay, heads, dtype, c) for lay, heads, dtype in itertools.product(
+        LAYOUTS, ((8, 2), (4, 4)), (torch.float32, torch.bfloat16))
+        for c in ((1, 2) if lay in PIPELINED and heads == (8, 2) else (1,))]
+    for (u, r), (hq, hkv), dtype, chunks in cases:
         mesh = SPMesh.build(ulysses=u, ring=r, ranks_per_node=u)  # closed below
         layout = SequenceLayout(mesh, seq_len=seq_len, balance="zigzag")
         gen = torch.Generator().manual_seed(u * 10 + r + hq)
@@ -234,7 +237,8 @@ def _usp_worker(device_name: str, seq_len: int, d: int, result_path: str) -> Non
         single = _single_process(q, k, v, dout, True, scale)
         ql, kl, vl = (layout.shard(t, dim=1).requires_grad_() for t in (q, k, v))
         mesh.comm.reset()
-        out = usp_attention(ql, kl, vl, mesh=mesh, layout=layout, causal=True, kernel="torch")
+        out = usp_attention(ql, kl, vl, mesh=mesh, layout=layout, causal=True, kernel="torch",
+                            a2a_chunks=chunks)
         out.backward(layout.shard(dout, dim=1))
         sent = dict(mesh.comm.bytes)
         got = [layout.gather(t.detach(), dim=1) for t in (out, ql.grad, kl.grad, vl.grad)]
@@ -243,7 +247,8 @@ def _usp_worker(device_name: str, seq_len: int, d: int, result_path: str) -> Non
         ok = all(errs[n] <= _bound(dtype, base[n]) for n in NAMES) and got[0].dtype == dtype
         flags = torch.tensor([float(ok)])
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)  # a case passes only on every rank
-        rows.append(dict(ulysses=u, ring=r, hq=hq, hkv=hkv, dtype=str(dtype).split(".")[-1],
+        rows.append(dict(ulysses=u, ring=r, a2a_chunks=chunks, hq=hq, hkv=hkv,
+                         dtype=str(dtype).split(".")[-1],
                          ok=bool(flags.item()), err={n: float(f"{e:.3g}") for n, e in errs.items()},
                          single_err={n: float(f"{e:.3g}") for n, e in base.items()},
                          bytes_rank0=sent))
