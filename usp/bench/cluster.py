@@ -241,17 +241,15 @@ def train_chunks(cluster: SimCluster, cfg: ClusterBench, counts: dict,
 def measure_chunks(cluster: SimCluster, cfg: ClusterBench, log: Callable[[str], None],
                    per_node: int = PER_NODE, base: dict | None = None) -> dict:
     """(f) on a started 2-node cluster of ``per_node`` ranks per node: the worker phase
-    (``chunks``, or ``chunks_solo`` on 2 x 1, which measures its own overlap and takes the
-    links and latency of ``base``, the 2 x 2 phase's result), the planner's counts on a
-    spec of the measurements, and usp-train at ``cfg.a2a_chunks`` (none when empty):
-    ``train`` holds the step s and ``train_share`` the attention-communication share per
-    pass."""
+    (``chunks``, or ``chunks_solo`` on 2 x 1, which takes the links, latency and overlap
+    of ``base``, the 2 x 2 phase's result), the planner's counts on a spec of the
+    measurements, and usp-train at ``cfg.a2a_chunks`` (none when empty): ``train`` holds
+    the step s and ``train_share`` the attention-communication share per pass."""
     from .cluster_report import chunk_picks
 
     w = run_phase(cluster, cfg, "chunks" if per_node == PER_NODE else "chunks_solo")
     if base is not None:
-        w.update({k: base[k] for k in ("links", "latency", "overlap") if k in base
-                  and k not in w})
+        w.update({k: base[k] for k in ("links", "latency", "overlap") if k in base})
     picks = chunk_picks(cfg, w, per_node)
     log(f"planner a2a_chunks (attention, training): {picks}")
     counts = chunk_train_counts(cfg, {k: v["train"] for k, v in picks.items()})

@@ -245,8 +245,7 @@ def _chunks(cfg: ClusterBench, w: dict, out: Path, lines: list[str]) -> dict:
             _spec_lines(spec, part, lines)
         else:
             lines.append(f"2 x 1 cluster (one rank per core): {spec.peak_flops / 1e9:.1f} "
-                         f"GFLOP/s per rank; overlap {spec.overlap:.2f}; links and latency "
-                         f"as above")
+                         f"GFLOP/s per rank; links, latency and overlap as above")
         picks = chunk_picks(cfg, part, per_node)
         for name, u, r, pl, _ in chunk_layouts(per_node):
             t = {c: [x / 1e3 for x in part["attention_ms"][f"{name} c={c}"]]

@@ -10,7 +10,7 @@ processes, max over ranks), the bytes each case sends per rank, and the bytes sa
 backward at P = 1, 2, 4; ``placement`` the links and the two (2,2) placements only;
 ``ring`` (2 nodes x 1 rank) the ring at P=2 against dense at every ``ring_seq_lens``;
 ``chunks`` the links, the overlap and (f) the pipelined all-to-all (``measure_chunks``);
-``chunks_solo`` (2 nodes x 1 rank) the overlap and (f) for the layouts of that cluster.
+``chunks_solo`` (2 nodes x 1 rank) (f) alone for the layouts of that cluster.
 Rank 0 writes ``result_file(phase)`` into ``out``.
 """
 
@@ -171,17 +171,16 @@ def _swap(send: torch.Tensor, recv: torch.Tensor, partner: int) -> list:
                                    dist.P2POp(dist.irecv, recv, partner)])
 
 
-def measure_overlap(cfg: ClusterBench, reps: int = 7, per_node: int = PER_NODE) -> dict:
-    """Share of a cross-node transfer hidden behind a kernel running at the same time, on
-    the cluster of ``per_node`` ranks per node.
+def measure_overlap(cfg: ClusterBench, reps: int = 7) -> dict:
+    """Share of a cross-node transfer hidden behind a kernel running at the same time.
 
     Every rank swaps one K/V block of the (2,2) layout with its partner on the other node
-    (every rank of a node at once, as the (2,2) ring does) beside the forward of one ring
+    (both ranks of a node at once, as the (2,2) ring does) beside the forward of one ring
     block; kernel alone, transfer alone and both are timed back to back ``reps`` times."""
     from ..planner.calibration import overlap_share
     from .timing import overlap_times
 
-    partner = (dist.get_rank() + per_node) % dist.get_world_size()
+    partner = (dist.get_rank() + PER_NODE) % dist.get_world_size()
     send = torch.randn(2 * (cfg.seq_len // 2) * cfg.head_dim)  # one K/V block, fp32
     recv = torch.empty_like(send)
     kernel_s, comm_s, both_s = overlap_times(_block_kernel(cfg),
@@ -255,10 +254,7 @@ def measure(cfg: ClusterBench, phase: str) -> dict:
                 _log(f"ring P=2, L={n_tok}: done")
             return res
         if phase == "chunks_solo":
-            overlap = measure_overlap(cfg, per_node=1)  # a core per rank: its own share
-            _log(f"overlap: {overlap}")
-            return {**measure_chunks(cfg, stack, per_node=1), "overlap": overlap,
-                    "hosts": _hosts()}
+            return {**measure_chunks(cfg, stack, per_node=1), "hosts": _hosts()}
         res = {"links": {"intra": p2p_rate(cfg.link_bytes, 0, 1),
                          "inter": p2p_rate(cfg.link_bytes, 0, PER_NODE)}}
         _log(f"links: {res['links']}")
