@@ -172,6 +172,15 @@ def _forward(kernel: Kernel, q, k, v, p: Piece, scale):
     return kernel.forward(q[:, p.qs], k[:, p.ks], v[:, p.ks], p.causal, scale, mask=p.mask)
 
 
+def _backward(kernel: Kernel, dout, q, k, v, out, lse, p: Piece, scale):
+    """The kernel's (dq, dk, dv) of piece ``p`` (rows ``p.qs`` against keys ``p.ks``)."""
+    args = (dout[:, p.qs], q[:, p.qs], k[:, p.ks], v[:, p.ks], out[:, p.qs], lse[:, :, p.qs],
+            p.causal, scale)
+    if p.mask is None:  # a mask-free call keeps the plain Kernel signature
+        return kernel.backward(*args)
+    return kernel.backward(*args, mask=p.mask)
+
+
 def _count(stats: CommStats | None, phase: str, step: int, pieces) -> None:
     if stats is not None:
         stats.kernel_calls[(phase, step)] += len(pieces)
@@ -226,9 +235,7 @@ def ring_backward(dout, q, k, v, out, lse, comm: RingComm | None, rank: int, siz
         # one kernel call holds every gradient (pure ulysses, or a window within the
         # segment): no accumulators, no K/V stack; the same values as the general path
         _count(stats, "backward", 0, diag)
-        p = diag[0]
-        args = (dout, q, k, v, out, lse, p.causal, scale)
-        grads = kernel.backward(*args) if p.mask is None else kernel.backward(*args, mask=p.mask)
+        grads = _backward(kernel, dout, q, k, v, out, lse, diag[0], scale)
         return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     own = torch.stack([k, v])  # [2, B, S, Hkv, d]
@@ -236,10 +243,7 @@ def ring_backward(dout, q, k, v, out, lse, comm: RingComm | None, rank: int, siz
 
     def run(pieces, kv, dkv):
         for p in pieces:
-            args = (dout[:, p.qs], q[:, p.qs], kv[0][:, p.ks], kv[1][:, p.ks], out[:, p.qs],
-                    lse[:, :, p.qs], p.causal, scale)
-            grads = kernel.backward(*args) if p.mask is None else \
-                kernel.backward(*args, mask=p.mask)
+            grads = _backward(kernel, dout, q, kv[0], kv[1], out, lse, p, scale)
             dq[:, p.qs] += grads[0]
             dkv[0][:, p.ks] += grads[1]
             dkv[1][:, p.ks] += grads[2]
