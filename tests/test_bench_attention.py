@@ -3,7 +3,8 @@ its report (rows, ratios, correctness column) is built from the measured times."
 
 import pytest
 
-from usp.bench.attention import AttentionBench, Row, format_report, parse_layouts, results
+from usp.bench.attention import AttentionBench, Row, parse_layouts
+from usp.bench.attention_report import format_report, results
 
 
 def test_settings_are_checked_before_launch():

@@ -17,8 +17,9 @@ import json
 from dataclasses import fields
 from pathlib import Path
 
-from usp.bench.attention import (DTYPES, QUICK, AttentionBench, format_report, launched_world,
-                                 measure, parse_layouts)
+from usp.bench.attention import (DTYPES, QUICK, AttentionBench, launched_world, measure,
+                                 parse_layouts)
+from usp.bench.attention_report import format_report
 
 FULL = {f.name: f.default for f in fields(AttentionBench) if f.name in QUICK}
 
