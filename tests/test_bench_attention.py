@@ -5,12 +5,13 @@ import pytest
 
 from usp.bench.attention import AttentionBench, Row, parse_layouts
 from usp.bench.attention_report import format_report, results
+from usp.bench.deepspeed_ulysses import skip_reason
 
 
 def test_settings_are_checked_before_launch():
     bench = AttentionBench(nprocs=4, heads=8, seq_len=1024, threads=1)
     assert bench.layouts == ((4, 1), (2, 2), (1, 4)) and bench.kv_heads == 8
-    assert bench.deepspeed_skip_reason() is None
+    assert skip_reason(bench) is None
     assert parse_layouts("4x1,2X2") == ((4, 1), (2, 2))
     with pytest.raises(ValueError, match="bad layout '4y1'"):
         parse_layouts("4y1")
@@ -23,27 +24,25 @@ def test_settings_are_checked_before_launch():
     with pytest.raises(ValueError, match=r"bench.dtype='fp8'"):
         AttentionBench(dtype="fp8", seq_len=1024)
     gqa = AttentionBench(nprocs=4, heads=8, kv_heads=2, seq_len=1024, threads=1)
-    assert "KV heads (2) divisible by its degree 4" in gqa.deepspeed_skip_reason()
-    off = AttentionBench(nprocs=4, seq_len=1024, threads=1, deepspeed=False)
-    assert "--no-deepspeed" in off.deepspeed_skip_reason()
+    assert "KV heads (2) divisible by its degree 4" in skip_reason(gqa)
 
 
 def test_results_and_report_from_measured_rows():
     bench = AttentionBench(nprocs=4, seq_len=1024, iters=3, threads=1)
-    ds = Row("deepspeed u=4", "deepspeed", 4, 1, [20.0, 10.0, 30.0], 0.0)
+    ds = Row("deepspeed u=4", "peer", 4, 1, [20.0, 10.0, 30.0], 0.0)
     pure = Row("usp u=4 r=1", "usp", 4, 1, [9.0, 12.0, 36.0], 0.0)
     ring = Row("usp u=1 r=4", "usp", 1, 4, [40.0, 40.0, 40.0], 3e-6)
     res = results(bench, [ds, pure, ring], None)
     assert [r["name"] for r in res["rows"]] == ["deepspeed u=4", "usp u=4 r=1", "usp u=1 r=4"]
-    assert res["rows"][2]["ratio_to_deepspeed"] == pytest.approx(2.0)
-    ratios = res["usp_over_deepspeed"]
+    assert res["rows"][2]["ratio_to_peer"] == pytest.approx(2.0)
+    ratios = res["usp_over_peer"]
     assert ratios["mean"] == pytest.approx(19.0 / 20.0)
     assert ratios["median"] == pytest.approx(12.0 / 20.0)
     assert ratios["min"] == pytest.approx(9.0 / 10.0)
     assert ratios["paired_median"] == pytest.approx(1.2)  # per round: 0.45, 1.2, 1.2
     text = format_report(res)
     assert "usp u=1 r=4" in text and "3.00e-06" in text and "2.000" in text
-    assert "= 0.950 (mean); 0.600 (median); 0.900 (min); 1.200 (median of" in text
+    assert "usp(u=4, a2a_chunks=1) / deepspeed(u=4) = 0.950 (mean); 0.600 (median); 0.900 (min); 1.200 (median of" in text
     alone = results(bench, [pure, ring], "not asked for")
-    assert alone["usp_over_deepspeed"] is None and alone["rows"][0]["ratio_to_deepspeed"] is None
-    assert "no DeepSpeed row (not asked for); no ratio" in format_report(alone)
+    assert alone["usp_over_peer"] is None and alone["rows"][0]["ratio_to_peer"] is None
+    assert "no peer row (not asked for); no ratio" in format_report(alone)

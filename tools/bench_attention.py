@@ -20,6 +20,7 @@ from pathlib import Path
 from usp.bench.attention import (DTYPES, QUICK, AttentionBench, launched_world, measure,
                                  parse_layouts)
 from usp.bench.attention_report import format_report
+from usp.bench.deepspeed_ulysses import deepspeed_peer
 
 FULL = {f.name: f.default for f in fields(AttentionBench) if f.name in QUICK}
 
@@ -69,7 +70,7 @@ def parse_args(argv=None) -> tuple[AttentionBench, Path | None]:
             kv_heads=args.kv_heads, head_dim=args.head_dim, causal=args.causal,
             dtype=args.dtype, balance=args.balance, threads=args.threads,
             layouts=parse_layouts(args.layouts) if args.layouts else None,
-            deepspeed=not args.no_deepspeed, a2a_chunks=chunks, **sizes)
+            peer=None if args.no_deepspeed else deepspeed_peer, a2a_chunks=chunks, **sizes)
     except ValueError as e:
         p.error(str(e))
     return bench, args.json

@@ -1,4 +1,4 @@
-"""Forward+backward time of one attention call: usp layouts side by side with DeepSpeed-Ulysses.
+"""Forward+backward time of one attention call: usp layouts side by side (and a peer's row).
 
 Runs N local CPU processes on gloo (or joins a torchrun group as one rank). Every measured
 config lives in the same processes and the configs are interleaved round-robin over the
@@ -13,20 +13,21 @@ pace of a synchronous step). Rows:
 - ``usp u=X r=Y``: ``usp_attention`` on ``SPMesh.build(ulysses=X, ring=Y)``; with
   ``a2a_chunks`` C > 1 (``--a2a-chunks``), rows ``usp u=X r=Y cC`` pipeline the ulysses
   all-to-alls over C head stages (one mesh per layout, shared by its rows);
-- ``deepspeed u=N``: ``deepspeed.sequence.layer.DistributedAttention`` over all N ranks
-  (pure Ulysses), optional: skipped with a message when DeepSpeed is not importable.
+- a peer's row, first when given (``AttentionBench.peer``, a picklable function every rank
+  calls): another sequence-parallel implementation over all N ranks. The project's lab
+  passes DeepSpeed-Ulysses (``python -m tools.bench_attention``); skipped with a message
+  when the peer cannot run the shapes.
 
-Both call the same local kernel, ``usp.kernels.local_attention(..., kernel="torch")``
-(the aten CPU flash op with LSE). Inputs are one global [B, L, H, d] tensor drawn from a
-fixed seed; each config shards it its own way (usp: ``SequenceLayout.shard``; DeepSpeed:
-contiguous L/N slices). Before timing, every row's gathered output is compared with the
+Every row calls the same local kernel (``kernel="torch"``, the aten CPU flash op with
+LSE). Inputs are one global [B, L, H, d] tensor drawn from a fixed seed; each config
+shards it its own way (usp: ``SequenceLayout.shard``; a peer: its own slices). Before timing, every row's gathered output is compared with the
 first row's, and so are the input gradients, so a fast but wrong config cannot hide in
 the table (column ``max|diff|``). ``a2a exp``/``a2a hid``: ulysses all-to-all ms per call
 (mean over ranks and rounds) waited for / travelling beside compute (``CommStats``'s
 ``exposed_s``/``hidden_s``); ``exp %``: exposed share of the row's mean; ``cpu ms``:
 the process's CPU time per call (all its threads, gloo's included), mean over ranks and
 rounds: when the processes outnumber the cores, wall time follows it, and a transfer can
-only hide behind another rank's compute. ``vs DS``: mean / DeepSpeed's mean; the summary
+only hide behind another rank's compute. ``vs peer``: mean / the peer's mean; the summary
 adds the ratio of medians, of minima, and the median of per-round ratios, per
 ``a2a_chunks`` of the pure-ulysses layout.
 
@@ -36,12 +37,12 @@ Threads: every process uses ``threads`` intra-op threads (default: its CPUs / N,
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import tempfile
 import time
 from contextlib import ExitStack
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -56,7 +57,6 @@ from ..layout import SequenceLayout
 from ..mesh import SPMesh
 from ..ulysses import check_a2a_chunks
 from ..validate import check_degrees, check_heads, check_seq_len
-from .deepspeed_ulysses import deepspeed_calls, import_deepspeed
 from .attention_report import results
 from .timing import default_threads, mean_over_ranks, round_robin
 
@@ -114,7 +114,9 @@ class AttentionBench:
     warmup: int = 1
     iters: int = 5
     threads: int | None = None
-    deepspeed: bool = True  # add the DeepSpeed-Ulysses row when its shapes allow it
+    # peer(bench) -> (row config or None, skip reason or None, version or None), run by
+    # every rank (collective): another implementation's row, first in the table
+    peer: Callable | None = None
     a2a_chunks: tuple[int, ...] = (1,)  # a usp row per count for layouts with ulysses > 1
 
     def __post_init__(self) -> None:
@@ -147,23 +149,11 @@ class AttentionBench:
         return [(u, r, c) for u, r in self.layouts
                 for c in (self.a2a_chunks if u > 1 else self.a2a_chunks[:1])]
 
-    def deepspeed_skip_reason(self) -> str | None:
-        """Why the DeepSpeed row cannot run on these shapes (None when it can)."""
-        n = self.nprocs
-        if not self.deepspeed:
-            return "not asked for (deepspeed=False, --no-deepspeed)"
-        if self.heads % n or self.kv_heads % n:
-            return (f"DeepSpeed-Ulysses needs heads ({self.heads}) and KV heads "
-                    f"({self.kv_heads}) divisible by its degree {n}")
-        if self.seq_len % n:
-            return f"seq_len {self.seq_len} is not divisible by {n}"
-        return None
-
 
 @dataclass
 class Row:
     name: str
-    kind: str  # "usp" | "deepspeed"
+    kind: str  # "usp" | "peer"
     ulysses: int
     ring: int
     times_ms: list[float] = field(default_factory=list)
@@ -209,20 +199,11 @@ def make_usp(bench: AttentionBench, mesh: SPMesh, chunks: int = 1):
     return Row(name, "usp", u, r, a2a_chunks=chunks), shard, call, gather, mesh.comm
 
 
-def _deepspeed_config(bench: AttentionBench):
-    """(config or None, skip reason or None); every rank agrees on running the row."""
-    skip = bench.deepspeed_skip_reason()
-    if skip is not None:
-        return None, skip
-    DistributedAttention = import_deepspeed()
-    ok = torch.tensor([0 if isinstance(DistributedAttention, str) else 1])
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    if not ok.item():
-        return None, (DistributedAttention if isinstance(DistributedAttention, str)
-                      else "DeepSpeed failed to import on another rank")
-    n = dist.get_world_size()
-    row = Row(f"deepspeed u={n}", "deepspeed", n, 1)
-    return (row, *deepspeed_calls(DistributedAttention, bench.seq_len, bench.causal), None), None
+def _peer_config(bench: AttentionBench):
+    """(config or None, skip reason or None, peer version or None); every rank agrees."""
+    if bench.peer is None:
+        return None, "no peer given (AttentionBench.peer)", None
+    return bench.peer(bench)
 
 
 def run_rank(bench: AttentionBench, result_path: str | None = None) -> dict | None:
@@ -230,8 +211,8 @@ def run_rank(bench: AttentionBench, result_path: str | None = None) -> dict | No
 
     Returns the result on rank 0 (and writes it as JSON to ``result_path`` when given):
     ``args``, ``env``, ``rows`` (name, kind, degrees, ``times_ms``, ``max_abs_diff``, the
-    stats and ``ratio_to_deepspeed``), ``deepspeed_skipped`` (the reason, or None) and
-    ``usp_over_deepspeed``: usp(u=N) / DeepSpeed(u=N) by ``mean``, ``median``, ``min`` and
+    stats and ``ratio_to_peer``), ``peer_skipped`` (the reason, or None) and
+    ``usp_over_peer``: usp(u=N) / peer(u=N) by ``mean``, ``median``, ``min`` and
     ``paired_median`` (the median of per-round ratios), or None. None on other ranks.
     """
     rank = dist.get_rank()
@@ -251,16 +232,15 @@ def run_rank(bench: AttentionBench, result_path: str | None = None) -> dict | No
         built = {(u, r): meshes.enter_context(SPMesh.build(ulysses=u, ring=r))
                  for u, r in bench.layouts}
         configs = [make_usp(bench, built[u, r], c) for u, r, c in bench.usp_rows()]
-        ds, skip = _deepspeed_config(bench)
-        if ds is not None:
-            configs.insert(0, ds)
-        else:
-            say(f"DeepSpeed row skipped: {skip}; running the usp rows only.", flush=True)
+        peer, skip, version = _peer_config(bench)
+        if peer is not None:
+            configs.insert(0, peer)
+        elif bench.peer is not None:
+            say(f"peer row skipped: {skip}; running the usp rows only.", flush=True)
         rows = _measure_rows(bench, configs, (q, k, v, dout), say)
     if rank != 0:
         dist.barrier()  # leave together: a rank tearing gloo down early can abort its peers
         return None
-    version = None if ds is None else importlib.import_module("deepspeed").__version__
     result = results(bench, rows, skip, version)
     if result_path is not None:
         Path(result_path).write_text(json.dumps(result))

@@ -1,5 +1,5 @@
 """The result of one ``usp.bench.attention`` run: the JSON-ready dict (``results``) and its
-table as text (``format_report``), including the usp / DeepSpeed ratios per ``a2a_chunks``."""
+table as text (``format_report``), including the usp / peer ratios per ``a2a_chunks``."""
 
 from __future__ import annotations
 
@@ -17,20 +17,21 @@ if TYPE_CHECKING:
 
 
 def results(bench: AttentionBench, rows: list[Row], skip: str | None,
-            deepspeed_version: str | None = None) -> dict:
+            peer_version: str | None = None) -> dict:
     """The JSON-ready result of one run (see ``run_rank``)."""
-    ds = next((r for r in rows if r.kind == "deepspeed"), None)
+    ds = next((r for r in rows if r.kind == "peer"), None)
     ds_stats = ds.stats() if ds else None
     out_rows = []
     for row in rows:
         s = row.stats()
         ratio = s["mean_ms"] / ds_stats["mean_ms"] if ds else None
-        out_rows.append({**asdict(row), **s, "ratio_to_deepspeed": ratio})
-    args = {**asdict(bench), "layouts": [f"{u}x{r}" for u, r in bench.layouts]}
+        out_rows.append({**asdict(row), **s, "ratio_to_peer": ratio})
+    args = {**asdict(bench), "layouts": [f"{u}x{r}" for u, r in bench.layouts],
+            "peer": None if ds is None else ds.name}
     env = dict(torch=torch.__version__, python=platform.python_version(),
                cpus=os.cpu_count(), threads_per_proc=bench.threads)
-    if deepspeed_version is not None:
-        env["deepspeed"] = deepspeed_version
+    if peer_version is not None:
+        env["peer"] = peer_version
     n = bench.nprocs
     by_chunks = {}
     for pure in (r for r in rows if r.kind == "usp" and r.ulysses == n and r.ring == 1):
@@ -38,9 +39,9 @@ def results(bench: AttentionBench, rows: list[Row], skip: str | None,
             break
         by_chunks[pure.a2a_chunks] = dict(time_ratios(pure.times_ms, ds.times_ms),
                                           a2a_exposed_share=pure.stats()["a2a_exposed_share"])
-    return dict(args=args, env=env, rows=out_rows, deepspeed_skipped=skip,
-                usp_over_deepspeed=by_chunks.get(min(by_chunks, default=1)),
-                usp_over_deepspeed_by_chunks=by_chunks or None)
+    return dict(args=args, env=env, rows=out_rows, peer_skipped=skip,
+                usp_over_peer=by_chunks.get(min(by_chunks, default=1)),
+                usp_over_peer_by_chunks=by_chunks or None)
 
 
 def format_report(result: dict) -> str:
@@ -52,11 +53,11 @@ def format_report(result: dict) -> str:
                  f"threads/proc={a['threads']} iters={a['iters']} "
                  f"(max over ranks per iteration)"]
     head = (f"{'config':<21} {'mean ms':>10} {'std ms':>9} {'min ms':>10} {'median ms':>10} "
-            f"{'vs DS':>7} {'max|diff|':>10} {'a2a exp':>8} {'a2a hid':>8} {'exp %':>6} "
+            f"{'vs peer':>7} {'max|diff|':>10} {'a2a exp':>8} {'a2a hid':>8} {'exp %':>6} "
             f"{'cpu ms':>7}")
     lines += [head, "-" * len(head)]
     for r in result["rows"]:
-        ratio = r["ratio_to_deepspeed"]
+        ratio = r["ratio_to_peer"]
         rtxt = f"{ratio:7.3f}" if ratio is not None else f"{'-':>7}"
         a2a = (f" {r['a2a_exposed_mean_ms']:8.1f} {r['a2a_hidden_mean_ms']:8.1f} "
                f"{100 * r['a2a_exposed_share']:6.1f}" if r.get("a2a_exposed_share") is not None
@@ -66,13 +67,14 @@ def format_report(result: dict) -> str:
                      f"{r['min_ms']:10.1f} {r['median_ms']:10.1f} {rtxt} "
                      f"{r['max_abs_diff']:10.2e}{a2a} "
                      + (f"{cpu:7.1f}" if cpu is not None else f"{'-':>7}"))
-    n, by_chunks = a["nprocs"], result.get("usp_over_deepspeed_by_chunks")
+    n, by_chunks = a["nprocs"], result.get("usp_over_peer_by_chunks")
+    peer = (a.get("peer") or "peer").split(" ")[0]
     if by_chunks:
         lines.append("")
         for c, ratios in by_chunks.items():
-            lines.append(f"usp(u={n}, a2a_chunks={c}) / DeepSpeed(u={n}) = {ratios['mean']:.3f} "
+            lines.append(f"usp(u={n}, a2a_chunks={c}) / {peer}(u={n}) = {ratios['mean']:.3f} "
                          f"(mean); {ratios['median']:.3f} (median); {ratios['min']:.3f} (min); "
                          f"{ratios['paired_median']:.3f} (median of per-round ratios)")
-    elif result["deepspeed_skipped"] is not None:
-        lines.append(f"\nno DeepSpeed row ({result['deepspeed_skipped']}); no ratio")
+    elif result["peer_skipped"] is not None:
+        lines.append(f"\nno peer row ({result['peer_skipped']}); no ratio")
     return "\n".join(lines)

@@ -69,3 +69,34 @@ def deepspeed_calls(DistributedAttention, seq_len: int, causal: bool):
         return torch.cat(parts, dim=1)
 
     return shard, call, gather
+
+
+def skip_reason(bench) -> str | None:
+    """Why DeepSpeed-Ulysses cannot run ``bench``'s shapes (None when it can)."""
+    n = bench.nprocs
+    if bench.heads % n or bench.kv_heads % n:
+        return (f"DeepSpeed-Ulysses needs heads ({bench.heads}) and KV heads "
+                f"({bench.kv_heads}) divisible by its degree {n}")
+    if bench.seq_len % n:
+        return f"seq_len {bench.seq_len} is not divisible by {n}"
+    return None
+
+
+def deepspeed_peer(bench):
+    """The attention benchmark's peer (``AttentionBench.peer``): (row config or None, skip
+    reason or None, DeepSpeed's version or None), agreed by every rank (collective)."""
+    from usp.bench.attention import Row
+
+    skip = skip_reason(bench)
+    if skip is not None:
+        return None, skip, None
+    DistributedAttention = import_deepspeed()
+    ok = torch.tensor([0 if isinstance(DistributedAttention, str) else 1])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if not ok.item():
+        return None, (DistributedAttention if isinstance(DistributedAttention, str)
+                      else "DeepSpeed failed to import on another rank"), None
+    n = dist.get_world_size()
+    row = Row(f"deepspeed u={n}", "peer", n, 1)
+    calls = deepspeed_calls(DistributedAttention, bench.seq_len, bench.causal)
+    return (row, *calls, None), None, importlib.import_module("deepspeed").__version__
