@@ -5,7 +5,7 @@ import pytest
 
 from usp.bench.attention import AttentionBench, Row, parse_layouts
 from usp.bench.attention_report import format_report, results
-from usp.bench.deepspeed_ulysses import skip_reason
+from tools.lab.deepspeed_ulysses import skip_reason
 
 
 def test_settings_are_checked_before_launch():

@@ -1,12 +1,12 @@
-"""usp.bench.cluster_report: tables, PNGs and the planner's verdict from a worker's
+"""tools.lab.cluster_report: tables, PNGs and the planner's verdict from a worker's
 measurements (the part of the cluster benchmarks that needs no root)."""
 
 from __future__ import annotations
 
 import pytest
 
-from usp.bench.cluster import ClusterBench
-from usp.bench.cluster_report import report
+from tools.lab.cluster import ClusterBench
+from tools.lab.cluster_report import report
 
 CFG = ClusterBench(seq_len=2048, heads=8, kv_heads=2, head_dim=64, mem_seq_len=2048,
                    train_seq_len=2048, train_batch=2)

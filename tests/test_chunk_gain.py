@@ -1,5 +1,5 @@
 """(f) of the cluster benchmarks: the pipelined all-to-all's measured gain against the
-planner's prediction and choice (``usp.bench.cluster_report``), on synthetic measurements,
+planner's prediction and choice (``tools.lab.cluster_report``), on synthetic measurements,
 and ``best_a2a_chunks`` choosing what ``attention_cost`` ranks first."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import statistics
 
 import pytest
 
-from usp.bench.cluster import ClusterBench, chunk_train_counts
-from usp.bench.cluster_report import chunk_lines, chunk_picks, chunk_verdict, report
+from tools.lab.cluster import ClusterBench, chunk_train_counts
+from tools.lab.cluster_report import chunk_lines, chunk_picks, chunk_verdict, report
 from usp.planner.cluster import load_cluster
 from usp.planner.cost import attention_cost, best_a2a_chunks
 

@@ -2,10 +2,10 @@
 
 The other faults are tested closer to their code (test_faults_trainer, test_restarts,
 test_checkpoint_files, test_inputs, test_clean_exit); the whole campaign, with its table in
-the README, is ``python tools/fault_campaign.py``.
+the README, is ``python -m tools.fault_campaign``.
 """
 
-from usp.bench.faults import campaign
+from tools.lab.faults import campaign
 
 # The campaign's faults strike once step 9 is logged; 16 steps (of the tool's 24) leave 7
 # steps for SIGTERM to reach the ranks before the run would end on its own.

@@ -4,9 +4,9 @@ brackets, the report's last line, and one measured training run on 4 ranks."""
 import pytest
 import torch
 
-from usp.bench.memory import LiveTensorTracker, StepMemory, StepProbe, measure_run
-from usp.bench.memory_report import deviation, report
-from usp.bench.memory_sweep import (FEATURES, MemoryBench, Point, Sweep, bracket, longest_fit,
+from tools.lab.memory import LiveTensorTracker, StepMemory, StepProbe, measure_run
+from tools.lab.memory_report import deviation, report
+from tools.lab.memory_sweep import (FEATURES, MemoryBench, Point, Sweep, bracket, longest_fit,
                                     predict)
 from usp.launch import spawn_local
 

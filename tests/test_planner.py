@@ -160,7 +160,7 @@ def test_link_bw_splits_a_shared_link_only():
 
 
 def test_shared_nic_slows_layouts_whose_ranks_leave_the_node_together():
-    """2 nodes x 2 GPUs, one NIC per node (like tools/simcluster.py): ring (2,2) has both
+    """2 nodes x 2 GPUs, one NIC per node (like tools.simcluster): ring (2,2) has both
     GPUs of a node sending off it every step, ring (1,4) only one."""
     m = ModelConfig()
     rail = load_cluster("cpu_local").replace(ranks_per_node=2, nodes=2, inter_bw=40e6,

@@ -1,4 +1,4 @@
-"""tools/simcluster.py (usp.bench.simcluster): a 2-node x 2-rank usp-train over shaped veth
+"""tools.simcluster (tools.lab.simcluster): a 2-node x 2-rank usp-train over shaped veth
 links, and its refusals."""
 
 import os
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from usp.bench.simcluster import SimCluster, SimClusterError, preflight, rate_to_bytes_per_s
+from tools.lab.simcluster import SimCluster, SimClusterError, preflight, rate_to_bytes_per_s
 
 ROOT = Path(__file__).resolve().parents[1]
-TOOL = ROOT / "tools" / "simcluster.py"
+TOOL = ["-m", "tools.simcluster"]  # run from the repository root
 
 needs_root = pytest.mark.skipif(
     os.name != "posix" or os.geteuid() != 0 or shutil.which("ip") is None
@@ -29,7 +29,7 @@ def _namespaces() -> set[str]:
 @needs_root
 def test_two_node_training_through_simcluster(tmp_path):
     before = _namespaces()
-    cmd = [sys.executable, str(TOOL), "--nodes", "2", "--nproc-per-node", "2",
+    cmd = [sys.executable, *TOOL, "--nodes", "2", "--nproc-per-node", "2",
            "--rate", "1gbit", "--timeout", "120", "--",
            "-m", "usp.cli", "trainer.steps=3", "data.seq_len=256", "logging=none",
            "parallel.ranks_per_node=null",  # real host names: one per namespace
@@ -51,7 +51,7 @@ def test_failing_command_returns_its_code_and_cleans_up(tmp_path):
     before = _namespaces()
     script = tmp_path / "fail.py"
     script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '3' else 0)\n")
-    p = subprocess.run([sys.executable, str(TOOL), "--rate", "1gbit", "--timeout", "60", "--",
+    p = subprocess.run([sys.executable, *TOOL, "--rate", "1gbit", "--timeout", "60", "--",
                         str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode != 0, p.stdout + p.stderr
     assert not {ns for ns in _namespaces() - before if ns.startswith("usp-")}
@@ -62,7 +62,7 @@ def test_refuses_when_tc_is_missing(tmp_path):
         pytest.skip("no `ip` on this machine: nothing to put on the fake PATH")
     (tmp_path / "ip").symlink_to(shutil.which("ip"))  # PATH has ip, but no tc
     env = dict(os.environ, PATH=str(tmp_path))
-    p = subprocess.run([sys.executable, str(TOOL), "--", "-m", "usp.cli"], env=env,
+    p = subprocess.run([sys.executable, *TOOL, "--", "-m", "usp.cli"], env=env, cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2, p.stdout + p.stderr
     # root is checked first: as root the message names the missing tools, else root
@@ -90,8 +90,8 @@ def test_rate_parsing():
 
 
 def test_queue_reaches_every_shaped_link_and_a_bad_one_is_refused(monkeypatch):
-    import usp.bench.simcluster as sc
-    from usp.bench.cluster import ClusterBench
+    import tools.lab.simcluster as sc
+    from tools.lab.cluster import ClusterBench
 
     calls = []
     monkeypatch.setattr(sc, "_sh", lambda *args, **kw: calls.append(args))

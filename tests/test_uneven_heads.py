@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from usp import SPMesh
-from usp.bench.heads import HeadsBench, HeadsRow, even_neighbours, report
+from tools.lab.heads import HeadsBench, HeadsRow, even_neighbours, report
 from usp.kernels import local_attention
 from usp.launch import spawn_local
 from usp.planner.traffic import attention_bytes

@@ -3,7 +3,7 @@
     unit         one process, no process group, no Python subprocess (checked while it runs)
     distributed  gloo process groups: ranks spawned by ``spawn_local``/``run_local``/torchrun
     e2e          a user's command in a subprocess: ``usp-train``/``usp-plan``, a tool, an example
-    root         a simulated cluster (``tools/simcluster.py``: root, ip, tc, unshare)
+    root         a simulated cluster (``tools.simcluster``: root, ip, tc, unshare)
     gpu          needs CUDA; skipped with the reason on a machine without it
 
 ``fast`` marks every unit test plus the distributed tests in ``FAST``: the quick run,

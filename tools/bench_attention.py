@@ -1,13 +1,13 @@
 """Forward+backward time of one attention call: usp layouts side by side with DeepSpeed-Ulysses.
 
 How it measures, the rows and the columns: ``usp/bench/attention.py``. Started plainly it
-spawns ``--nprocs`` local gloo processes; under torchrun (e.g. through tools/simcluster.py)
+spawns ``--nprocs`` local gloo processes; under torchrun (e.g. through tools.simcluster)
 each process is one rank and ``--nprocs`` is the launch's world size.
 
-    python tools/bench_attention.py                       # B=1 L=8192 H=8 d=64 causal fp32
-    python tools/bench_attention.py --quick               # small, for a smoke test
-    python tools/bench_attention.py --layouts 4x1,2x2 --kv-heads 4 --json out.json
-    python tools/bench_attention.py --layouts 4x1 --a2a-chunks 1,2,4 --seq-len 2048
+    python -m tools.bench_attention                       # B=1 L=8192 H=8 d=64 causal fp32
+    python -m tools.bench_attention --quick               # small, for a smoke test
+    python -m tools.bench_attention --layouts 4x1,2x2 --kv-heads 4 --json out.json
+    python -m tools.bench_attention --layouts 4x1 --a2a-chunks 1,2,4 --seq-len 2048
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 from usp.bench.attention import (DTYPES, QUICK, AttentionBench, launched_world, measure,
                                  parse_layouts)
 from usp.bench.attention_report import format_report
-from usp.bench.deepspeed_ulysses import deepspeed_peer
+from tools.lab.deepspeed_ulysses import deepspeed_peer
 
 FULL = {f.name: f.default for f in fields(AttentionBench) if f.name in QUICK}
 

@@ -2,18 +2,18 @@
 
 Measures links, attention placement (a), degrees (b), ring efficiency (c), saved
 activations (d) and bytes per layer (e), plus ``usp-train`` steps next to the planner's
-ranking (``usp.bench.cluster``); with ``--a2a-chunks`` also (f), the pipelined all-to-all
+ranking (``tools.lab.cluster``); with ``--a2a-chunks`` also (f), the pipelined all-to-all
 where it crosses nodes (2 x 2 and 2 x 1 clusters), against the planner's predicted gain
 and choice, and the usp-train step's attention-communication share. Tables are
 printed and written to ``OUT/tables.txt``, everything to ``OUT/results.json``, a PNG per
 benchmark to OUT.
 
-    python tools/bench_cluster.py               # rate auto (loopback / 9), out runs/bench_cluster
-    python tools/bench_cluster.py --rate 300mbit --intra-rate 2700mbit --out runs/bench_cluster/r300m
-    python tools/bench_cluster.py --placement-sweep 1gbit:9gbit,200mbit:1800mbit
-    python tools/bench_cluster.py --rate 300mbit --intra-rate 2700mbit --queue-ms 30 \\
+    python -m tools.bench_cluster               # rate auto (loopback / 9), out runs/bench_cluster
+    python -m tools.bench_cluster --rate 300mbit --intra-rate 2700mbit --out runs/bench_cluster/r300m
+    python -m tools.bench_cluster --placement-sweep 1gbit:9gbit,200mbit:1800mbit
+    python -m tools.bench_cluster --rate 300mbit --intra-rate 2700mbit --queue-ms 30 \\
         --a2a-chunks 1,2,auto --only-chunks --out runs/bench_cluster/chunks
-    python tools/bench_cluster.py --report-only --out runs/bench_cluster/r300m
+    python -m tools.bench_cluster --report-only --out runs/bench_cluster/r300m
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import argparse
 import signal
 import sys
 
-from usp.bench.cluster import ClusterBench, placement_sweep, report_saved, run
-from usp.bench.simcluster import SimClusterError, interrupt_on_signal, preflight
+from tools.lab.cluster import ClusterBench, placement_sweep, report_saved, run
+from tools.lab.simcluster import SimClusterError, interrupt_on_signal, preflight
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -35,7 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--intra-rate", default=d.intra_rate, help="shape loopback too")
     ap.add_argument("--queue-ms", type=float, default=d.queue_ms,
                     help="tbf queue of each shaped link, ms (30 avoids the slowdown of large "
-                         "two-way exchanges that 100 causes; see usp.bench.simcluster)")
+                         "two-way exchanges that 100 causes; see tools.lab.simcluster)")
     ap.add_argument("--seq-len", type=int, default=d.seq_len, help="attention benchmarks")
     ap.add_argument("--heads", type=int, default=d.heads)
     ap.add_argument("--kv-heads", type=int, default=d.kv_heads, help="GQA like the tiny model")

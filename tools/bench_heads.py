@@ -1,20 +1,20 @@
 """Time an uneven head split against the nearest even ones on the same ranks.
 
-    python tools/bench_heads.py --quick                  # 6 heads vs 4 and 8 on ulysses 4
-    python tools/bench_heads.py --heads 6 --kv-heads 2   # GQA: 6/2 vs 12/4
-    python tools/bench_heads.py --heads 8 --kv-heads 2 --ulysses 3
+    python -m tools.bench_heads --quick                  # 6 heads vs 4 and 8 on ulysses 4
+    python -m tools.bench_heads --heads 6 --kv-heads 2   # GQA: 6/2 vs 12/4
+    python -m tools.bench_heads --heads 8 --kv-heads 2 --ulysses 3
 
-Rows: the given (heads, KV heads) first, then ``usp.bench.heads.even_neighbours`` (same
+Rows: the given (heads, KV heads) first, then ``tools.lab.heads.even_neighbours`` (same
 query heads per KV head, dividing evenly over ulysses), or ``--compare 8:8,4:4``. All rows
-run interleaved in one set of processes; see ``usp.bench.heads`` for what is measured.
+run interleaved in one set of processes; see ``tools.lab.heads`` for what is measured.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from usp.bench.cli import DTYPES, BenchScript
-from usp.bench.heads import HeadsBench, even_neighbours, report, run
+from tools.lab.cli import DTYPES, BenchScript
+from tools.lab.heads import HeadsBench, even_neighbours, report, run
 
 QUICK = dict(seq_len=1024, rounds=5, head_dim=32)
 FULL = dict(seq_len=4096, rounds=7, head_dim=64)

@@ -1,10 +1,10 @@
 """Time sliding-window and packed-document attention against full causal attention.
 
-    python tools/bench_masks.py --quick        # L=2048, smoke-test size
-    python tools/bench_masks.py                # L=8192, window L/8, (u,r) = (1,4) and (2,2)
-    python tools/bench_masks.py --window 512 --doc-len 256 --layouts 1x4
+    python -m tools.bench_masks --quick        # L=2048, smoke-test size
+    python -m tools.bench_masks                # L=8192, window L/8, (u,r) = (1,4) and (2,2)
+    python -m tools.bench_masks --window 512 --doc-len 256 --layouts 1x4
 
-All rows of a layout run interleaved in one set of processes; see ``usp.bench.masks`` for
+All rows of a layout run interleaved in one set of processes; see ``tools.lab.masks`` for
 what is measured and what the kernel-call columns mean.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 
 from usp.bench.attention import parse_layouts
-from usp.bench.cli import DTYPES, BenchScript
-from usp.bench.masks import MasksBench, report, run
+from tools.lab.cli import DTYPES, BenchScript
+from tools.lab.masks import MasksBench, report, run
 
 QUICK = dict(seq_len=2048, rounds=3, head_dim=32, doc_len=256)
 FULL = dict(seq_len=8192, rounds=3, head_dim=64, doc_len=512)

@@ -1,12 +1,12 @@
 """Peak memory per rank of one training step against L/P, with and without each memory
 feature; the longest L/P under a budget; weak scaling; planner against measured.
 
-    python tools/bench_memory.py --quick          # < 60 s: two lengths, no weak scaling
-    python tools/bench_memory.py                  # the full run (docs/memory.md)
-    python tools/bench_memory.py --plot docs/memory.png
+    python -m tools.bench_memory --quick          # < 60 s: two lengths, no weak scaling
+    python -m tools.bench_memory                  # the full run (docs/memory.md)
+    python -m tools.bench_memory --plot docs/memory.png
 
-What is measured and how: ``usp.bench.memory`` (the tracker, the trainer's own step) and
-``usp.bench.memory_sweep`` (the plan). The last line is
+What is measured and how: ``tools.lab.memory`` (the tracker, the trainer's own step) and
+``tools.lab.memory_sweep`` (the plan). The last line is
 ``max_seq_len_per_rank baseline=<int> optimized=<int> ratio=<float>``.
 """
 
@@ -16,8 +16,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from usp.bench.memory_report import plot, report
-from usp.bench.memory_sweep import MemoryBench, Sweep, bracket, load, run, save
+from tools.lab.memory_report import plot, report
+from tools.lab.memory_sweep import MemoryBench, Sweep, bracket, load, run, save
 
 QUICK = dict(lengths=(128, 1024), budget_mib=52.0, resolution=1024, cap_mib=52.0,
              time_per_rank=64, vocab_size=8000, features=("baseline", "optimized"), weak=False)

@@ -1,17 +1,17 @@
 """Hit real usp-train runs with faults and print what happened: fault | what happened | steps lost | verdict.
 
-    python tools/fault_campaign.py                     # every scenario, ~4 min on 2 cores
-    python tools/fault_campaign.py --only sigterm,diverge
+    python -m tools.fault_campaign                     # every scenario, ~4 min on 2 cores
+    python -m tools.fault_campaign --only sigterm,diverge
 
 Each scenario is a ``python -m usp.cli`` run on 4 local gloo ranks (ulysses 2 x ring 2, 24
-steps, a checkpoint every 6); see usp/bench/faults.py for what each injects and checks.
+steps, a checkpoint every 6); see tools/lab/faults.py for what each injects and checks.
 """
 
 import argparse
 import sys
 import tempfile
 
-from usp.bench.faults import SCENARIOS, campaign, format_table
+from tools.lab.faults import SCENARIOS, campaign, format_table
 
 
 def main() -> int:

@@ -1,13 +1,13 @@
 """Run a torchrun command on a simulated multi-node cluster on this host (needs root).
 
 Every node is a network namespace with its own host name; nodes talk over veth links
-shaped with ``tc tbf`` (``usp.bench.simcluster``). Output lines are prefixed with
+shaped with ``tc tbf`` (``tools.lab.simcluster``). Output lines are prefixed with
 ``[nodeI]``; the exit code is the worst of the nodes'. Everything is removed on exit,
 including on errors, Ctrl-C, SIGTERM and SIGHUP.
 
-    sudo python tools/simcluster.py --nodes 2 --nproc-per-node 2 --rate 1gbit -- \\
+    sudo python -m tools.simcluster --nodes 2 --nproc-per-node 2 --rate 1gbit -- \\
         -m usp.cli trainer.steps=3 logging=none parallel.ranks_per_node=null
-    sudo python tools/simcluster.py --rate auto -- tools/bench_attention.py --quick
+    sudo python -m tools.simcluster --rate auto -- -m tools.bench_attention --quick
 
 ``--rate auto`` measures gloo throughput over loopback first and shapes the inter-node
 links to 1/``--ratio`` of it (default 9: the NVLink/InfiniBand ratio of an H100 node,
@@ -20,7 +20,7 @@ import argparse
 import signal
 import sys
 
-from usp.bench.simcluster import SimCluster, SimClusterError, interrupt_on_signal, preflight
+from tools.lab.simcluster import SimCluster, SimClusterError, interrupt_on_signal, preflight
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

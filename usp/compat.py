@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 # torch 2.11-2.13 ``torch/utils/_python_dispatch.py`` (private): the base class of Python
 # dispatch modes (``__torch_dispatch__(func, types, args, kwargs)``, entered with ``with``);
-# ``usp.bench.memory.LiveTensorTracker`` subclasses it.
+# ``tools.lab.memory.LiveTensorTracker`` subclasses it.
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 
 

@@ -1,8 +1,8 @@
-"""usp on a simulated 2-node x 2-rank cluster (``usp.bench.simcluster``): the multi-node benchmarks.
+"""usp on a simulated 2-node x 2-rank cluster (``tools.lab.simcluster``): the multi-node benchmarks.
 
 ``run`` (needs root) builds one ``SimCluster`` and runs
 
-1. ``usp.bench.cluster_worker`` (phase ``main``), which measures the links (gloo
+1. ``tools.lab.cluster_worker`` (phase ``main``), which measures the links (gloo
    send/recv rank 0 -> 1, same node, and 0 -> 2, other node); (a) attention fwd+bwd at
    (u, r) = (2, 2), ulysses inside vs across nodes; (b) attention at (4, 1), (2, 2),
    (1, 4); (c) the ring alone at P=2 across nodes, zigzag vs contiguous, against the
@@ -20,7 +20,7 @@
    ``ring_inner`` and on 2 x 1 at (2,1): attention at every legal count, usp-train at
    the asked ones.
 
-``report`` (``usp.bench.cluster_report``) turns the results into tables and PNGs;
+``report`` (``tools.lab.cluster_report``) turns the results into tables and PNGs;
 everything is saved to ``OUT/results.json``.
 """
 
@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..validate import check_heads, check_seq_len, head_split
+from usp.validate import check_heads, check_seq_len, head_split
 from .simcluster import SimCluster, rate_to_bytes_per_s, say
 
 NODES, PER_NODE = 2, 2
@@ -160,11 +160,11 @@ class ClusterBench:
 
 
 def run_phase(cluster: SimCluster, cfg: ClusterBench, phase: str, echo: bool = True) -> dict:
-    """Run ``usp.bench.cluster_worker`` on every rank of ``cluster``; rank 0's result."""
+    """Run ``tools.lab.cluster_worker`` on every rank of ``cluster``; rank 0's result."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg.save(out / "bench.json")
-    r = cluster.run(["-m", "usp.bench.cluster_worker", str(out / "bench.json"), phase],
+    r = cluster.run(["-m", "tools.lab.cluster_worker", str(out / "bench.json"), phase],
                     timeout=900, echo=echo)
     if r.returncode:
         raise RuntimeError(f"bench_cluster: worker phase {phase} failed ({r.returncode}):\n"

@@ -1,8 +1,8 @@
-"""What every rank of the simulated cluster measures for ``usp.bench.cluster``.
+"""What every rank of the simulated cluster measures for ``tools.lab.cluster``.
 
 Started by torchrun on each node (``SimCluster.run``)::
 
-    python -m usp.bench.cluster_worker OUT/bench.json {main|placement|ring|chunks}
+    python -m tools.lab.cluster_worker OUT/bench.json {main|placement|ring|chunks}
 
 ``main`` (2 nodes x 2 ranks) measures the links, the overlap of a cross-node transfer with
 a kernel, attention fwd+bwd for every case of ``MAIN_CASES`` (timed round-robin in the same
@@ -29,12 +29,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..kernels import local_attention
-from ..layout import SequenceLayout
-from ..mesh import SPMesh
+from usp.kernels import local_attention
+from usp.layout import SequenceLayout
+from usp.mesh import SPMesh
 from .cluster import PER_NODE, ClusterBench, chunk_layouts
 from .simcluster import p2p_rate
-from .timing import mean_over_ranks
+from usp.bench.timing import mean_over_ranks
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,8 @@ def attention_calls(cfg: ClusterBench, seq_len: int, cases, stack: ExitStack,
     ``sent[name]`` gets the bytes it sent per rank next to ``attention_bytes``' value and
     how many hosts its ulysses and ring groups span; ``comms[name]`` gets each usp case's
     ``mesh.comm``. Meshes close when ``stack`` does."""
-    from ..attention import usp_attention
-    from ..planner.traffic import attention_bytes
+    from usp.attention import usp_attention
+    from usp.planner.traffic import attention_bytes
 
     q, k, v, dout = _inputs(cfg, seq_len)
     calls = {}
@@ -114,7 +114,7 @@ def attention_calls(cfg: ClusterBench, seq_len: int, cases, stack: ExitStack,
 
 def time_cases(calls: dict, rounds: int, warmup: int) -> dict:
     """{name: [ms per round]}: the calls interleaved, the slowest rank's time per call."""
-    from .timing import round_robin
+    from usp.bench.timing import round_robin
 
     per_round = round_robin(list(calls.values()), rounds, warmup)
     return {n: [r[j] * 1e3 for r in per_round] for j, n in enumerate(calls)}
@@ -123,9 +123,9 @@ def time_cases(calls: dict, rounds: int, warmup: int) -> dict:
 def saved_activation_bytes(seq_len: int) -> dict:
     """{P: bytes of the tensors autograd saves in one forward of the tiny model, per rank}
     at P = 1, 2, 4 (parameters, being state, are not counted)."""
-    from ..attention import usp_attention
-    from ..config import ModelConfig
-    from ..model import Transformer
+    from usp.attention import usp_attention
+    from usp.config import ModelConfig
+    from usp.model import Transformer
 
     cfg = ModelConfig()
     tokens = torch.randint(0, cfg.vocab_size, (1, seq_len),
@@ -177,8 +177,8 @@ def measure_overlap(cfg: ClusterBench, reps: int = 7) -> dict:
     Every rank swaps one K/V block of the (2,2) layout with its partner on the other node
     (both ranks of a node at once, as the (2,2) ring does) beside the forward of one ring
     block; kernel alone, transfer alone and both are timed back to back ``reps`` times."""
-    from ..planner.calibration import overlap_share
-    from .timing import overlap_times
+    from usp.planner.calibration import overlap_share
+    from usp.bench.timing import overlap_times
 
     partner = (dist.get_rank() + PER_NODE) % dist.get_world_size()
     send = torch.randn(2 * (cfg.seq_len // 2) * cfg.head_dim)  # one K/V block, fp32
@@ -195,7 +195,7 @@ def measure_latency(reps: int = 15, nbytes: int = 1024) -> dict:
     same node (``intra``) and on the other node (``inter``): median over ``reps`` of the
     slowest rank's time, barriers between (the message start-up ``ClusterSpec`` calls
     ``*_latency_s``)."""
-    from .timing import timed
+    from usp.bench.timing import timed
 
     rank, world = dist.get_rank(), dist.get_world_size()
     send, recv = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
@@ -293,7 +293,7 @@ def result_file(phase: str) -> str:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[1] not in PHASES:
-        raise SystemExit(f"usage: python -m usp.bench.cluster_worker BENCH.json "
+        raise SystemExit(f"usage: python -m tools.lab.cluster_worker BENCH.json "
                          f"{{{'|'.join(PHASES)}}}")
     cfg = ClusterBench.load(Path(argv[0]))
     torch.set_num_threads(1)

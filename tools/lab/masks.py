@@ -1,4 +1,4 @@
-"""Sliding windows and packed documents against full causal attention (``tools/bench_masks.py``).
+"""Sliding windows and packed documents against full causal attention (``tools.bench_masks``).
 
 For each (ulysses, ring) layout one mesh times ``usp_attention`` forward+backward for every
 row, interleaved round-robin (``timing.round_robin``: the slowest rank's time per call),
@@ -27,7 +27,7 @@ from statistics import median
 import torch
 import torch.distributed as dist
 
-from ..validate import check_degrees, check_seq_len
+from usp.validate import check_degrees, check_seq_len
 from .cli import TimedBench
 
 ROWS = ("causal zigzag", "causal contiguous", "window contiguous", "window zigzag",
@@ -100,8 +100,8 @@ def _calls_per_step(delta: Counter, mesh) -> dict:
 
 
 def _layout_rows(cfg: MasksBench, ulysses: int, ring: int) -> list[MasksRow]:
-    from .. import SequenceLayout, SPMesh, usp_attention
-    from .timing import round_robin
+    from usp import SequenceLayout, SPMesh, usp_attention
+    from usp.bench.timing import round_robin
 
     dtype = cfg.torch_dtype
     with SPMesh.build(ulysses=ulysses, ring=ring) as mesh:
@@ -144,7 +144,7 @@ def _worker(cfg: MasksBench, path: str) -> None:
 
 def run(cfg: MasksBench) -> list[MasksRow]:
     """Spawn the layouts' processes (one world size) and time every row on each layout."""
-    from ..launch import spawn_local
+    from usp.launch import spawn_local
 
     u, r = cfg.layouts[0]
     fd, path = tempfile.mkstemp(suffix=".json")

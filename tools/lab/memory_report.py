@@ -1,5 +1,5 @@
-"""The memory benchmark's printed report and plot (``tools/bench_memory.py``); the points
-come from ``usp.bench.memory_sweep.run``."""
+"""The memory benchmark's printed report and plot (``tools.bench_memory``); the points
+come from ``tools.lab.memory_sweep.run``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Tables, PNGs and the planner's verdict from the simulated-cluster measurements.
 
-``report`` needs no root and no processes: it reads what ``usp.bench.cluster_worker``
+``report`` needs no root and no processes: it reads what ``tools.lab.cluster_worker``
 measured (``worker``), the ``usp-train`` step times (``train``) and writes ``tables.txt``
 and one PNG per benchmark into ``out``.
 """
@@ -10,10 +10,10 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from ..config import ModelConfig
-from ..planner import plan
-from ..planner.cluster import ClusterSpec, load_cluster
-from ..planner.cost import attention_cost, best_a2a_chunks, estimate
+from usp.config import ModelConfig
+from usp.planner import plan
+from usp.planner.cluster import ClusterSpec, load_cluster
+from usp.planner.cost import attention_cost, best_a2a_chunks, estimate
 from .cluster import NODES, PER_NODE, WORLD, ClusterBench, chunk_layouts
 from .plots import bar_png, grouped_bar_png
 

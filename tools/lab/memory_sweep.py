@@ -1,7 +1,7 @@
-"""The memory benchmark's plan and report (``tools/bench_memory.py``): peak per rank against
+"""The memory benchmark's plan and report (``tools.bench_memory``): peak per rank against
 L/P for each memory feature, the longest L/P under a budget (baseline against all
 features), weak scaling over P, the planner's prediction for every point, and the step
-time each feature costs. Points are measured by ``usp.bench.memory.measure_run``.
+time each feature costs. Points are measured by ``tools.lab.memory.measure_run``.
 
 Feature settings (``FEATURES``): ``off`` (none), ``baseline`` (activation checkpointing
 of every block: the best the trainer did before the other features), ``+loss_chunk``,
@@ -22,7 +22,7 @@ from functools import partial
 
 import torch.distributed as dist
 
-from ..config import (LoggingConfig, ModelConfig, ParallelConfig, RecallData, RunConfig,
+from usp.config import (LoggingConfig, ModelConfig, ParallelConfig, RecallData, RunConfig,
                       TrainerConfig)
 from .memory import MIB, StepMemory, measure_run, settle_allocator
 
@@ -267,7 +267,7 @@ def load(path) -> Sweep:
 def run(bench: MemoryBench, weak: bool = True, main: bool = True) -> Sweep:
     """Spawn the main run (ulysses x ring ranks; with ``main``) and, with ``weak``, one run
     per entry of ``weak_ranks``; returns all points."""
-    from ..launch import spawn_local
+    from usp.launch import spawn_local
 
     total = Sweep()
     with tempfile.TemporaryDirectory(prefix="usp_bench_memory_") as root:
@@ -307,7 +307,7 @@ def _weak_points(bench: MemoryBench, sweep: Sweep, ranks: int) -> list[Point]:
 def predict(bench: MemoryBench, p: Point):
     """The planner's ``MemorySplit`` of point ``p`` (``usp.planner.memory.memory_split``
     with the run's model, layout, batch, dtype and checkpoint policy, on the CPU kernel)."""
-    from ..planner.memory import CheckpointPolicy, memory_split
+    from usp.planner.memory import CheckpointPolicy, memory_split
 
     cfg = bench.run_config(FEATURES[p.features], p.per_rank, "", p.ulysses, p.ring)
     return memory_split(cfg.model, cfg.data.seq_len, 1, p.ring, p.ulysses,

@@ -1,4 +1,4 @@
-"""Uneven head splits against the nearest even ones, on the same ranks (``tools/bench_heads.py``).
+"""Uneven head splits against the nearest even ones, on the same ranks (``tools.bench_heads``).
 
 One spawn of ``ulysses x ring`` gloo processes builds one mesh and times ``usp_attention``
 forward+backward for every head count, interleaved round-robin (``timing.round_robin``,
@@ -24,7 +24,7 @@ from statistics import median
 import torch
 import torch.distributed as dist
 
-from ..validate import check_degrees, head_imbalance, head_split, seq_multiple
+from usp.validate import check_degrees, head_imbalance, head_split, seq_multiple
 from .cli import TimedBench
 
 
@@ -85,8 +85,8 @@ def even_neighbours(hq: int, hkv: int, ulysses: int) -> list[tuple[int, int]]:
 
 
 def _worker(cfg: HeadsBench, path: str) -> None:
-    from .. import SequenceLayout, SPMesh, usp_attention
-    from .timing import round_robin
+    from usp import SequenceLayout, SPMesh, usp_attention
+    from usp.bench.timing import round_robin
 
     dtype = cfg.torch_dtype
     with SPMesh.build(ulysses=cfg.ulysses, ring=cfg.ring) as mesh:
@@ -116,7 +116,7 @@ def _worker(cfg: HeadsBench, path: str) -> None:
 
 def run(cfg: HeadsBench) -> list[HeadsRow]:
     """Spawn ``ulysses x ring`` gloo processes and time every entry of ``cfg.heads``."""
-    from ..launch import spawn_local
+    from usp.launch import spawn_local
 
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)

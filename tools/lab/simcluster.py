@@ -40,6 +40,7 @@ from pathlib import Path
 
 REQUIRED_TOOLS = ("ip", "tc", "unshare")
 SUBNET = "10.77.0"  # private /24, only inside the namespaces this module creates
+ROOT = Path(__file__).resolve().parents[2]  # the repository root
 MASTER_PORT = 29500  # every node has its own network namespace: no clash with the host
 
 
@@ -60,7 +61,7 @@ def preflight(euid: int | None = None, which: Callable[[str], str | None] = shut
     if (os.geteuid() if euid is None else euid) != 0:
         raise SimClusterError(
             "simcluster needs root (it creates network namespaces, veth links, a bridge and "
-            "tc qdiscs); run it as root, e.g. `sudo -E python tools/simcluster.py ...`"
+            "tc qdiscs); run it as root, e.g. `sudo -E python -m tools.simcluster ...`"
         )
     missing = [t for t in REQUIRED_TOOLS if which(t) is None]
     if missing:
@@ -112,7 +113,7 @@ def _loopback_probe(nbytes: int, rounds: int, result: str) -> None:
 
 def measure_loopback_bw(nbytes: int = 64 * 2**20, rounds: int = 3) -> float:
     """Bytes/s of one gloo send/recv between two local processes over loopback."""
-    from ..launch import spawn_local
+    from usp.launch import spawn_local
 
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "rate")
@@ -340,7 +341,9 @@ class SimCluster:
         procs, readers = [], []
         t0 = time.monotonic()
         for i in range(self.nodes):
-            p = subprocess.Popen(self.node_command(i, cmd), env=base, stdout=subprocess.PIPE,
+            # from the repository root, where ``-m tools.lab...`` (not installed) is found
+            p = subprocess.Popen(self.node_command(i, cmd), env=base, cwd=ROOT,
+                                 stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True, errors="replace",
                                  start_new_session=True)  # own process group: killable as one
             with self._lock:

@@ -5,7 +5,7 @@ local gloo ranks with a small config, injects its fault from outside (a signal t
 launcher or to one rank, a damaged checkpoint file, a diverging learning rate, a stopped
 rank), then checks what a cluster operator expects: the run ends with a named error or a
 checkpoint, no rank is left running, and a resumed run reaches the same final loss as an
-uninterrupted one. ``tools/fault_campaign.py`` prints the table.
+uninterrupted one. ``tools.fault_campaign`` prints the table.
 """
 
 from __future__ import annotations

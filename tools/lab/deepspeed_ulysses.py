@@ -14,7 +14,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from ..kernels import local_attention
+from usp.kernels import local_attention
 
 
 def import_deepspeed():

@@ -1,4 +1,4 @@
-"""Per-rank peak memory of training steps against sequence length (``tools/bench_memory.py``).
+"""Per-rank peak memory of training steps against sequence length (``tools.bench_memory``).
 
 Every point runs ``usp.train.trainer.train`` itself (model, FSDP2, AdamW, the loss and
 the memory features as the trainer applies them) for ``steps`` steps and reads the last
@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..compat import TorchDispatchMode
-from ..config import RunConfig
+from usp.compat import TorchDispatchMode
+from usp.config import RunConfig
 
 MIB = 2**20
 
@@ -184,7 +184,7 @@ class StepProbe:
 
     def __init__(self, device, tracker: LiveTensorTracker | None, rss_idle: int,
                  records: list[StepMemory]):
-        from ..train.metrics import PeakMemory
+        from usp.train.metrics import PeakMemory
 
         self.device = torch.device(device)
         self.tracker, self.rss_idle, self.records = tracker, rss_idle, records
@@ -227,7 +227,7 @@ def measure_run(cfg: RunConfig, track: bool = True) -> list[StepMemory]:
     rss_idle = 0 if device.type == "cuda" else resident_bytes()
     records: list[StepMemory] = []
     tracker = LiveTensorTracker(device.type) if track and device.type == "cpu" else None
-    from ..train.trainer import train
+    from usp.train.trainer import train
 
     def probe(dev: torch.device) -> StepProbe:
         return StepProbe(dev, tracker, rss_idle, records)

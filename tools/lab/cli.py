@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import DTYPES  # the dtype names: fp32, bf16
+from usp.config import DTYPES  # the dtype names: fp32, bf16
 
 
 def add_timing_args(p: argparse.ArgumentParser, full: dict, quick: dict) -> None:

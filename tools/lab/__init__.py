@@ -1,0 +1,2 @@
+"""The lab's logic behind the commands in ``tools/``: the simulated cluster and its
+benchmark, the fault campaign, the DeepSpeed-Ulysses peer, the head, mask and memory sweeps."""
