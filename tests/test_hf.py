@@ -1,4 +1,4 @@
-"""Hugging Face decoders through usp.hf: parity with the unpatched model, packed documents,
+"""Hugging Face decoders through usp.models.hf: parity with the unpatched model, packed documents,
 sliding windows, refusals, batch preparation and the checkpoint export round trip.
 
 One spawn of 4 gloo ranks loops over (ulysses, ring, dp) in {(1,1,4), (2,1,2), (2,2,1),
@@ -18,9 +18,9 @@ import torch.distributed as dist
 from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
-import usp.hf
+import usp.models.hf
 from usp import SequenceLayout, SPMesh
-from usp.hf_export import export_checkpoint, save_config
+from usp.models.export import export_checkpoint, save_config
 from usp.launch import spawn_local
 from usp.train.checkpoint import save_checkpoint
 
@@ -83,13 +83,13 @@ def _case(mesh: SPMesh, balance: str, kind: str, packed: bool, seed: int):
     ref_loss.backward()
 
     layout = SequenceLayout(mesh, seq_len=L, balance=balance)
-    usp.hf.patch(model, mesh, layout)
+    usp.models.hf.patch(model, mesh, layout)
     rows = slice(mesh.dp_rank * ROWS // mesh.dp, (mesh.dp_rank + 1) * ROWS // mesh.dp)
-    batch = usp.hf.shard_batch(layout, input_ids=ids[rows], labels=ids[rows],
+    batch = usp.models.hf.shard_batch(layout, input_ids=ids[rows], labels=ids[rows],
                                position_ids=None if pos is None else pos[rows])
     assert ("segment_ids" in batch) == packed
     out = model(**{k: v for k, v in batch.items() if k != "shift_labels"})
-    loss, count = usp.hf.causal_lm_loss(out.logits, batch["shift_labels"], mesh)
+    loss, count = usp.models.hf.causal_lm_loss(out.logits, batch["shift_labels"], mesh)
     loss.backward()
 
     where = f"{kind} (u={mesh.ulysses}, r={mesh.ring}, dp={mesh.dp}, {balance}, packed={packed})"
@@ -168,12 +168,12 @@ def test_export_round_trip(run_dir, tmp_path):
 
 def test_global_batch_shifts_on_the_global_row_and_cuts_at_documents():
     ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
-    plain = usp.hf.global_batch(ids, labels=ids)
+    plain = usp.models.hf.global_batch(ids, labels=ids)
     assert torch.equal(plain["shift_labels"], torch.tensor([[11, 12, 13, 14, 15, -100]]))
     assert torch.equal(plain["position_ids"], torch.arange(6)[None])
     assert "segment_ids" not in plain
     # documents from position resets: [0 1 2][0 1][0]
-    packed = usp.hf.global_batch(ids, labels=ids, position_ids=torch.tensor([[0, 1, 2, 0, 1, 0]]))
+    packed = usp.models.hf.global_batch(ids, labels=ids, position_ids=torch.tensor([[0, 1, 2, 0, 1, 0]]))
     assert torch.equal(packed["shift_labels"], torch.tensor([[11, 12, -100, 14, -100, -100]]))
     assert torch.equal(packed["segment_ids"], torch.tensor([[1, 1, 1, 2, 2, 3]]))
     assert torch.equal(packed["position_ids"], torch.tensor([[0, 1, 2, 0, 1, 0]]))
@@ -182,24 +182,24 @@ def test_global_batch_shifts_on_the_global_row_and_cuts_at_documents():
 def test_global_batch_from_attention_mask_documents_and_padding():
     ids = torch.tensor([[10, 11, 12, 13, 14, 15], [20, 21, 22, 23, 24, 25]])
     mask = torch.tensor([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1]])  # row 0: two documents, a pad
-    b = usp.hf.global_batch(ids, labels=ids, attention_mask=mask)
+    b = usp.models.hf.global_batch(ids, labels=ids, attention_mask=mask)
     assert torch.equal(b["shift_labels"], torch.tensor([[11, -100, 13, 14, -100, -100],
                                                         [21, 22, 23, 24, 25, -100]]))
     assert torch.equal(b["position_ids"], torch.tensor([[0, 1, 0, 1, 2, 0], [0, 1, 2, 3, 4, 5]]))
     assert torch.equal(b["segment_ids"], torch.tensor([[1, 1, 2, 2, 2, 3], [1] * 6]))
     with pytest.raises(ValueError, match="must match input_ids"):
-        usp.hf.global_batch(ids, labels=ids[:, :5])
+        usp.models.hf.global_batch(ids, labels=ids[:, :5])
 
 
 def test_layer_windows_follow_the_config():
-    assert usp.hf.layer_windows(LlamaConfig(**TINY)) == (None, None)
-    assert usp.hf.layer_windows(MistralConfig(**TINY, sliding_window=5)) == (5, 5)
+    assert usp.models.hf.layer_windows(LlamaConfig(**TINY)) == (None, None)
+    assert usp.models.hf.layer_windows(MistralConfig(**TINY, sliding_window=5)) == (5, 5)
     qwen = Qwen2Config(**TINY, use_sliding_window=True, sliding_window=6, max_window_layers=1)
-    assert usp.hf.layer_windows(qwen) == (None, 6)
+    assert usp.models.hf.layer_windows(qwen) == (None, 6)
     odd = LlamaConfig(**TINY)
     odd.layer_types = ["full_attention", "chunked_attention"]
     with pytest.raises(ValueError, match="chunked_attention"):
-        usp.hf.layer_windows(odd)
+        usp.models.hf.layer_windows(odd)
 
 
 def _fake_mesh(ulysses=2, ring=1):
@@ -220,19 +220,19 @@ def test_patch_refuses_configs_it_cannot_compute():
     for change, message in cases:
         model = LlamaForCausalLM(LlamaConfig(**{**TINY, **change}))
         with pytest.raises(ValueError, match=message):
-            usp.hf.patch(model, mesh, layout)
+            usp.models.hf.patch(model, mesh, layout)
         assert model.config._attn_implementation != f"usp_{id(model):x}"
     with pytest.raises(ValueError, match="different SPMesh"):
-        usp.hf.patch(_model("llama"), _fake_mesh(), layout)
+        usp.models.hf.patch(_model("llama"), _fake_mesh(), layout)
     with pytest.raises(ValueError, match="PreTrainedModel"):
-        usp.hf.patch(torch.nn.Linear(2, 2), mesh, layout)
+        usp.models.hf.patch(torch.nn.Linear(2, 2), mesh, layout)
 
 
 def test_patched_model_refuses_bad_calls_before_any_collective():
     mesh = _fake_mesh()
     layout = SequenceLayout(mesh, seq_len=L, balance="zigzag")
     model = _model("llama")
-    usp.hf.patch(model, mesh, layout)
+    usp.models.hf.patch(model, mesh, layout)
     ids = torch.randint(0, V, (2, L // 2))
     pos = torch.arange(L // 2).expand(2, -1)
     # no process group exists: a collective would raise RuntimeError, not these ValueErrors
@@ -250,7 +250,7 @@ def test_patched_model_refuses_bad_calls_before_any_collective():
     model.config.attention_dropout = 0.1
     with pytest.raises(ValueError, match="attention_dropout"):
         model.train()(input_ids=ids, position_ids=pos)
-    usp.hf.unpatch(model)
+    usp.models.hf.unpatch(model)
     assert model.config._attn_implementation == "sdpa"
     assert model(input_ids=torch.randint(0, V, (1, L))).logits.shape == (1, L, V)
 
@@ -259,7 +259,7 @@ def test_attention_function_refuses_what_it_cannot_honour():
     mesh = _fake_mesh()
     layout = SequenceLayout(mesh, seq_len=L, balance="zigzag")
     model = _model("mistral")
-    attn = usp.hf.UspAttention(mesh, layout, usp.hf.layer_windows(model.config))
+    attn = usp.models.hf.UspAttention(mesh, layout, usp.models.hf.layer_windows(model.config))
     module = model.model.layers[0].self_attn
     q = torch.randn(1, 4, L // 2, 16)
     kv = torch.randn(1, 2, L // 2, 16)

@@ -20,7 +20,7 @@ import usp.cli as cli
 from usp.config import (LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, RecallData,
                         RunConfig, TrainerConfig)
 from usp.data.synthetic import RecallTask
-from usp.hf_export import build_model, check_pretrained, export_checkpoint, hf_config
+from usp.models.export import build_model, check_pretrained, export_checkpoint, hf_config
 from usp.launch import spawn_local
 from usp.train.setup import build_dataset, preflight
 from usp.train.trainer import train

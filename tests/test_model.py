@@ -1,4 +1,4 @@
-"""Single-process tests of the GQA decoder in usp.model."""
+"""Single-process tests of the GQA decoder in usp.models.llama."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from usp.config import ModelConfig
 from usp.kernels import local_attention
-from usp.model import Transformer, apply_rope, flops_per_token, rope_cos_sin
+from usp.models.llama import Transformer, apply_rope, flops_per_token, rope_cos_sin
 
 CFG = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48)
 LOCAL = functools.partial(local_attention, causal=True)

@@ -23,7 +23,7 @@ from usp.data.packing import document_positions
 from usp.data.prepare import EOS, prepare
 from usp.kernels import local_attention
 from usp.layout import SequenceLayout
-from usp.model import Transformer
+from usp.models.llama import Transformer
 from usp.train.setup import build_dataset, check_run_masks
 
 

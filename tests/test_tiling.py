@@ -17,9 +17,9 @@ from torch.utils._pytree import tree_leaves
 
 from usp.config import ModelConfig
 from usp.kernels import local_attention
-from usp.model import FeedForward, Transformer
-from usp.offload import ActivationOffload
-from usp.tiling import chunked_lm_loss, lm_loss, tiled
+from usp.models.llama import FeedForward, Transformer
+from usp.models.offload import ActivationOffload
+from usp.models.tiling import chunked_lm_loss, lm_loss, tiled
 
 LOCAL = functools.partial(local_attention, causal=True)
 CFG = dict(vocab_size=256, dim=16, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=48)

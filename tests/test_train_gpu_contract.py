@@ -20,7 +20,7 @@ def _mixed_precision_worker():
     from torch.distributed.tensor import DTensor
 
     from usp.kernels import local_attention
-    from usp.model import Transformer
+    from usp.models.llama import Transformer
     from usp.train.trainer import shard_model
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))

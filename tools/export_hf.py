@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from usp.hf_export import export_checkpoint
+from usp.models.export import export_checkpoint
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -93,8 +93,8 @@ def check_offload(device: torch.device, copier=None) -> dict:
     from functools import partial
 
     from ..config import ModelConfig
-    from ..model import Transformer
-    from ..offload import ActivationOffload, StreamCopier
+    from ..models.llama import Transformer
+    from ..models.offload import ActivationOffload, StreamCopier
 
     cuda = device.type == "cuda"
     cfg = ModelConfig(vocab_size=512, dim=1024 if cuda else 32, n_layers=8, n_heads=8,
@@ -206,7 +206,7 @@ def _mfu_row(device: torch.device, sizes: Sizes) -> dict:
     from functools import partial
 
     from ..config import ModelConfig
-    from ..model import Transformer
+    from ..models.llama import Transformer
 
     cfg = ModelConfig(vocab_size=32000, dim=2048, n_layers=2, n_heads=16, n_kv_heads=8,
                       ffn_dim=5632)

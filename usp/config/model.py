@@ -28,7 +28,7 @@ class ModelConfig:
     sliding_window: Optional[int] = None  # tokens a query sees (itself included); None: all
     full_attention_every: int = 0  # 0: every layer windowed; k: layers k-1, 2k-1, ... full
     rope: str = "global"  # global: positions in the packed row | per_document: from each doc start
-    hf: Optional[str] = None  # None: usp.model.Transformer | llama, qwen2, mistral: transformers'
+    hf: Optional[str] = None  # None: usp.models.llama.Transformer | llama, qwen2, mistral: transformers'
     pretrained: Optional[str] = None  # with hf: a local model directory to load weights from
     loss_chunk: int = 0  # tokens per LM-head + loss chunk (full logits never exist); 0: off
     mlp_tiles: int = 1  # sequence tiles of the MLP, recomputed in backward; 1: off

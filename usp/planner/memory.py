@@ -1,7 +1,7 @@
 """Per-rank memory of one training step: what ``usp.train`` holds on the busiest ulysses
 rank, term by term, from the tensors the code allocates.
 
-The run: the built-in ``usp.model.Transformer``, FSDP2 over all ``W = dp x ring x ulysses``
+The run: the built-in ``usp.models.llama.Transformer``, FSDP2 over all ``W = dp x ring x ulysses``
 ranks, AdamW, ``B`` sequences per dp rank in one forward. Per rank: ``T = L/P`` tokens,
 ``S = L/r`` tokens of a ring segment, ``h``/``kv`` the query/KV heads the busiest ulysses
 rank attends with (``head_split``), ``d`` head_dim, ``D`` dim, ``F`` ffn_dim, ``V`` vocab,
@@ -33,10 +33,10 @@ Terms of ``MemorySplit`` (each is its own largest size over the step):
   forward and backward (``attention_buffers``).
 - ``mlp``: MLP intermediates beyond what it saves: forward of a tile (``4 a F`` per tile
   token), backward (two more ``a F`` gradients beside the four saved, or the tile's six).
-- ``logits``: LM head + loss. Whole (``loss_chunk=0``, ``usp.tiling.lm_loss``): in
+- ``logits``: LM head + loss. Whole (``loss_chunk=0``, ``usp.models.tiling.lm_loss``): in
   backward the fp32 log-probabilities, their gradient and the logits' gradient
   (``12 B T V``; forward holds at most ``(a + 8) B T V``). Chunked
-  (``usp.tiling.chunked_lm_loss``): one chunk's fp32 logits and softmax (``8 c V``), the
+  (``usp.models.tiling.chunked_lm_loss``): one chunk's fp32 logits and softmax (``8 c V``), the
   fp32 dW accumulator and one chunk's dW (``V D (4 + a)``, ``+ 4`` when ``a < 4``), and dh
   (``a B T D``).
 - ``total``: the peak, the largest sum at one moment (so ``total <= `` the sum of terms):

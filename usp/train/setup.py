@@ -210,7 +210,7 @@ def check_hf_model(mc: ModelConfig) -> None:
         raise ValueError(f"model.hf={mc.hf} needs the transformers package, which this Python "
                          "cannot import; pip install 'usp[hf]', or unset model.hf")
     if mc.pretrained is not None:
-        from ..hf_export import check_pretrained
+        from ..models.export import check_pretrained
 
         check_pretrained(mc)
 

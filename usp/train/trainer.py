@@ -21,9 +21,9 @@ from ..config import OptimConfig, RunConfig, torch_dtype
 from ..data.packing import Batch
 from ..layout import SequenceLayout
 from ..mesh import SPMesh
-from ..model import Transformer, flops_per_token
-from ..offload import ActivationOffload, StreamCopier
-from ..tiling import lm_loss
+from ..models.llama import Transformer, flops_per_token
+from ..models.offload import ActivationOffload, StreamCopier
+from ..models.tiling import lm_loss
 from .checkpoint import choose_checkpoint, load_checkpoint, run_fingerprint, save_checkpoint
 from .faults import NonFiniteGuard, Preempted, Preemption
 from .metrics import MetricsLogger, PeakMemory
@@ -96,7 +96,7 @@ def loss_and_predictions(model, batch: Batch, positions: torch.Tensor):
     labelled tokens (0-dim fp32) and each token's argmax [B, L/P] long. The built-in
     ``Transformer`` computes both itself (so ``model.loss_chunk`` can keep whole logits from
     existing); any other model's logits (``forward``) go through the same loss
-    (``usp.tiling.lm_loss``)."""
+    (``usp.models.tiling.lm_loss``)."""
     if not isinstance(model, Transformer):
         return lm_loss(forward(model, batch, positions), batch.labels)
     return model(batch.tokens, _rope(batch, positions), batch.segment_ids, labels=batch.labels)
@@ -122,8 +122,8 @@ def evaluate(model, data: TrainingData, cfg: RunConfig, mesh: SPMesh, positions,
 def _hf_model(cfg: RunConfig, mesh: SPMesh, layout: SequenceLayout, a2a_chunks: int = 1):
     """(transformers model, its decoder layers): built on every rank alike, its attention
     routed through usp; rank 0 writes its config to ``run_dir/hf_config`` for export."""
-    from .. import hf
-    from ..hf_export import build_model, save_config
+    from ..models import hf
+    from ..models.export import build_model, save_config
 
     model = build_model(cfg.model, cfg.trainer.seed)
     if cfg.trainer.activation_checkpointing:  # the same non-reentrant torch checkpoint

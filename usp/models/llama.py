@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .config import ModelConfig
+from ..config import ModelConfig
 from .offload import ActivationOffload
 from .tiling import chunked_lm_loss, lm_loss, tiled
 
@@ -109,7 +109,7 @@ class Attention(nn.Module):
 
 class FeedForward(nn.Module):
     """SwiGLU: x [B, n, D] -> w2(silu(w1 x) * w3 x) [B, n, D]; over ``tiles`` sequence tiles
-    recomputed in backward when ``tiles > 1`` (``usp.tiling.tiled``: one tile's [B, n/tiles,
+    recomputed in backward when ``tiles > 1`` (``usp.models.tiling.tiled``: one tile's [B, n/tiles,
     F] intermediates at a time)."""
 
     def __init__(self, dim: int, ffn_dim: int, tiles: int = 1):
@@ -183,9 +183,9 @@ class Transformer(nn.Module):
     (FSDP2 ``fully_shard``). With ``checkpoint_activations`` blocks 0, k, 2k, ... (k =
     ``checkpoint_every``) recompute ``checkpoint_part`` (``block``, ``attention`` or
     ``mlp``) in backward (``torch.utils.checkpoint``, non-reentrant); ``offload`` (an
-    ``usp.offload.ActivationOffload``) parks what those checkpoints keep on the host.
+    ``usp.models.offload.ActivationOffload``) parks what those checkpoints keep on the host.
     ``cfg.mlp_tiles`` tiles every MLP over the sequence, ``cfg.loss_chunk`` the LM head and
-    loss (``usp.tiling``). The weights are initialised by ``init_weights(0)`` at
+    loss (``usp.models.tiling``). The weights are initialised by ``init_weights(0)`` at
     construction; call ``init_weights(seed)`` again (before sharding) for another seed.
     """
 
@@ -240,7 +240,7 @@ class Transformer(nn.Module):
         With labels [B, n] long (-100: not counted) -> (loss_sum, predictions): the summed
         cross-entropy in fp32 (0-dim) and each token's argmax [B, n] long. With
         ``cfg.loss_chunk`` the logits are made ``loss_chunk`` tokens at a time and never
-        whole (``usp.tiling.chunked_lm_loss``); the head weight is used here, inside the
+        whole (``usp.models.tiling.chunked_lm_loss``); the head weight is used here, inside the
         root module, so a root FSDP wrap has it gathered.
         """
         b, n = tokens.shape if tokens.dim() == 2 else (None, None)

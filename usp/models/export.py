@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from .config import ModelConfig
-from .train.checkpoint import latest_checkpoint, verify_checkpoint
+from ..config import ModelConfig
+from ..train.checkpoint import latest_checkpoint, verify_checkpoint
 
 HF_CONFIG_DIR = "hf_config"  # under the run directory
 _CONFIG_CLASS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig"}

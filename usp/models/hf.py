@@ -7,11 +7,11 @@ its q/k/v ([B, H, L/P, d], RoPE already applied from ``position_ids``) to
 ``usp_attention``, which computes exact attention over the whole sequence held across the
 SP group. Usage, on every rank::
 
-    import usp.hf
-    usp.hf.patch(model, mesh, layout)
-    batch = usp.hf.shard_batch(layout, input_ids=ids, labels=ids)  # ids [B, L], global
+    import usp.models.hf
+    usp.models.hf.patch(model, mesh, layout)
+    batch = usp.models.hf.shard_batch(layout, input_ids=ids, labels=ids)  # ids [B, L], global
     out = model(**{k: v for k, v in batch.items() if k != "shift_labels"})
-    loss, n = usp.hf.causal_lm_loss(out.logits, batch["shift_labels"], mesh)
+    loss, n = usp.models.hf.causal_lm_loss(out.logits, batch["shift_labels"], mesh)
     loss.backward()  # then sum the gradients over mesh.group("dp_sp")
 
 Packed documents: ``segment_ids`` [B, L/P] travels as a keyword of the model call;
@@ -40,13 +40,13 @@ try:
     from transformers import AttentionInterface, PreTrainedModel
     from transformers.masking_utils import AttentionMaskInterface
 except ImportError as e:  # an optional extra
-    raise ImportError("usp.hf needs transformers: pip install 'usp[hf]'") from e
+    raise ImportError("usp.models.hf needs transformers: pip install 'usp[hf]'") from e
 
-from .attention import usp_attention
-from .data.packing import IGNORE_INDEX, document_positions, packed_rows
-from .layout import SequenceLayout
-from .mesh import SPMesh
-from .validate import check_heads
+from ..attention import usp_attention
+from ..data.packing import IGNORE_INDEX, document_positions, packed_rows
+from ..layout import SequenceLayout
+from ..mesh import SPMesh
+from ..validate import check_heads
 
 __all__ = ["UspAttention", "causal_lm_loss", "global_batch", "layer_windows", "patch",
            "shard_batch", "unpatch"]
@@ -107,7 +107,7 @@ class UspAttention:
         if attention_mask is not None:
             raise ValueError("usp attention takes no attention_mask (got a prepared "
                              f"{tuple(attention_mask.shape)} mask); pass segment_ids from "
-                             "usp.hf.shard_batch for packed documents or padding")
+                             "usp.models.hf.shard_batch for packed documents or padding")
         if dropout:
             raise ValueError(f"attention dropout {dropout} in training: usp attention has "
                              "none; set config.attention_dropout = 0.0")
@@ -128,18 +128,18 @@ def _no_mask(attention_mask=None, **kwargs):
     """Mask function of usp attention: masks are usp's (causal, window, segment_ids)."""
     if attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError("an attention_mask with zeros (padding) reached a usp-patched "
-                         "model; build the batch with usp.hf.shard_batch(layout, "
+                         "model; build the batch with usp.models.hf.shard_batch(layout, "
                          "attention_mask=...), which turns it into segment_ids and labels")
     return None
 
 
 def _check_config(model, mesh: SPMesh, layout: SequenceLayout) -> tuple[int | None, ...]:
     if not isinstance(model, PreTrainedModel):
-        raise ValueError(f"usp.hf.patch takes a transformers PreTrainedModel, got "
+        raise ValueError(f"usp.models.hf.patch takes a transformers PreTrainedModel, got "
                          f"{type(model).__name__}")
     cfg = model.config
     if getattr(cfg, "is_encoder_decoder", False):
-        raise ValueError(f"{type(model).__name__} is an encoder-decoder; usp.hf patches "
+        raise ValueError(f"{type(model).__name__} is an encoder-decoder; usp.models.hf patches "
                          "decoder-only models")
     if layout.mesh is not mesh:
         raise ValueError("layout was built for a different SPMesh than the one passed")
@@ -157,7 +157,7 @@ def _check_config(model, mesh: SPMesh, layout: SequenceLayout) -> tuple[int | No
     if mesh.sp_size > 1 and getattr(cfg, "use_cache", False):
         raise ValueError(f"config.use_cache=True with {mesh.sp_size} SP ranks: a KV cache "
                          "would hold only this rank's tokens; set model.config.use_cache "
-                         "= False (usp.hf is for training and whole-sequence evaluation)")
+                         "= False (usp.models.hf is for training and whole-sequence evaluation)")
     hq = cfg.num_attention_heads
     check_heads(hq, getattr(cfg, "num_key_value_heads", None) or hq, mesh.ulysses)
     return layer_windows(cfg)
@@ -215,7 +215,7 @@ class _CallCheck:
             raise ValueError(f"the patched model expects this rank's {self.layout.local_len} "
                              f"tokens (seq_len {self.layout.seq_len} / {self.mesh.sp_size} "
                              f"SP ranks), got {tuple(x.shape)}; shard with "
-                             "usp.hf.shard_batch(layout, ...)")
+                             "usp.models.hf.shard_batch(layout, ...)")
         p = self.mesh.sp_size
         if kwargs.get("past_key_values") is not None:
             raise ValueError("past_key_values given: usp attention keeps no KV cache")
@@ -223,13 +223,13 @@ class _CallCheck:
             if kwargs.get("position_ids") is None:
                 raise ValueError("position_ids missing: with SP the model must rotate each "
                                  "token by its global position; pass the position_ids of "
-                                 "usp.hf.shard_batch")
+                                 "usp.models.hf.shard_batch")
             if kwargs.get("use_cache"):
                 raise ValueError(f"use_cache=True with {p} SP ranks: pass use_cache=False")
             if kwargs.get("labels") is not None:
                 raise ValueError("labels given with SP: the model would shift them on its "
                                  "shard and lose the targets at shard edges; use "
-                                 "usp.hf.causal_lm_loss(logits, batch['shift_labels'], mesh)")
+                                 "usp.models.hf.causal_lm_loss(logits, batch['shift_labels'], mesh)")
         if kwargs.get("output_attentions"):
             raise ValueError("output_attentions=True: usp attention never forms the weights")
         mask = kwargs.get("attention_mask")
