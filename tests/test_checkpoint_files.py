@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import usp.train.checkpoint as ck
+import usp.models.checkpoint as ck
 from usp.config import MemmapData, RecallData, ModelConfig, OptimConfig, ParallelConfig, TrainerConfig
 from usp.launch import spawn_local
 from usp.train.trainer import RunConfig

@@ -7,7 +7,7 @@ One spawn of 4 gloo ranks loops over (ulysses, ring, dp) in {(1,1,4), (2,1,2), (
 on the whole batch in one process, every parameter gradient (summed over dp x sp) within
 1e-3 of its largest entry, and the summed loss shares equal to HF's own loss. Packed rows
 (documents marked by position_ids resets) equal each document run alone. The same spawn
-writes a usp checkpoint (usp.train.checkpoint) that ``test_export_round_trip`` exports.
+writes a usp checkpoint (usp.models.checkpoint) that ``test_export_round_trip`` exports.
 """
 
 import copy
@@ -22,7 +22,7 @@ import usp.models.hf
 from usp import SequenceLayout, SPMesh
 from usp.models.export import export_checkpoint, save_config
 from usp.launch import spawn_local
-from usp.train.checkpoint import save_checkpoint
+from usp.models.checkpoint import save_checkpoint
 
 L, ROWS, V = 32, 4, 128
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -54,7 +54,7 @@ def _logits_worker(cfg: RunConfig, exported: str, out: str) -> None:
 
     from usp.layout import SequenceLayout
     from usp.mesh import SPMesh
-    from usp.train.checkpoint import latest_checkpoint, load_checkpoint
+    from usp.models.checkpoint import latest_checkpoint, load_checkpoint
     from usp.train.setup import build_dataset
     from usp.train.trainer import _hf_model, forward, shard_model
 

@@ -50,7 +50,7 @@ LAYOUTS = [(4, 1), (1, 4)]  # (ulysses, ring) a (2, 2) checkpoint resumes under
 def _crash_during_save(run_dir):
     from torch.distributed.fsdp import fully_shard
 
-    import usp.train.checkpoint as ck
+    import usp.models.checkpoint as ck
 
     model = torch.nn.Linear(4, 4)
     fully_shard(model)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from usp.config import ModelConfig
 from usp.launch import spawn_local
-from usp.train import checkpoint
+from usp.models import checkpoint
 from usp.train.metrics import PeakMemory
 
 

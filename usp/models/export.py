@@ -2,7 +2,7 @@
 ``ModelConfig`` (``model.hf``), the run's config directory, and a usp checkpoint -> a
 directory ``from_pretrained`` loads.
 
-A training run of an HF model writes its checkpoints as ``usp.train.checkpoint`` does:
+A training run of an HF model writes its checkpoints as ``usp.models.checkpoint`` does:
 ``run_dir/checkpoints/step_K/`` holds the DCP shards of ``{"model": ..., "optim": ...}``
 (parameter names as ``model.state_dict()`` has them) and a manifest; the model's config
 lives in ``run_dir/hf_config/`` (``config.save_pretrained``, see ``save_config``).
@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ..config import ModelConfig
-from ..train.checkpoint import latest_checkpoint, verify_checkpoint
+from .checkpoint import latest_checkpoint, verify_checkpoint
 
 HF_CONFIG_DIR = "hf_config"  # under the run directory
 _CONFIG_CLASS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig"}

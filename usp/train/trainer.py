@@ -24,7 +24,7 @@ from ..mesh import SPMesh
 from ..models.llama import Transformer, flops_per_token
 from ..models.offload import ActivationOffload, StreamCopier
 from ..models.tiling import lm_loss
-from .checkpoint import choose_checkpoint, load_checkpoint, run_fingerprint, save_checkpoint
+from ..models.checkpoint import choose_checkpoint, load_checkpoint, run_fingerprint, save_checkpoint
 from .faults import NonFiniteGuard, Preempted, Preemption
 from .metrics import MetricsLogger, PeakMemory
 from .setup import TrainingData, build_dataset, resolve_a2a_chunks, resolve_degrees
