@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from usp import SequenceLayout, SPMesh, usp_attention
-from usp.kernels import local_attention
+from usp.attention import local_attention
 
 B, L, HQ, HKV, D = 2, 64, 4, 2, 16  # GQA: 2 query heads per KV head
 

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import usp.ring
 from usp import SequenceLayout, SPMesh, usp_attention
-from usp.kernels import local_attention
+from usp.attention import local_attention
 from usp.kernels.reference import ReferenceKernel
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 6e-2}  # bf16: kernel-contract stand-ins only

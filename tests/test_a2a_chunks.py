@@ -25,7 +25,7 @@ from usp.comm import CommStats, all_to_all_start
 from usp.launch import spawn_local
 from usp.planner.traffic import attention_bytes
 from usp.ulysses import check_a2a_chunks, head_chunks
-from usp.validate import head_split
+from usp.ulysses import head_split
 
 # ---- tier 1: the stage plan ---------------------------------------------------------------
 

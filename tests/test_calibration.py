@@ -31,7 +31,7 @@ from usp.planner.calibration import (
     yaml_lines,
 )
 from usp.planner.published import format_published, published_rows
-from usp.ring import RingAttention
+from usp.ring import RingAttention, RingPlan
 
 
 def test_fit_link_recovers_bandwidth_and_latency():
@@ -163,7 +163,8 @@ def test_loopback_ring_does_the_rings_kernel_calls(balance):
 
     r, S = 4, 16
     q, k, v = (torch.randn(1, S, 2, 8, requires_grad=True) for _ in range(3))
-    out = RingAttention.apply(q, k, v, LoopbackComm(), 2, r, True, balance, Counting(), 8**-0.5)
+    plan = RingPlan(2, r, S, True, balance)
+    out = RingAttention.apply(q, k, v, LoopbackComm(), plan, Counting(), 8**-0.5)
     out.backward(torch.randn_like(out))
     # ring rank 2 of 4: diagonal + blocks from ranks 1, 0 (before it) and 3 (after it)
     if balance == "zigzag":

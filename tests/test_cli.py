@@ -17,8 +17,9 @@ from usp.config import (DATA_KINDS, ClusterSpec, LoggingConfig, ModelConfig, Opt
                         ParallelConfig, RecallData, RunConfig, TrainerConfig)
 from usp.planner import load_cluster
 from usp.config.model import EXECUTION_FIELDS
-from usp.train.setup import preflight
-from usp.validate import check_degrees, check_heads, check_seq_len
+from usp.run import decide_degrees, plan_run, resolve_run
+from usp.validate import check_degrees, check_seq_len
+from usp.ulysses import check_heads
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))
@@ -65,13 +66,12 @@ def test_every_recipe_composes_and_is_feasible(recipe):
     world = cfg.cluster.nodes * cfg.cluster.ranks_per_node
     if recipe == "tiny_cpu":
         world = cfg.trainer.nprocs
-        assert preflight(cfg, world) == (2, 2)
+        run = resolve_run(cfg, world)
+        assert (run.ulysses, run.ring) == (2, 2)
         return
     u, r = cfg.parallel.ulysses_degree, cfg.parallel.ring_degree
     if u == "auto" or r == "auto":
-        from usp.train.setup import resolve_degrees
-
-        u, r, table = resolve_degrees(cfg, world, env={})
+        u, r, _, table = decide_degrees(cfg, world, env={})
         assert "ulysses" in table
     check_degrees(world, u, r)
     check_heads(cfg.model.n_heads, cfg.model.n_kv_heads, u)
@@ -87,9 +87,7 @@ def test_recipe_specifics():
     assert q.model.n_kv_heads == 4 and q.parallel.ring_degree * q.parallel.ulysses_degree == 32
     assert q.parallel.ulysses_degree <= q.model.n_kv_heads < q.parallel.ring_degree
     auto = _compose(overrides=["recipe=llama3_8b_1m_auto_h100x32"])
-    from usp.train.setup import resolve_degrees
-
-    assert resolve_degrees(auto, 32, env={})[:2] == (8, 4)
+    assert decide_degrees(auto, 32, env={})[:2] == (8, 4)
 
 
 @pytest.mark.parametrize("group", sorted(GROUPS))
@@ -226,7 +224,6 @@ def test_usp_plan_cli(tmp_path):
 def test_the_planner_prices_the_global_batch_of_the_run():
     """usp-plan and usp-train ask the planner the same question: batch_per_dp_rank x dp
     sequences, in trainer.dtype."""
-    from usp.train.setup import plan_run
 
     cfg = _compose("plan", overrides=["model=llama3_8b", "cluster=h100_ib", "nodes=4",
                                       "data.seq_len=131072", "data.batch_per_dp_rank=3",

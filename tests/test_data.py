@@ -1,5 +1,5 @@
 """Single-process tests of usp.data: the recall task, memmap tokens, and ``prepare`` (the
-library behind tools/prepare_data.py)."""
+library behind python -m usp.data.prepare)."""
 
 from __future__ import annotations
 
@@ -223,11 +223,11 @@ def _write(prefix, ids, **meta):
 
 def test_memmap_errors_name_path_and_numbers(tmp_path):
     p = tmp_path / "d"
-    with pytest.raises(FileNotFoundError, match=r"d\.bin not found.*tools/prepare_data\.py"):
+    with pytest.raises(FileNotFoundError, match=r"d\.bin not found.*python -m usp\.data\.prepare"):
         MemmapTokens(p, 8)
     _write(p, range(100))
     Path(f"{p}.json").unlink()
-    with pytest.raises(FileNotFoundError, match=r"d\.json not found.*prepare_data"):
+    with pytest.raises(FileNotFoundError, match=r"d\.json not found.*usp\.data\.prepare"):
         MemmapTokens(p, 8)
     Path(f"{p}.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"d\.json is not valid JSON"):

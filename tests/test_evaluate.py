@@ -15,7 +15,7 @@ from usp.data.synthetic import BOS
 from usp.launch import spawn_local
 from usp.layout import SequenceLayout
 from usp.mesh import SPMesh
-from usp.train.setup import build_dataset
+from usp.data.dataset import build_dataset
 from usp.train.trainer import RunConfig, evaluate
 
 EVAL_BATCHES = 3
@@ -68,7 +68,7 @@ def _worker():
 
             def score(rule):
                 model = Oracle(layout, cfg.model.vocab_size, rule)
-                acc = evaluate(model, data, cfg, mesh, pos, cpu)
+                acc = evaluate(model, data, cfg.data.batch_per_dp_rank, mesh, pos, cpu)
                 assert model.modes == [False] * EVAL_BATCHES and model.training, model.modes
                 return acc
 

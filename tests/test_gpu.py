@@ -1,4 +1,4 @@
-"""The gpu tier: ``tools/gpu_check.py`` on the CUDA device, every section, as a test.
+"""The gpu tier: ``python -m usp.bench.gpu_check`` on the CUDA device, every section, as a test.
 
 Skipped without CUDA (conftest.py). A GPU machine without Hydra runs this file alone:
 ``python -m pytest -q tests/test_gpu.py`` (collecting test_cli.py would import Hydra).
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_gpu_check_passes_every_section(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "tools/gpu_check.py", "--out", str(tmp_path)],
+    res = subprocess.run([sys.executable, "-m", "usp.bench.gpu_check", "--out", str(tmp_path)],
                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=570)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())

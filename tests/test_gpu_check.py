@@ -1,4 +1,4 @@
-"""tools/gpu_check.py --dry-run: the GPU check's own code runs on the CPU, and can fail."""
+"""python -m usp.bench.gpu_check --dry-run: the GPU check's own code runs on the CPU, and can fail."""
 
 import json
 import subprocess
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_dry_run_end_to_end(tmp_path):
-    res = subprocess.run([sys.executable, "tools/gpu_check.py", "--dry-run", "--out", str(tmp_path)],
+    res = subprocess.run([sys.executable, "-m", "usp.bench.gpu_check", "--dry-run", "--out", str(tmp_path)],
                          capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())

@@ -22,7 +22,8 @@ from usp.config import (LoggingConfig, ModelConfig, OptimConfig, ParallelConfig,
 from usp.data.synthetic import RecallTask
 from usp.models.export import build_model, check_pretrained, export_checkpoint, hf_config
 from usp.launch import spawn_local
-from usp.train.setup import build_dataset, preflight
+from usp.data.dataset import build_dataset
+from usp.run import resolve_run
 from usp.train.trainer import train
 
 QUIET = LoggingConfig(wandb="disabled", jsonl=True, plot=False, progress=False)
@@ -55,12 +56,11 @@ def _logits_worker(cfg: RunConfig, exported: str, out: str) -> None:
     from usp.layout import SequenceLayout
     from usp.mesh import SPMesh
     from usp.models.checkpoint import latest_checkpoint, load_checkpoint
-    from usp.train.setup import build_dataset
     from usp.train.trainer import _hf_model, forward, shard_model
 
     with SPMesh.build(ulysses=2, ring=2) as mesh:
         layout = SequenceLayout(mesh, seq_len=cfg.data.seq_len)
-        model, blocks = _hf_model(cfg, mesh, layout)
+        model, blocks = _hf_model(cfg, resolve_run(cfg, 4, "cpu"), mesh, layout)
         shard_model(model, mesh.submesh("dp_sp"), "fp32", blocks)
         opt = torch.optim.AdamW(model.parameters())
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
@@ -152,7 +152,7 @@ def test_model_config_refuses_what_transformers_cannot_build(kw, needle):
 def test_preflight_refuses_a_missing_pretrained_directory(tmp_path):
     cfg = small_cfg(tmp_path / "run", model=ModelConfig(hf="llama", pretrained=str(tmp_path)))
     with pytest.raises(ValueError, match="no config.json there"):
-        preflight(cfg, 4)
+        resolve_run(cfg, 4)
 
 
 def _compose(name: str, overrides: list[str]):
@@ -234,11 +234,12 @@ def test_large_hf_recipe_passes_preflight_and_plans(recipe, tmp_path, capsys):
                                            f"model.pretrained={tmp_path / option}"]).model
     assert cfg.data.seq_len == 131072 and cfg.model.hf == PUBLISHED[option]["model_type"]
     world = cfg.cluster.nodes * cfg.cluster.ranks_per_node
-    assert preflight(cfg, world, "cuda") == (u, r)
+    run = resolve_run(cfg, world, "cuda")
+    assert (run.ulysses, run.ring) == (u, r)
     other = next(n for n in PUBLISHED if n != option)
     cfg.model.pretrained = str(tmp_path / other)
     with pytest.raises(ValueError, match=f"model.pretrained={tmp_path / other}"):
-        preflight(cfg, world, "cuda")
+        resolve_run(cfg, world, "cuda")
 
     cli._plan(_compose("plan", [f"recipe={recipe}"]))
     out = capsys.readouterr().out

@@ -14,8 +14,8 @@ import usp.cli as cli
 import usp.launch
 from usp.config import ModelConfig
 from usp.planner import ClusterSpec, plan
-from usp.train.setup import preflight
-from usp.validate import check_heads
+from usp.run import resolve_run
+from usp.ulysses import check_heads
 
 
 @pytest.fixture(scope="module")
@@ -151,9 +151,10 @@ def test_ring_flash_attn_without_the_package_is_refused(monkeypatch):
                     trainer=TrainerConfig(nprocs=2, device="cuda", dtype="bf16"))
     with pytest.raises(ValueError, match="ring_impl=ring_flash_attn needs the ring-flash-attn "
                                          "package.*or use parallel.ring_impl=usp"):
-        preflight(cfg, 2, "cuda")
+        resolve_run(cfg, 2, "cuda")
     monkeypatch.setitem(sys.modules, "ring_flash_attn", types.ModuleType("ring_flash_attn"))
-    assert preflight(cfg, 2, "cuda") == (1, 2)  # with the package, the same config passes
+    run = resolve_run(cfg, 2, "cuda")
+    assert (run.ulysses, run.ring) == (1, 2)  # with the package, the same config passes
 
 
 # ---- the command lines: one line, a non-zero status, nothing started ----------------------

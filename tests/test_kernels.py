@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from usp.kernels import get_kernel, local_attention
+from usp.attention import local_attention
+
+from usp.kernels import get_kernel
 from usp.ring import merge
 
 from _cases import dense_reference

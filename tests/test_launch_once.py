@@ -1,5 +1,6 @@
 """usp-train decides once, in one process: the device (and backend) in the launcher, the
-degrees on rank 0 (torchrun/Slurm) or in the parent of the spawned ranks.
+run's layout (``usp.run.RunLayout``) on rank 0 (torchrun/Slurm) or in the parent of the
+spawned ranks, with one call of the resolver per launch.
 
 NCCL cannot start here, so CUDA is faked in the launching process and what the launcher
 hands to its workers is captured (``usp.launch._run_once``) and replayed
@@ -20,7 +21,8 @@ import usp.planner
 from usp.config import RecallData, ModelConfig, ParallelConfig, TrainerConfig
 from usp.launch import choose_device, cuda_index, init_from_env, launcher_env, spawn_local
 from usp.planner import ClusterSpec
-from usp.train.setup import preflight, preflight_group, resolve_degrees
+import usp.run
+from usp.run import RunLayout, decide_degrees, resolve_run, resolve_run_group
 from usp.train.trainer import RunConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,7 +152,8 @@ def test_init_from_env_refuses_cuda_without_gpu_before_joining(monkeypatch, fake
 def local_launch(monkeypatch, fake_dist):
     """``launch(cfg, gpus)``: ``cli.run_training`` as a plain local launch on a machine with
     ``gpus`` fake GPUs. Each spawned rank is replayed in this process; returns, per rank, the
-    calls it made (set_device, init, then ("train", cfg)), or [] when nothing was spawned."""
+    calls it made (set_device, init, then ("train", cfg, run)), or [] when nothing was
+    spawned. ``launch.resolved`` counts the calls of the resolver in the launching process."""
     import usp.cli as cli  # here, not at the top: spawned ranks need not import Hydra
 
     for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID"):
@@ -163,7 +166,16 @@ def local_launch(monkeypatch, fake_dist):
         return 0, "ok", ""
 
     monkeypatch.setattr(launcher, "_run_once", run_once)
-    monkeypatch.setattr(cli, "_local_worker", lambda cfg: fake_dist.append(("train", cfg)))
+    monkeypatch.setattr(cli, "_local_worker",
+                        lambda cfg, run: fake_dist.append(("train", cfg, run)))
+    resolved = []
+    real_resolve = usp.run.resolve_run
+
+    def counting_resolve(*a, **kw):
+        resolved.append(a)
+        return real_resolve(*a, **kw)
+
+    monkeypatch.setattr(usp.run, "resolve_run", counting_resolve)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     monkeypatch.setattr(dist, "barrier", lambda: None)
     monkeypatch.setattr(dist, "destroy_process_group", lambda: None)
@@ -179,6 +191,7 @@ def local_launch(monkeypatch, fake_dist):
                 per_rank.append(list(fake_dist))
         return per_rank
 
+    launch.resolved = resolved
     return launch
 
 
@@ -192,9 +205,12 @@ def test_local_launch_backend_and_device_per_rank(local_launch, device, gpus, ba
     cfg = fixed_cfg(device, nprocs=2)
     ranks = local_launch(cfg, gpus)
     assert len(ranks) == 2
+    assert len(local_launch.resolved) == 1  # resolved once, in the launching process
+    run = ranks[0][-1][2]
+    assert isinstance(run, RunLayout) and run.device == ("cuda" if cuda else "cpu")
     for rank, calls in enumerate(ranks):
         want = [("set_device", rank)] if cuda else []  # rank i -> cuda:i, before the group
-        assert calls == want + [("init", backend, rank), ("train", cfg)]
+        assert calls == want + [("init", backend, rank), ("train", cfg, run)]
 
 
 @pytest.mark.parametrize("device,gpus,needle", [
@@ -214,11 +230,12 @@ def test_flash_attn_refused_when_ranks_run_on_cpu(monkeypatch):
     cfg = fixed_cfg("cpu")
     cfg.parallel.kernel = "flash_attn"
     with pytest.raises(ValueError, match="parallel.kernel=flash_attn .* on cpu: kernel='flash_attn' is CUDA only"):
-        preflight(cfg, 2, "cpu")
+        resolve_run(cfg, 2, "cpu")
     with pytest.raises(ValueError, match="flash_attn' needs float16 or bfloat16"):
-        preflight(cfg, 2, "cuda")  # fp32 is refused too
+        resolve_run(cfg, 2, "cuda")  # fp32 is refused too
     cfg.trainer.dtype = "bf16"
-    assert preflight(cfg, 2, "cuda") == (1, 2)
+    run = resolve_run(cfg, 2, "cuda")
+    assert (run.ulysses, run.ring, run.device, run.dtype) == (1, 2, "cuda", "bf16")
 
 
 @pytest.mark.parametrize("change,match", [
@@ -230,11 +247,11 @@ def test_preflight_refuses_kernel_shapes_on_cuda(change, match):
     cfg.model = ModelConfig(vocab_size=320, ffn_dim=64, **change)
     cfg.trainer.dtype = "bf16"
     with pytest.raises(ValueError, match=f"parallel.kernel=torch .* on cuda: .*{match}"):
-        preflight(cfg, 2, "cuda")
-    preflight(cfg, 2, "cpu")  # the CPU kernel takes any head dim
+        resolve_run(cfg, 2, "cuda")
+    resolve_run(cfg, 2, "cpu")  # the CPU kernel takes any head dim
     cfg.parallel.ring_impl = "ring_flash_attn"
     with pytest.raises(ValueError, match="ring_flash_attn"):
-        preflight(cfg, 2, "cpu")  # a CUDA-only ring engine on CPU ranks
+        resolve_run(cfg, 2, "cpu")  # a CUDA-only ring engine on CPU ranks
 
 
 def test_usp_train_refuses_cuda_without_gpu(tmp_path):
@@ -255,45 +272,37 @@ def test_usp_train_refuses_cuda_without_gpu(tmp_path):
 
 def test_rank_envs_alone_would_disagree():
     """The premise of the tests below: per-rank detection gives different meshes."""
-    u0 = resolve_degrees(auto_cfg(), 2, env=RANK_ENVS[0])[:2]
-    u1 = resolve_degrees(auto_cfg(), 2, env=RANK_ENVS[1])[:2]
+    u0 = decide_degrees(auto_cfg(), 2, env=RANK_ENVS[0])[:2]
+    u1 = decide_degrees(auto_cfg(), 2, env=RANK_ENVS[1])[:2]
     assert u0 != u1
 
 
-def test_local_spawn_ranks_get_the_parents_integers(local_launch, monkeypatch, capsys):
+def test_local_spawn_ranks_get_the_parents_layout(local_launch, monkeypatch, capsys):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    want = resolve_degrees(auto_cfg(), 2)[:2]  # what the parent's own detection says
+    want = decide_degrees(auto_cfg(), 2)[:2]  # what the parent's own detection says
     ranks = local_launch(auto_cfg(), 0)
-    assert len(ranks) == 2
+    assert len(ranks) == 2 and len(local_launch.resolved) == 1
     assert capsys.readouterr().out.count("plan: world 2") == 1  # the parent printed the plan
-
-    def no_detection(*a, **kw):
-        raise AssertionError("a spawned rank ran topology detection")
-
-    monkeypatch.setattr(usp.planner, "detect_topology", no_detection)
+    u, r = want
     for calls in ranks:
-        cfg = calls[-1][1]  # the config this rank trains with
-        pc = cfg.parallel
-        u, r = want
-        assert (pc.ulysses_degree, pc.ring_degree, pc.dp_degree) == (u, r, 2 // (u * r))
-        for env in RANK_ENVS:  # train()'s call on a rank, whatever the rank would detect
-            assert resolve_degrees(cfg, 2, env=env)[:2] == want
+        _, cfg, run = calls[-1]  # what this rank trains with
+        assert (run.ulysses, run.ring, run.dp) == (u, r, 2 // (u * r))
+        assert cfg.parallel.ulysses_degree == "auto"  # the config is not rewritten
 
 
 def _group_worker(out_dir):
     rank = dist.get_rank()
     cfg = auto_cfg()
-    alone = resolve_degrees(cfg, 2, env=RANK_ENVS[rank])[:2]
-    table = preflight_group(cfg, "cpu", env=RANK_ENVS[rank])
-    pc = cfg.parallel
-    result = {"alone": alone, "decided": [pc.ulysses_degree, pc.ring_degree, pc.dp_degree],
-              "table": table}
+    alone = decide_degrees(cfg, 2, env=RANK_ENVS[rank])[:2]
+    run = resolve_run_group(cfg, "cpu", env=RANK_ENVS[rank])
+    result = {"alone": alone, "decided": [run.ulysses, run.ring, run.dp],
+              "table": run.plan_table}
 
     broken = auto_cfg()
     if rank == 1:
         broken.data.seq_len = 16383  # only rank 1's config is broken
     try:
-        preflight_group(broken, "cpu", env=RANK_ENVS[rank])
+        resolve_run_group(broken, "cpu", env=RANK_ENVS[rank])
     except ValueError as e:
         result["refused"] = str(e)
     Path(out_dir, f"{rank}.json").write_text(json.dumps(result))

@@ -10,7 +10,9 @@ import itertools
 import pytest
 import torch
 
-from usp.kernels import get_kernel, local_attention
+from usp.attention import local_attention
+
+from usp.kernels import get_kernel
 from usp.masks import BlockMask, check_masks
 from usp.ring import merge
 

@@ -21,10 +21,11 @@ from usp.config import (LoggingConfig, MemmapData, ModelConfig, OptimConfig, Par
 from usp.data import IGNORE_INDEX, MemmapTokens, RecallTask, TokenWriter, docs_path
 from usp.data.packing import document_positions
 from usp.data.prepare import EOS, prepare
-from usp.kernels import local_attention
+from usp.attention import local_attention
 from usp.layout import SequenceLayout
 from usp.models.llama import Transformer
-from usp.train.setup import build_dataset, check_run_masks
+from usp.data.dataset import build_dataset
+from usp.run import check_run_masks
 
 
 def _four_shards(seq_len):
@@ -136,7 +137,7 @@ def test_refusals_before_launch(corpus, tmp_path):
         Path(f"{old}.json").read_text())
     MemmapTokens(old, 16)  # fine without packing
     with pytest.raises(ValueError, match=r"records no document boundaries .* re-run "
-                                         r"prepare_data.*tools/prepare_data.py"):
+                                         r".*python -m usp.data.prepare"):
         build_dataset(MemmapData(path=str(old), seq_len=64, packing="documents"), ModelConfig())
     # a stale .docs next to a rewritten file is removed, not trusted
     docs_path(old).write_bytes(np.zeros(3, dtype=np.int64).tobytes())

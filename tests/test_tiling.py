@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from usp.config import ModelConfig
-from usp.kernels import local_attention
+from usp.attention import local_attention
 from usp.models.llama import FeedForward, Transformer
 from usp.models.offload import ActivationOffload
 from usp.models.tiling import chunked_lm_loss, lm_loss, tiled
@@ -311,17 +311,17 @@ def _run_cfg(model_kw=None, **trainer_kw):
 
 
 def test_preflight_refuses_offload_off_cuda_and_tiling_for_hf_models():
-    from usp.train.setup import check_hf_model, preflight
+    from usp.run import check_hf_model, resolve_run
 
     ckpt = dict(activation_checkpointing=True)
-    assert preflight(_run_cfg(**ckpt, checkpoint_every=2, checkpoint_part="mlp"), 4, "cpu") \
-        == (2, 2)
+    run = resolve_run(_run_cfg(**ckpt, checkpoint_every=2, checkpoint_part="mlp"), 4, "cpu")
+    assert (run.ulysses, run.ring) == (2, 2)
     with pytest.raises(ValueError, match="activation_offload=true .* on cpu; set "
                                          "trainer.activation_offload=false") as e:
-        preflight(_run_cfg(**ckpt, activation_offload=True), 4, "cpu")
+        resolve_run(_run_cfg(**ckpt, activation_offload=True), 4, "cpu")
     assert "\n" not in str(e.value)
     for kw in (dict(loss_chunk=64), dict(mlp_tiles=2)):
         with pytest.raises(ValueError, match="model.hf=llama .* built-in model only"):
             check_hf_model(ModelConfig(hf="llama", **kw))
     with pytest.raises(ValueError, match="checkpoint_part=attention .* built-in model only"):
-        preflight(_run_cfg(dict(hf="llama"), **ckpt, checkpoint_part="attention"), 4, "cpu")
+        resolve_run(_run_cfg(dict(hf="llama"), **ckpt, checkpoint_part="attention"), 4, "cpu")

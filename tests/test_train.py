@@ -107,9 +107,9 @@ def _four_rank_runs(root, prefix):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("train")
-    prefix = root / "pystdlib"  # tools/prepare_data.py end to end: the memmap run's tokens
+    prefix = root / "pystdlib"  # python -m usp.data.prepare end to end: the memmap run's tokens
     subprocess.run(
-        [sys.executable, "tools/prepare_data.py", "--src", sysconfig.get_paths()["stdlib"],
+        [sys.executable, "-m", "usp.data.prepare", "--src", sysconfig.get_paths()["stdlib"],
          "--glob", "json/*.py", "--out", str(prefix)], check=True, cwd=ROOT,
     )
     spawn_local(train, 1, small_cfg(root / "one", u=1, r=1))

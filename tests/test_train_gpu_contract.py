@@ -19,7 +19,7 @@ def _mixed_precision_worker():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from usp.kernels import local_attention
+    from usp.attention import local_attention
     from usp.models.llama import Transformer
     from usp.train.trainer import shard_model
 

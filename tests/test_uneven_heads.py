@@ -15,10 +15,10 @@ import torch.distributed as dist
 
 from usp import SPMesh
 from tools.lab.heads import HeadsBench, HeadsRow, even_neighbours, report
-from usp.kernels import local_attention
+from usp.attention import local_attention
 from usp.launch import spawn_local
 from usp.planner.traffic import attention_bytes
-from usp.validate import check_heads, head_imbalance, head_split
+from usp.ulysses import check_heads, head_imbalance, head_split
 
 from _cases import check_case, dense_reference
 

@@ -5,13 +5,9 @@ import re
 import pytest
 import torch
 
-from usp.validate import (
-    check_degrees,
-    check_heads,
-    check_kernel,
-    check_placement,
-    check_seq_len,
-)
+from usp.validate import check_degrees, check_kernel, check_placement, check_seq_len
+
+from usp.ulysses import check_heads
 
 
 def test_degrees_derive_dp():

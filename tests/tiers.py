@@ -31,6 +31,7 @@ TIERS: dict[str, str] = {
     "test_checkpoint_files.py::test_check_resume_accepts_a_changed_parallel_layout": UNIT,
     "test_clean_exit.py": DISTRIBUTED,
     "test_clean_exit.py::test_library_example_exits_cleanly": E2E,  # torchrun examples/
+    "test_clean_exit.py::test_unclosed_mesh_is_released_before_interpreter_shutdown": E2E,
     "test_cli.py": UNIT,  # Hydra composition in-process
     "test_cli.py::test_cli_end_to_end_with_overrides": E2E,
     "test_cli.py::test_cli_refuses_bad_input_before_launch": E2E,
@@ -54,7 +55,7 @@ TIERS: dict[str, str] = {
     "test_faults_trainer.py::test_skip_mode_skips_exactly_the_bad_step": DISTRIBUTED,
     "test_gpu.py": GPU,
     "test_gpu_check.py": UNIT,
-    "test_gpu_check.py::test_dry_run_end_to_end": E2E,  # tools/gpu_check.py --dry-run
+    "test_gpu_check.py::test_dry_run_end_to_end": E2E,  # python -m usp.bench.gpu_check --dry-run
     "test_inputs.py": UNIT,  # spawn_local replaced by a recorder
     "test_inputs.py::test_usp_train_refuses_in_one_line": E2E,
     "test_inputs.py::test_usp_plan_refuses_in_one_line": E2E,
@@ -80,6 +81,8 @@ TIERS: dict[str, str] = {
     "test_simcluster.py::test_rate_parsing": UNIT,
     "test_simcluster.py::test_queue_reaches_every_shaped_link_and_a_bad_one_is_refused": UNIT,
     "test_tiers.py": UNIT,
+    "test_layers.py": UNIT,
+    "test_run_layout.py": UNIT,
     "test_train.py": DISTRIBUTED,
     "test_train_gpu_contract.py": UNIT,
     "test_train_gpu_contract.py::test_bf16_computes_in_bf16_and_keeps_fp32_shards": DISTRIBUTED,

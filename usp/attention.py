@@ -24,9 +24,24 @@ from .ulysses import (
     check_a2a_chunks,
     head_chunks,
 )
-from .validate import RING_IMPLS, check_heads, check_kernel, check_ring_impl, head_split
+from .validate import RING_IMPLS, check_kernel, check_ring_impl
+from .ulysses import check_heads, head_split
 
-__all__ = ["RING_IMPLS", "PipelinedAttention", "check_inputs", "usp_attention"]
+__all__ = ["RING_IMPLS", "PipelinedAttention", "check_inputs", "local_attention", "usp_attention"]
+
+
+def local_attention(q, k, v, causal: bool = True, kernel: str | Kernel = "torch", scale=None,
+                    segment_ids: torch.Tensor | None = None, window: int | None = None):
+    """Single-process attention with autograd: q [B, L, Hq, d], k/v [B, L, Hkv, d] -> [B, L, Hq, d].
+
+    ``segment_ids`` [B, L] long and ``window`` as in ``usp_attention`` (the same plan, on
+    one ring rank: no hop, no transport).
+    """
+    check_masks(segment_ids, window, batch=q.shape[0], seq_len=q.shape[1], device=q.device,
+                kernel=kernel)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    plan = RingPlan(0, 1, q.shape[1], causal, "contiguous", window, segment_ids)
+    return RingAttention.apply(q, k, v, None, plan, get_kernel(kernel), scale)
 
 
 def check_inputs(q, k, v, mesh: SPMesh, layout: SequenceLayout) -> None:
@@ -129,8 +144,7 @@ def usp_attention(
         comm = RingComm(mesh.axis_ranks("ring"), mesh.ring_rank, mesh.group("ring"), mesh.comm)
     plan = RingPlan(mesh.ring_rank, mesh.ring, layout.segment_len, causal, layout.balance,
                     window, ids)
-    ring = (comm, mesh.ring_rank, mesh.ring, causal, layout.balance, kern, scale, plan,
-            mesh.comm)
+    ring = (comm, plan, kern, scale, mesh.comm)  # ring_forward's arguments after q, k, v
     if axis is not None and a2a_chunks > 1:
         return PipelinedAttention.apply(q, k, v, axis, a2a_chunks, ring)  # [B, L/P, Hq, d]
     if axis is not None:

@@ -92,25 +92,35 @@ def to_config(dcfg: DictConfig) -> RunConfig:
 
 
 def _refuse(prog: str, e: Exception, status: int = 2) -> None:
-    """Print one line ``prog: error: ...`` (no traceback) and exit with ``status``."""
+    """Print one line ``prog: error: ...`` (no traceback) and exit with ``status``. In a
+    torchrun/Slurm launch every task refuses alike; only the first task prints."""
     text = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
-    print(f"{prog}: error: {text}", file=sys.stderr, flush=True)
+    if _task_rank() == 0:
+        print(f"{prog}: error: {text}", file=sys.stderr, flush=True)
     raise SystemExit(status)
+
+
+def _task_rank() -> int:
+    """This task's rank in a torchrun/Slurm launch (0 outside one)."""
+    from .launch import launcher_env
+
+    info = launcher_env()
+    return 0 if info is None else info["rank"]
 
 
 def run_training(cfg: RunConfig) -> None:
     """Launch: torchrun/Slurm environment if present, else spawn ``trainer.nprocs`` local ranks.
 
-    Decided once, before training: the device (here, in each launched process or in the
-    parent of the spawned ranks) and the degrees (rank 0, or the parent), so every rank
-    builds the same mesh on the device it was given.
+    The run's layout (``usp.run.RunLayout``) is resolved once, before training: here, in
+    the parent of the spawned ranks, or by rank 0 of a torchrun/Slurm launch for all of
+    them; every rank builds its mesh, model and trainer from that one object.
     """
     import torch
     import torch.distributed as dist
 
     from .launch import choose_device, init_from_env, launcher_env, run_local
+    from .run import resolve_run, resolve_run_group
     from .train.faults import Preempted
-    from .train.setup import decide_degrees, preflight, preflight_group
     from .train.trainer import train
 
     info = launcher_env()
@@ -118,11 +128,10 @@ def run_training(cfg: RunConfig) -> None:
         nprocs = cfg.trainer.nprocs
         _, device_type = choose_device(cfg.trainer.device, nprocs, torch.cuda.is_available(),
                                        torch.cuda.device_count())
-        table = decide_degrees(cfg, nprocs)  # ranks receive integers: none runs detection
-        preflight(cfg, nprocs, device_type)  # refuse bad layouts/data before spawning
-        if table:
-            print(table, flush=True)
-        code = run_local(_local_worker, nprocs, cfg, device_type=device_type,
+        run = resolve_run(cfg, nprocs, device_type)  # refuse bad layouts/data before spawning
+        if run.plan_table:
+            print(run.plan_table, flush=True)
+        code = run_local(_local_worker, nprocs, cfg, run, device_type=device_type,
                          max_restarts=cfg.trainer.max_restarts, timeout_s=cfg.trainer.timeout_s)
         if code:  # the ranks' own exit code, e.g. preempted after a forwarded SIGTERM
             raise SystemExit(code)
@@ -134,11 +143,11 @@ def run_training(cfg: RunConfig) -> None:
         run_dir = [cfg.trainer.run_dir]
         dist.broadcast_object_list(run_dir, src=0)
         cfg.trainer.run_dir = run_dir[0]
-        table = preflight_group(cfg, device.type)  # rank 0's degrees, checked on every rank
-        if info["rank"] == 0 and table:
-            print(table, flush=True)
+        run = resolve_run_group(cfg, device.type)  # rank 0's layout, checked on every rank
+        if info["rank"] == 0 and run.plan_table:
+            print(run.plan_table, flush=True)
         try:
-            train(cfg)
+            train(cfg, run)
         except Preempted as e:  # every rank checkpointed at e.step: requeue with resume
             raise SystemExit(e.exit_code) from None
     finally:
@@ -146,10 +155,10 @@ def run_training(cfg: RunConfig) -> None:
         dist.destroy_process_group()
 
 
-def _local_worker(cfg: RunConfig) -> None:
+def _local_worker(cfg: RunConfig, run) -> None:
     from .train.trainer import train
 
-    train(cfg)
+    train(cfg, run)
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="train", version_base="1.3")
@@ -181,18 +190,10 @@ def _plan_main(dcfg) -> None:
 
 
 def _plan(cfg: PlanConfig) -> None:
-    from .planner import draw_mesh
-    from .train.setup import plan_run
+    from .run import plan_report
 
-    spec = cfg.cluster if cfg.nodes is None else cfg.cluster.replace(nodes=cfg.nodes)
-    p = plan_run(cfg, spec, spec.world)
-    best = p.best
-    print(p.format_table())
-    print(f"choice: dp {best.dp} x ring {best.ring} x ulysses {best.ulysses}")
-    print(p.memory_text())
-    drawing = draw_mesh(best.dp, best.ring, best.ulysses, spec.ranks_per_node,
-                        cfg.parallel.placement)
-    print(drawing)
+    text, drawing = plan_report(cfg)
+    print(text)
     if cfg.png:
         drawing.save_png(cfg.png)
         print(f"mesh picture: {Path(cfg.png).resolve()}")

@@ -97,6 +97,7 @@ class RingPlan:
                  tile: int | None = None):
         seq_len = seg_len * size
         balance = "contiguous" if size == 1 else balance  # one segment: the sequence in order
+        self.causal, self.window = causal, window
         if window is not None and window >= seq_len:
             window = None  # sees everything the causal order allows
         self.rank, self.size, self.seq_len, self.balance = rank, size, seq_len, balance
@@ -162,10 +163,6 @@ def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_l
     lse.copy_(new_lse)
 
 
-def _plan(plan: RingPlan | None, rank, size, seg_len, causal, balance) -> RingPlan:
-    return plan if plan is not None else RingPlan(rank, size, seg_len, causal, balance)
-
-
 def _forward(kernel: Kernel, q, k, v, p: Piece, scale):
     if p.mask is None:  # a mask-free call keeps the plain Kernel signature
         return kernel.forward(q[:, p.qs], k[:, p.ks], v[:, p.ks], p.causal, scale)
@@ -186,15 +183,14 @@ def _count(stats: CommStats | None, phase: str, step: int, pieces) -> None:
         stats.kernel_calls[(phase, step)] += len(pieces)
 
 
-def ring_forward(q, k, v, comm: RingComm | None, rank: int, size: int, causal: bool,
-                 balance: str, kernel: Kernel, scale: float, plan: RingPlan | None = None,
+def ring_forward(q, k, v, comm: RingComm | None, plan: RingPlan, kernel: Kernel, scale: float,
                  stats: CommStats | None = None):
     """q [B, S, Hq, d], k/v [B, S, Hkv, d] -> out [B, S, Hq, d] (q.dtype), lse [B, Hq, S] fp32.
 
-    ``plan``: the masks (default: ``causal`` order alone on ``balance``'s segments).
+    ``plan``: this ring rank's calls (its rank, the ring size, causal order, balance and
+    masks); ``comm``: the ring transport (None when the plan makes no hop).
     """
     s = q.shape[1]
-    plan = _plan(plan, rank, size, s, causal, balance)
     diag = plan.diagonal()
     _count(stats, "forward", 0, diag)
     pending = None
@@ -219,9 +215,8 @@ def ring_forward(q, k, v, comm: RingComm | None, rank: int, size: int, causal: b
     return out.to(q.dtype), lse
 
 
-def ring_backward(dout, q, k, v, out, lse, comm: RingComm | None, rank: int, size: int,
-                  causal: bool, balance: str, kernel: Kernel, scale: float,
-                  plan: RingPlan | None = None, stats: CommStats | None = None):
+def ring_backward(dout, q, k, v, out, lse, comm: RingComm | None, plan: RingPlan,
+                  kernel: Kernel, scale: float, stats: CommStats | None = None):
     """Exact grads of ``ring_forward``: returns dq, dk, dv in the input dtypes.
 
     Step 0 runs the "now" part of the diagonal block while the first K/V block travels;
@@ -229,8 +224,7 @@ def ring_backward(dout, q, k, v, out, lse, comm: RingComm | None, rank: int, siz
     that block received from the previous rank and sends it on; after step ``hops`` it
     goes to the block's owner, which meanwhile runs the "later" part of its diagonal.
     """
-    plan = _plan(plan, rank, size, q.shape[1], causal, balance)
-    hops, whole = plan.hops, slice(0, q.shape[1])
+    hops, size, whole = plan.hops, plan.size, slice(0, q.shape[1])
     if not hops and len(diag := plan.diagonal()) == 1 and diag[0].qs == diag[0].ks == whole:
         # one kernel call holds every gradient (pure ulysses, or a window within the
         # segment): no accumulators, no K/V stack; the same values as the general path
@@ -275,17 +269,14 @@ def ring_backward(dout, q, k, v, out, lse, comm: RingComm | None, rank: int, siz
 class RingAttention(torch.autograd.Function):
     """Autograd wrapper: forward saves (q, k, v, out, lse) and backward runs the dK/dV ring.
 
-    apply(q, k, v, comm, rank, size, causal, balance, kernel, scale[, plan[, stats]]).
+    apply(q, k, v, comm, plan, kernel, scale[, stats]), as ``ring_forward``.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, comm, rank, size, causal, balance, kernel, scale, plan=None,
-                stats=None):
-        plan = _plan(plan, rank, size, q.shape[1], causal, balance)
-        out, lse = ring_forward(q, k, v, comm, rank, size, causal, balance, kernel, scale,
-                                plan, stats)
+    def forward(ctx, q, k, v, comm, plan, kernel, scale, stats=None):
+        out, lse = ring_forward(q, k, v, comm, plan, kernel, scale, stats)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (comm, rank, size, causal, balance, kernel, scale, plan, stats)
+        ctx.args = (comm, plan, kernel, scale, stats)
         return out
 
     @staticmethod

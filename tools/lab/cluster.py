@@ -33,7 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from usp.validate import check_heads, check_seq_len, head_split
+from usp.validate import check_seq_len
+
+from usp.ulysses import check_heads, head_split
 from .simcluster import SimCluster, rate_to_bytes_per_s, say
 
 NODES, PER_NODE = 2, 2

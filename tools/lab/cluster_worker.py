@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from usp.kernels import local_attention
+from usp.attention import local_attention
 from usp.layout import SequenceLayout
 from usp.mesh import SPMesh
 from .cluster import PER_NODE, ClusterBench, chunk_layouts

@@ -14,7 +14,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from usp.kernels import local_attention
+from usp.attention import local_attention
 
 
 def import_deepspeed():

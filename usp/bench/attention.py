@@ -1,5 +1,11 @@
 """Forward+backward time of one attention call: usp layouts side by side (and a peer's row).
 
+    python -m usp.bench.attention                       # B=1 L=8192 H=8 d=64 causal fp32
+    python -m usp.bench.attention --quick               # small, for a smoke test
+    python -m usp.bench.attention --layouts 4x1,2x2 --kv-heads 4 --json out.json
+    python -m usp.bench.attention --layouts 4x1 --a2a-chunks 1,2,4 --seq-len 2048
+    torchrun --nproc-per-node 4 -m usp.bench.attention   # one rank per process of a launch
+
 Runs N local CPU processes on gloo (or joins a torchrun group as one rank). Every measured
 config lives in the same processes and the configs are interleaved round-robin over the
 iterations (``usp.bench.timing.round_robin``: the starting config rotates each iteration),
@@ -37,13 +43,13 @@ Threads: every process uses ``threads`` intra-op threads (default: its CPUs / N,
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import tempfile
 import time
 from contextlib import ExitStack
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import fields
 from functools import partial
 from pathlib import Path
 
@@ -51,130 +57,12 @@ import torch
 import torch.distributed as dist
 
 from ..attention import usp_attention
-from ..config.checks import at_least, one_of
 from ..launch import init_from_env, launcher_env, spawn_local
 from ..layout import SequenceLayout
 from ..mesh import SPMesh
-from ..ulysses import check_a2a_chunks
-from ..validate import check_degrees, check_heads, check_seq_len
-from .attention_report import results
-from .timing import default_threads, mean_over_ranks, round_robin
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-          "fp64": torch.float64}
-QUICK = dict(seq_len=1024, warmup=1, iters=3)  # the smoke-test size
-
-
-def parse_layouts(text: str) -> tuple[tuple[int, int], ...]:
-    """``"4x1,2x2"`` -> ((4, 1), (2, 2)): ULYSSESxRING, comma-separated."""
-    out = []
-    for item in text.split(","):
-        try:
-            u, r = (int(x) for x in item.lower().split("x"))
-        except ValueError:
-            raise ValueError(f"bad layout {item!r}: write ULYSSESxRING, e.g. 4x1,2x2,1x4") from None
-        out.append((u, r))
-    return tuple(out)
-
-
-def default_layouts(nprocs: int, heads: int, kv_heads: int) -> tuple[tuple[int, int], ...]:
-    """Every (ulysses, ring) with u * r = nprocs whose ulysses degree the heads allow,
-    ulysses first: (4, 1), (2, 2), (1, 4) for 4."""
-    out = []
-    for u in range(nprocs, 0, -1):
-        if nprocs % u == 0:
-            try:
-                check_heads(heads, kv_heads, u)
-            except ValueError:
-                continue
-            out.append((u, nprocs // u))
-    return tuple(out)
-
-
-@dataclass
-class AttentionBench:
-    """What to time: one attention call [B, L, Hq|Hkv, d] on ``nprocs`` ranks.
-
-    ``kv_heads``, ``layouts`` and ``threads`` default (None) to ``heads``,
-    ``default_layouts`` and ``default_threads``. Every layout must use all ``nprocs``
-    ranks (one sequence-parallel group). Bad values raise ``ValueError`` here, before any
-    process starts.
-    """
-
-    nprocs: int = 4
-    batch: int = 1
-    seq_len: int = 8192
-    heads: int = 8
-    kv_heads: int | None = None
-    head_dim: int = 64
-    causal: bool = True
-    dtype: str = "fp32"  # a key of DTYPES
-    layouts: tuple[tuple[int, int], ...] | None = None
-    balance: str = "zigzag"
-    warmup: int = 1
-    iters: int = 5
-    threads: int | None = None
-    # peer(bench) -> (row config or None, skip reason or None, version or None), run by
-    # every rank (collective): another implementation's row, first in the table
-    peer: Callable | None = None
-    a2a_chunks: tuple[int, ...] = (1,)  # a usp row per count for layouts with ulysses > 1
-
-    def __post_init__(self) -> None:
-        at_least("bench", 1, nprocs=self.nprocs, batch=self.batch, heads=self.heads,
-                 head_dim=self.head_dim, iters=self.iters)
-        at_least("bench", 0, warmup=self.warmup)
-        one_of("bench.dtype", self.dtype, tuple(DTYPES))
-        if self.kv_heads is None:
-            self.kv_heads = self.heads
-        if self.threads is None:
-            self.threads = default_threads(self.nprocs)
-        at_least("bench", 1, kv_heads=self.kv_heads, threads=self.threads)
-        if self.layouts is None:
-            self.layouts = default_layouts(self.nprocs, self.heads, self.kv_heads)
-        self.layouts = tuple((int(u), int(r)) for u, r in self.layouts)
-        for u, r in self.layouts:
-            if check_degrees(self.nprocs, u, r) != 1:
-                raise ValueError(
-                    f"layout {u}x{r} uses {u * r} of {self.nprocs} processes; the benchmark "
-                    f"times one sequence-parallel group, so pick ulysses x ring = {self.nprocs}")
-            check_heads(self.heads, self.kv_heads, u)
-            check_seq_len(self.seq_len, u, r, self.balance)
-            for c in self.a2a_chunks if u > 1 else ():
-                check_a2a_chunks(c, self.heads, self.kv_heads, u)
-        if not self.a2a_chunks:
-            raise ValueError("bench.a2a_chunks is empty; pass at least one count, e.g. 1")
-
-    def usp_rows(self) -> list[tuple[int, int, int]]:
-        """(ulysses, ring, a2a_chunks) per usp row; ulysses 1 layouts: one row."""
-        return [(u, r, c) for u, r in self.layouts
-                for c in (self.a2a_chunks if u > 1 else self.a2a_chunks[:1])]
-
-
-@dataclass
-class Row:
-    name: str
-    kind: str  # "usp" | "peer"
-    ulysses: int
-    ring: int
-    times_ms: list[float] = field(default_factory=list)
-    max_abs_diff: float = float("nan")  # out, dq, dk, dv vs the first row's
-    a2a_chunks: int = 1
-    a2a_exposed_ms: list[float] = field(default_factory=list)  # per timed round
-    a2a_hidden_ms: list[float] = field(default_factory=list)
-    cpu_ms: list[float] = field(default_factory=list)  # process CPU per call, all its threads
-
-    def stats(self) -> dict:
-        t = torch.tensor(self.times_ms, dtype=torch.float64)
-        std = t.std().item() if len(t) > 1 else 0.0
-        out = dict(mean_ms=t.mean().item(), std_ms=std, min_ms=t.min().item(),
-                   median_ms=t.median().item())
-        exp, hid = (sum(x) / len(x) if x else None
-                    for x in (self.a2a_exposed_ms, self.a2a_hidden_ms))
-        cpu = sum(self.cpu_ms) / len(self.cpu_ms) if self.cpu_ms else None
-        return dict(out, a2a_exposed_mean_ms=exp, a2a_hidden_mean_ms=hid,
-                    a2a_exposed_share=None if exp is None else exp / out["mean_ms"],
-                    cpu_mean_ms=cpu)
-
+from .attention_report import format_report, results
+from .attention_setup import DTYPES, QUICK, AttentionBench, Row, parse_layouts  # noqa: F401
+from .timing import mean_over_ranks, round_robin
 
 # ---- one rank -----------------------------------------------------------------------------
 
@@ -328,3 +216,79 @@ def measure(bench: AttentionBench) -> dict | None:
         return run_rank(bench)
     finally:
         dist.destroy_process_group()
+
+
+# ---- the command ---------------------------------------------------------------------
+
+FULL = {f.name: f.default for f in fields(AttentionBench) if f.name in QUICK}
+
+
+def parse_args(argv=None, peer=None) -> tuple[AttentionBench, Path | None]:
+    """The command line -> (settings, JSON path); ``peer`` as ``AttentionBench.peer``
+    (``--no-peer`` drops it)."""
+    p = argparse.ArgumentParser(description="Forward+backward time of one attention call, "
+                                            "usp layouts side by side.")
+    p.add_argument("--nprocs", type=int, default=4,
+                   help="local gloo processes (= sp size); under torchrun: its world size")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=None,
+                   help=f"global L (default {FULL['seq_len']})")
+    p.add_argument("--heads", type=int, default=8, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: --heads)")
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--layouts", default=None,
+                   help="usp layouts, ULYSSESxRING, comma-separated (default: every u x r = "
+                        "nprocs the head counts allow, ulysses first; 4x1,2x2,1x4 for 4)")
+    p.add_argument("--balance", choices=("zigzag", "contiguous"), default="zigzag")
+    p.add_argument("--warmup", type=int, default=None,
+                   help=f"untimed rounds (default {FULL['warmup']})")
+    p.add_argument("--iters", type=int, default=None,
+                   help=f"timed rounds (default {FULL['iters']})")
+    p.add_argument("--threads", type=int, default=None,
+                   help="intra-op threads per process (default: CPUs // nprocs, >= 1)")
+    if peer is not None:
+        p.add_argument("--no-peer", action="store_true", help="usp rows only")
+    p.add_argument("--a2a-chunks", default="1",
+                   help="pipeline stages of the ulysses all-to-alls, comma-separated: a usp "
+                        "row per count for each layout with ulysses > 1 (default 1)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"smoke-test size: L={QUICK['seq_len']}, warmup {QUICK['warmup']}, "
+                        f"iters {QUICK['iters']} (explicit flags still win)")
+    p.add_argument("--json", type=Path, default=None, help="write results here")
+    args = p.parse_args(argv)
+    preset = QUICK if args.quick else FULL
+    sizes = {key: val if getattr(args, key) is None else getattr(args, key)
+             for key, val in preset.items()}
+    try:  # refuse before any process starts
+        try:
+            chunks = tuple(int(c) for c in args.a2a_chunks.split(","))
+        except ValueError:
+            raise ValueError(f"bad --a2a-chunks {args.a2a_chunks!r}: write counts like 1,2,4") \
+                from None
+        bench = AttentionBench(
+            nprocs=launched_world() or args.nprocs, batch=args.batch, heads=args.heads,
+            kv_heads=args.kv_heads, head_dim=args.head_dim, causal=args.causal,
+            dtype=args.dtype, balance=args.balance, threads=args.threads,
+            layouts=parse_layouts(args.layouts) if args.layouts else None,
+            peer=None if peer is None or args.no_peer else peer, a2a_chunks=chunks, **sizes)
+    except ValueError as e:
+        p.error(str(e))
+    return bench, args.json
+
+
+def main(argv=None, peer=None) -> None:
+    bench, json_path = parse_args(argv, peer)
+    result = measure(bench)
+    if result is None:  # a rank other than 0 of a torchrun launch
+        return
+    print(format_report(result))
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=2))
+        print(f"wrote {json_path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -6,14 +6,10 @@ from __future__ import annotations
 import os
 import platform
 from dataclasses import asdict
-from typing import TYPE_CHECKING
-
 import torch
 
+from .attention_setup import AttentionBench, Row
 from .timing import time_ratios
-
-if TYPE_CHECKING:
-    from .attention import AttentionBench, Row
 
 
 def results(bench: AttentionBench, rows: list[Row], skip: str | None,

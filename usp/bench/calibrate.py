@@ -1,9 +1,16 @@
-"""The measurements behind ``usp.planner.calibration``, taken on local gloo processes.
+"""Calibrate the planner's cost model on this machine: the measurements behind
+``usp.planner.calibration``, taken on local gloo processes, and the command that prints
+them beside the model's predictions and published figures.
+
+    python -m usp.bench.calibrate                  # about 90 s on a 2-core box
+    python -m usp.bench.calibrate --quick          # smoke test, about 30 s
+    python -m usp.bench.calibrate --published-only # the published comparison, no processes
+
 
 ``measure(setup)`` spawns ``setup.nprocs`` processes (all at once, as in training) that
 time: a small and a large ``all_to_all_single`` and ``batch_isend_irecv`` ring step, the
 LSE merge (``usp.ring.merge``), how much of a ring transfer hides behind a kernel call,
-three kernel probes (``usp.kernels.local_attention``), and ``usp_attention``
+three kernel probes (``usp.attention.local_attention``), and ``usp_attention``
 forward+backward for every layout and length, each beside its *compute-only* replay (the
 same ring code with ``LoopbackComm`` and no all-to-all). The probes and the attention
 calls run round-robin in the same processes (``usp.bench.timing.round_robin``), so load
@@ -12,6 +19,7 @@ from other processes lands on all of them alike.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import tempfile
@@ -23,13 +31,16 @@ import torch
 import torch.distributed as dist
 
 from ..attention import usp_attention
-from ..kernels import get_kernel, local_attention
+from ..attention import local_attention
+from ..kernels import get_kernel
 from ..launch import spawn_local
 from ..layout import SequenceLayout
 from ..mesh import SPMesh
-from ..planner.calibration import PROBE, PROBE_NC, CalibrationSetup
-from ..ring import RingAttention, merge
-from ..validate import check_heads
+from ..planner.calibration import (FULL, PROBE, PROBE_NC, QUICK, STATS, CalibrationSetup,
+                                   format_report)
+from ..planner.published import SOURCES, format_published, published_rows
+from ..ring import RingAttention, RingPlan, merge
+from ..ulysses import check_heads
 from .timing import LoopbackComm, overlap_times, round_robin, timed
 
 
@@ -126,8 +137,8 @@ def prepare_entries(setup: CalibrationSetup, meshes: dict) -> list:
             def local(loc=loc, ldo=ldo, mesh=mesh, r=r):
                 for t in loc:
                     t.grad = None
-                RingAttention.apply(*loc, LoopbackComm(), mesh.ring_rank, r, True, setup.balance,
-                                    kernel, d ** -0.5).backward(ldo)
+                plan = RingPlan(mesh.ring_rank, r, L // r, True, setup.balance)
+                RingAttention.apply(*loc, LoopbackComm(), plan, kernel, d ** -0.5).backward(ldo)
 
             entries += [(f"usp L={L} u={u} r={r}", full), (f"local L={L} u={u} r={r}", local)]
     return entries
@@ -168,3 +179,80 @@ def measure(setup: CalibrationSetup) -> dict:
     res["loadavg"] = [load0, os.getloadavg()[0]]
     res["wall_s"] = time.perf_counter() - t0
     return res
+
+
+# ---- the command ---------------------------------------------------------------------
+
+
+def _ints(text: str, sep: str = ",") -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(sep))
+    except ValueError:
+        raise ValueError(f"{text!r} is not integers separated by {sep!r}") from None
+
+
+def parse_args(argv=None) -> tuple[argparse.Namespace, CalibrationSetup]:
+    p = argparse.ArgumentParser(description="Calibrate the planner's cost model on this machine.")
+    p.add_argument("--nprocs", type=int, default=4)
+    p.add_argument("--seq-lens", type=_ints, default=None,
+                   help=f"global lengths, comma-separated (default {FULL['seq_lens']})")
+    p.add_argument("--layouts", default="4x1,2x2,1x4", help="ULYSSESxRING, comma-separated")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--balance", choices=("zigzag", "contiguous"), default="zigzag")
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--iters", type=int, default=None, help="timed rounds")
+    p.add_argument("--threads", type=int, default=None, help="default: CPUs // nprocs, >= 1")
+    p.add_argument("--a2a-kib", type=int, default=4096, help="large all-to-all: KiB per peer")
+    p.add_argument("--p2p-kib", type=int, default=16384, help="large ring step: KiB sent")
+    p.add_argument("--stat", choices=sorted(STATS), default="min",
+                   help="how repeated times are summarized (default min: load only adds time)")
+    p.add_argument("--overlap-reps", type=int, default=7, help="rounds of the overlap test")
+    p.add_argument("--quick", action="store_true", help=f"smoke test: {QUICK}")
+    p.add_argument("--published-only", action="store_true", help="no measurement")
+    p.add_argument("--json", type=Path, default=None, help="write all results here")
+    args = p.parse_args(argv)
+    preset = QUICK if args.quick else FULL
+    if args.threads is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        args.threads = max(1, (cpus or 1) // args.nprocs)
+    try:
+        setup = CalibrationSetup(
+            nprocs=args.nprocs, threads=args.threads,
+            seq_lens=args.seq_lens or preset["seq_lens"],
+            layouts=tuple(_ints(item.lower(), "x") for item in args.layouts.split(",")),
+            batch=args.batch, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+            balance=args.balance,
+            warmup=preset["warmup"] if args.warmup is None else args.warmup,
+            iters=preset["iters"] if args.iters is None else args.iters,
+            a2a_kib=args.a2a_kib, p2p_kib=args.p2p_kib, overlap_reps=args.overlap_reps)
+    except ValueError as e:
+        p.error(str(e))
+    return args, setup
+
+
+def main(argv=None) -> None:
+    args, setup = parse_args(argv)
+    out = {}
+    if not args.published_only:
+        res = measure(setup)
+        text, out = format_report(setup, res, args.stat)
+        print(text)
+        out["raw"], out["wall_s"] = res, res["wall_s"]
+        print(f"(measured in {res['wall_s']:.0f} s; 1-minute load average {res['loadavg'][0]:.1f}"
+              f" before, {res['loadavg'][1]:.1f} after, on {os.cpu_count()} CPUs)")
+    rows = published_rows()
+    print("\n== published figures vs the model (relative figures; specs: published_specs()) ==")
+    print(format_published(rows))
+    print("\nsources:\n  " + "\n  ".join(SOURCES))
+    if args.json:
+        out["published"] = rows
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=2, default=str))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

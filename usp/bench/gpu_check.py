@@ -1,5 +1,12 @@
 """The GPU check: every CUDA path of usp on one GPU, against fp64 dense attention.
 
+    python -m usp.bench.gpu_check --out runs/gpu_check     # on a GPU, < 8 minutes
+    python -m usp.bench.gpu_check --dry-run                # same code, CPU, tiny shapes
+
+Writes ``report.json`` and ``summary.txt`` under ``--out``; exit code 0 when every check
+passes, 1 otherwise. From a checkout with another torch (a GPU machine's), run it with
+``PYTHONPATH=.``.
+
 Sections, each a list of rows (dicts with ``ok``):
 
 1. ``kernels``: the ``torch`` kernel's forward and backward vs fp64 math;
@@ -16,35 +23,18 @@ Imports only torch and usp (no Hydra, OmegaConf, wandb or flash-attn).
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
+from pathlib import Path
 import platform
 import time
-from dataclasses import dataclass
 
 import torch
 
+from .gpu_sizes import Sizes  # noqa: F401 (the check's shapes)
 from .gpu_checks_attention import check_kernels, check_ring, check_usp_attention
 from .gpu_checks_training import check_throughput, check_training
-
-
-@dataclass
-class Sizes:
-    """Shapes per section: the real check and the CPU dry run differ only here."""
-
-    kernel_lens: tuple = (33, 100, 256)
-    head_dims: tuple = (64, 128)
-    ring_len: int = 512
-    usp_len: int = 256
-    train_steps: int = 80
-    train_seq_len: int = 512
-    bench_len: int = 8192
-    bench_iters: int = 20
-    mfu_len: int = 8192
-
-    @classmethod
-    def dry(cls) -> Sizes:
-        return cls(kernel_lens=(33, 20), head_dims=(16,), ring_len=64, usp_len=64,
-                   train_steps=40, train_seq_len=128, bench_len=256, bench_iters=2, mfu_len=256)
 
 
 # ---- the whole check ----------------------------------------------------------------------
@@ -111,3 +101,26 @@ def summarize(report: dict) -> str:
                      and name != "throughput")
     lines.append(f"\noverall: {'PASS' if report['ok'] else 'FAIL'}")
     return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes (for CI)")
+    ap.add_argument("--out", default="runs/gpu_check", help="folder for report.json, summary.txt")
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help=f"comma-separated subset of {','.join(SECTIONS)}")
+    args = ap.parse_args(argv)
+    report = run(dry_run=args.dry_run, sections=args.sections.split(","))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    text = summarize(report)
+    (out / "summary.txt").write_text(text + "\n")
+    print(text)
+    print(f"report: {out.resolve() / 'report.json'}")
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -27,18 +27,16 @@ import tempfile
 import threading
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from ..kernels import get_kernel, local_attention
+from ..attention import local_attention
+from ..kernels import get_kernel
 from ..kernels.reference import ReferenceKernel
 from ..layout import SequenceLayout
-from ..ring import ring_backward, ring_forward
-
-if TYPE_CHECKING:
-    from .gpu_check import Sizes
+from ..ring import RingPlan, ring_backward, ring_forward
+from .gpu_sizes import Sizes
 
 NAMES = ("out", "dq", "dk", "dv")
 
@@ -154,9 +152,9 @@ def _run_ring(q, k, v, dout, r, causal, balance, kern, scale):
         try:
             qi, ki, vi, di = (t.index_select(1, idx[i]) for t in (q, k, v, dout))
             comm = ring.comm(i)
-            out, lse = ring_forward(qi, ki, vi, comm, i, r, causal, balance, kern, scale)
-            grads = ring_backward(di, qi, ki, vi, out, lse, comm, i, r, causal, balance, kern,
-                                  scale)
+            plan = RingPlan(i, r, qi.shape[1], causal, balance)
+            out, lse = ring_forward(qi, ki, vi, comm, plan, kern, scale)
+            grads = ring_backward(di, qi, ki, vi, out, lse, comm, plan, kern, scale)
             results[i] = (out, *grads)
         except BaseException as e:  # re-raised in the caller
             errors.append(e)

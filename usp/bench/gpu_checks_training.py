@@ -16,16 +16,13 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from ..kernels import local_attention
+from ..attention import local_attention
 from .gpu_checks_attention import randn
-
-if TYPE_CHECKING:
-    from .gpu_check import Sizes
+from .gpu_sizes import Sizes
 
 H200_BF16_PEAK = 989e12  # dense bf16 tensor-core FLOP/s, NVIDIA's H200 SXM datasheet
 

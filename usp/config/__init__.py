@@ -5,7 +5,7 @@ planner and the CLI (only the CLI touches Hydra/OmegaConf; it turns YAML into th
 |------------------|---------------------------------------------|-------------------------|
 | ``model/``       | ``ModelConfig``                             | ``usp.config.model``    |
 | ``parallel/``    | ``ParallelConfig``                          | ``usp.config.parallel`` |
-| ``cluster/``     | ``ClusterSpec``                             | ``usp.planner.cluster`` |
+| ``cluster/``     | ``ClusterSpec``                             | ``usp.config.cluster``  |
 | ``data/``        | ``RecallData`` / ``MemmapData`` (by kind)   | ``usp.config.data``     |
 | ``optim/``       | ``OptimConfig``                             | ``usp.config.optim``    |
 | ``trainer/``     | ``TrainerConfig``                           | ``usp.config.trainer``  |
@@ -18,19 +18,16 @@ options hold only what differs from the defaults, except the ``model`` and ``clu
 options, which state a whole model shape or machine. ``tests/test_cli.py`` checks this
 for every file. Pure value rules live in each ``__post_init__``, so a bad value is refused
 where the config is built (the CLI: before anything is launched); rules that need the
-world size, the device or the file system are in ``usp.train.setup.preflight``.
+world size, the device or the file system are in ``usp.run.resolve_run``.
 """
 
+from .cluster import ClusterSpec, load_cluster
 from .data import DATA_KINDS, DataConfig, MemmapData, RecallData
 from .logging import LoggingConfig
 from .model import ModelConfig
 from .optim import OptimConfig
 from .parallel import ParallelConfig
 from .trainer import DTYPES, TrainerConfig, parse_signals, torch_dtype
-
-# isort: split
-# last: the planner imports ModelConfig from this package, and .run imports the planner
-from ..planner.cluster import ClusterSpec
 from .run import PlanConfig, RunConfig
 
 __all__ = [
@@ -47,6 +44,7 @@ __all__ = [
     "RecallData",
     "RunConfig",
     "TrainerConfig",
+    "load_cluster",
     "parse_signals",
     "torch_dtype",
 ]

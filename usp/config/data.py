@@ -75,20 +75,20 @@ class RecallData(_Batches):
 
 @dataclass
 class MemmapData(_Batches):
-    """Token files made by ``tools/prepare_data.py`` (``usp.data.memmap.MemmapTokens``)."""
+    """Token files made by ``python -m usp.data.prepare`` (``usp.data.memmap.MemmapTokens``)."""
 
     kind: str = "memmap"
     seq_len: int = 1024
     batch_per_dp_rank: int = 4
     path: Optional[str] = None  # prefix of {path}.bin / {path}.json (/ {path}.docs)
     seed: int = 1234
-    packing: str = "none"  # documents: needs the {path}.docs boundaries prepare_data writes
+    packing: str = "none"  # documents: needs the {path}.docs boundaries usp.data.prepare writes
 
     def __post_init__(self) -> None:
         self._check("memmap")
         if not self.path:
             raise ValueError("data.path is not set; set it to the prefix of the .bin/.json "
-                             "files that tools/prepare_data.py writes")
+                             "files that python -m usp.data.prepare writes")
 
 
 DATA_KINDS: dict[str, type] = {"recall": RecallData, "memmap": MemmapData}

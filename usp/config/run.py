@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..planner.cluster import ClusterSpec
+from .cluster import ClusterSpec
 from .data import DataConfig, RecallData
 from .logging import LoggingConfig
 from .model import ModelConfig

@@ -4,7 +4,7 @@ Metadata keys: ``dtype`` ("uint16" | "uint32"), ``num_tokens``, ``vocab_size``,
 ``tokenizer``, ``source``, and optionally ``max_token``, ``eos_id`` and ``num_documents``.
 With ``num_documents``, ``{prefix}.docs`` holds the document start offsets (raw int64,
 increasing, the first 0). Files are written by ``TokenWriter`` (used by
-``tools/prepare_data.py``) atomically: all go to ``*.tmp`` first and are renamed when
+``python -m usp.data.prepare``) atomically: all go to ``*.tmp`` first and are renamed when
 complete, the ``.json`` last.
 
 Training windows are drawn at random (with replacement) from the whole file; each sample
@@ -27,7 +27,7 @@ from .packing import Batch, ignore_crossing
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 REQUIRED_KEYS = ("dtype", "num_tokens", "vocab_size", "tokenizer", "source")
 DOC_DTYPE = np.dtype("<i8")  # document start offsets in {prefix}.docs
-_PREPARE = "python tools/prepare_data.py --src DIR --glob '**/*.txt' --out {prefix}"
+_PREPARE = "python -m usp.data.prepare --src DIR --glob '**/*.txt' --out {prefix}"
 _SCAN_CHUNK = 1 << 24  # tokens per chunk when verifying ids
 
 
@@ -197,7 +197,7 @@ class MemmapTokens:
     def _load_documents(self, prefix: Path) -> np.ndarray:
         """The document start offsets [num_documents] int64 (read lazily from ``.docs``)."""
         docs, n = docs_path(self.bin_path), self.meta.get("num_documents")
-        fix = f"re-run prepare_data, which records them: {_PREPARE.format(prefix=prefix)}"
+        fix = f"re-run usp.data.prepare, which records them: {_PREPARE.format(prefix=prefix)}"
         if n is None or not docs.is_file():
             raise ValueError(f"{self.json_path} records no document boundaries (no "
                              f"num_documents / {docs.name}), so data.packing=documents cannot "

@@ -6,11 +6,14 @@ Byte-level tokenizer: every byte is its own token (0..255) and each file ends wi
 file's document starts, for ``data.packing=documents``), written atomically by
 ``TokenWriter``. Files are taken in sorted order of their path relative to ``src``
 (deterministic), and ``max_bytes`` caps the input bytes (the last file is cut to fit).
-The command line is ``tools/prepare_data.py``.
+The command line::
+
+    python -m usp.data.prepare --src DIR --glob '**/*.txt' --out data/corpus [--max-bytes N]
 """
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import numpy as np
@@ -60,3 +63,25 @@ def prepare(src: str | Path, pattern: str, out: str | Path, max_bytes: int | Non
                 np.append(np.frombuffer(data, dtype=np.uint8).astype(np.uint16), EOS))
         source.update(num_files=used, num_bytes=total)
         return writer.close(eos_id=EOS)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--src", required=True, help="directory to read text files from")
+    ap.add_argument("--glob", default="**/*.txt", help="pattern relative to --src")
+    ap.add_argument("--out", required=True, help="output prefix: writes OUT.bin and OUT.json")
+    ap.add_argument("--max-bytes", type=int, default=None, help="cap on input bytes")
+    args = ap.parse_args(argv)
+    try:
+        meta = prepare(args.src, args.glob, args.out, args.max_bytes)
+    except ValueError as e:
+        ap.error(str(e))
+    print(
+        f"wrote {args.out}.bin: {meta['num_tokens']} tokens from "
+        f"{meta['source']['num_files']} files = {meta['num_documents']} documents "
+        f"({meta['dtype']}, vocab {meta['vocab_size']})"
+    )
+
+
+if __name__ == "__main__":
+    main()

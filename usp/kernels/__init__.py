@@ -9,13 +9,10 @@
 
 from __future__ import annotations
 
-import torch
-
+from ..validate import KERNELS  # the names the rules know
+from .aten import TorchKernel
 from .base import Kernel
 from .reference import ReferenceKernel
-from .aten import TorchKernel
-
-KERNELS = ("torch", "flash_attn", "reference")
 
 
 def _kernel_class(name: str):
@@ -43,22 +40,4 @@ def supported_masks(kernel: str | Kernel) -> frozenset:
     return frozenset(getattr(cls, "masks", ()))
 
 
-def local_attention(q, k, v, causal: bool = True, kernel: str | Kernel = "torch", scale=None,
-                    segment_ids: torch.Tensor | None = None, window: int | None = None):
-    """Single-process attention with autograd: q [B, L, Hq, d], k/v [B, L, Hkv, d] -> [B, L, Hq, d].
-
-    ``segment_ids`` [B, L] long and ``window`` as in ``usp.usp_attention`` (the same plan,
-    on one ring rank).
-    """
-    from ..masks import check_masks  # here: both import this package
-    from ..ring import RingAttention, RingPlan
-
-    check_masks(segment_ids, window, batch=q.shape[0], seq_len=q.shape[1], device=q.device,
-                kernel=kernel)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    plan = RingPlan(0, 1, q.shape[1], causal, "contiguous", window, segment_ids)
-    return RingAttention.apply(q, k, v, None, 0, 1, causal, "contiguous", get_kernel(kernel),
-                               scale, plan)
-
-
-__all__ = ["Kernel", "KERNELS", "get_kernel", "local_attention", "supported_masks"]
+__all__ = ["Kernel", "KERNELS", "get_kernel", "supported_masks"]

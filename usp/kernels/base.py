@@ -16,12 +16,22 @@ documents too). A query row that sees no key in the block returns out 0 and LSE 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from ..masks import BlockMask
+
+class BlockMask(Protocol):
+    """What a kernel reads of ``usp.masks.BlockMask`` (the masks layer sits above the
+    kernels, so they know it by this shape only)."""
+
+    band: tuple[int, int] | None  # (lo, hi) key offsets of a band, when the mask is one
+
+    def additive(self, dtype: torch.dtype, device) -> torch.Tensor: ...  # [B|1, 1, S, Sk]
+
+    def visible(self, device) -> torch.Tensor: ...  # bool [B|1, S, Sk]
+
+    def empty_rows(self, device) -> torch.Tensor | None: ...  # bool [B|1, S], or None
 
 
 class Kernel(Protocol):

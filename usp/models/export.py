@@ -13,6 +13,8 @@ lives in ``run_dir/hf_config/`` (``config.save_pretrained``, see ``save_config``
 
 from __future__ import annotations
 
+import argparse
+import sys
 import warnings
 from pathlib import Path
 
@@ -165,3 +167,32 @@ def _stored_keys(step: Path) -> set[str]:
     """Flattened names of the tensors a DCP checkpoint holds (``model.<param>``, ...)."""
     meta = dcp.FileSystemReader(str(step)).read_metadata()
     return set(meta.state_dict_metadata)
+
+
+# ---- the command: python -m usp.models.export RUN_DIR_OR_STEP_DIR OUT_DIR ---------------
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Export a usp checkpoint of a Hugging Face model as a directory from_pretrained loads.")
+    ap.add_argument("checkpoint", help="run_dir (its newest checkpoint) or run_dir/checkpoints/step_K")
+    ap.add_argument("out_dir", help="directory to write (config.json + model.safetensors)")
+    ap.add_argument("--config", default=None,
+                    help="directory with the model's config.json (default: run_dir/hf_config)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                    help="cast the weights (default: as stored)")
+    args = ap.parse_args(argv)
+    try:
+        model = export_checkpoint(args.checkpoint, args.out_dir, config=args.config,
+                                  dtype=DTYPES.get(args.dtype))
+    except ValueError as e:
+        print(f"usp.models.export: {e}", file=sys.stderr)
+        return 2
+    n = sum(p.numel() for p in model.parameters())
+    print(f"wrote {type(model).__name__} ({n} parameters) to {args.out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,7 +5,7 @@ RMSNorm, RoPE, SwiGLU, no biases, tied or untied embeddings. Attention is whatev
 hd], out [B, n, Hq, hd]; ``masks``: ``segment_ids`` [B, n] when documents are packed and
 ``window`` on sliding-window layers, passed only when set), e.g.
 
-- one process: ``functools.partial(usp.kernels.local_attention, causal=True)``;
+- one process: ``functools.partial(usp.attention.local_attention, causal=True)``;
 - sequence parallel: ``functools.partial(usp_attention, mesh=mesh, layout=layout,
   causal=True, kernel="torch")``, with ``tokens = layout.shard(global_tokens)`` and
   ``positions = layout.positions()``.

@@ -15,7 +15,9 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from ..validate import BALANCES, check_heads, seq_multiple
+from ..validate import BALANCES, seq_multiple
+
+from ..ulysses import check_heads
 from .cluster import ClusterSpec, load_cluster
 from .cost import FLASH_BWD, attention_cost
 

@@ -1,123 +1,14 @@
-"""What the planner knows about the hardware: one ``ClusterSpec`` and where ranks sit on it.
-
-Units everywhere: bytes, seconds, bytes/s, FLOP/s. Bandwidths are *unidirectional, per
-link*: ``intra_bw`` is what one GPU can push to its node peers (NVLink or PCIe),
-``inter_bw`` what one NIC can push off the node. On a rail-optimised node every GPU has
-its own NIC (``gpus_per_nic: 1``) and both are per-GPU figures. When ``gpus_per_nic``
-(or ``gpus_per_intra_link``) GPUs share one link, the GPUs of a node that send over it
-at the same moment split it; one sending alone gets all of it.
-
-The YAML files in ``configs/cluster/`` use exactly the field names below, so a Hydra
-structured-config schema built from this dataclass validates them.
-"""
+"""Where ranks sit on a ``usp.config.ClusterSpec``: each layout's ulysses and ring groups
+on the nodes (``rank_grid``, ``group_span``)."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 
-import yaml
-
+from ..config.cluster import ClusterSpec, GiB, cluster_dir, load_cluster  # noqa: F401 (re-exported)
 from ..mesh import mesh_ranks
 from ..validate import check_degrees, check_placement
-
-GiB = 1024**3
-
-
-@dataclass
-class ClusterSpec:
-    """A homogeneous cluster of ``nodes`` x ``ranks_per_node`` accelerators.
-
-    Defaults describe an unknown PCIe box on a 100G network; they are what detection falls
-    back to when no spec is given, and every such value is reported as assumed.
-    """
-
-    name: str = "unknown"
-    ranks_per_node: int = 1
-    nodes: int = 1
-    intra_bw: float = 25.0e9  # bytes/s per GPU per direction inside a node
-    intra_latency_s: float = 10.0e-6  # one intra-node collective/P2P start-up
-    inter_bw: float = 12.5e9  # bytes/s per GPU rail per direction between nodes
-    inter_latency_s: float = 10.0e-6  # one inter-node message start-up
-    peak_flops: float = 100.0e12  # dense bf16 FLOP/s per GPU
-    mem_bytes: float = 16.0 * GiB  # device memory per GPU
-    mfu: float = 0.4  # achievable fraction of peak_flops for attention and matmuls
-    hbm_bw: float = 1.0e12  # device memory bytes/s (memory-bound work: ring out/LSE merges)
-    overlap: float = 1.0  # share of a ring transfer that can hide behind block compute
-    gpus_per_nic: int = 1  # GPUs sharing one inter-node NIC (1: rail-optimised)
-    gpus_per_intra_link: int = 1  # GPUs sharing one intra-node link (1: NVSwitch, own lanes)
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            if f.name in ("name", "overlap"):
-                continue
-            val = getattr(self, f.name)
-            if not isinstance(val, (int, float)) or isinstance(val, bool) or val <= 0:
-                raise ValueError(
-                    f"cluster {self.name!r}: {f.name} must be a positive number, got {val!r}"
-                )
-        for name in ("ranks_per_node", "nodes", "gpus_per_nic", "gpus_per_intra_link"):
-            if int(getattr(self, name)) != getattr(self, name):
-                raise ValueError(
-                    f"cluster {self.name!r}: {name} must be a whole number, "
-                    f"got {getattr(self, name)!r}"
-                )
-        if not 0 <= self.overlap <= 1:
-            raise ValueError(
-                f"cluster {self.name!r}: overlap must be in [0, 1], got {self.overlap}"
-            )
-        if not 0 < self.mfu <= 1:
-            raise ValueError(f"cluster {self.name!r}: mfu must be in (0, 1], got {self.mfu}")
-
-    @property
-    def world(self) -> int:
-        return self.nodes * self.ranks_per_node
-
-    def link_bw(self, remote: bool, senders: int) -> float:
-        """Bytes/s one GPU gets on the inter-node (``remote``) or intra-node link while
-        ``senders`` GPUs of its node send over that kind of link at the same time."""
-        bw, share = (
-            (self.inter_bw, self.gpus_per_nic) if remote
-            else (self.intra_bw, self.gpus_per_intra_link)
-        )
-        links = max(1, self.ranks_per_node // share)  # links of this kind per node
-        return bw * min(1.0, links / max(1, senders))
-
-    def replace(self, **changes) -> "ClusterSpec":
-        """A copy with some fields changed (validated again)."""
-        return dataclasses.replace(self, **changes)
-
-
-def cluster_dir() -> Path:
-    """``configs/cluster`` of this checkout."""
-    return Path(__file__).resolve().parents[2] / "configs" / "cluster"
-
-
-def load_cluster(name_or_path: str | Path, search_dir: str | Path | None = None) -> ClusterSpec:
-    """Read a cluster YAML: a path, or a name looked up in ``search_dir`` (default
-    ``configs/cluster``). Unknown or missing keys raise ``ValueError``."""
-    path = Path(name_or_path)
-    if path.suffix not in (".yaml", ".yml"):
-        path = Path(search_dir or cluster_dir()) / f"{name_or_path}.yaml"
-    if not path.is_file():
-        known = sorted(p.stem for p in path.parent.glob("*.yaml")) if path.parent.is_dir() else []
-        raise ValueError(f"cluster config {path} not found; known clusters: {known}")
-    raw = yaml.safe_load(path.read_text()) or {}
-    fields = {f.name: f for f in dataclasses.fields(ClusterSpec)}
-    unknown = sorted(set(raw) - set(fields))
-    missing = sorted(set(fields) - set(raw))
-    if unknown or missing:
-        raise ValueError(
-            f"cluster config {path}: unknown keys {unknown}, missing keys {missing}; "
-            f"keys must be the ClusterSpec fields {list(fields)}"
-        )
-    kinds = {"str": str, "int": int, "float": float}
-    try:  # YAML 1.1 reads '450e9' as a string: coerce to the field's type
-        vals = {k: kinds[fields[k].type](v) for k, v in raw.items()}
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"cluster config {path}: {e}") from e
-    return ClusterSpec(**vals)
 
 
 # ---- where ranks sit -------------------------------------------------------------------

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 
 from ..config import ModelConfig
 from ..ulysses import check_a2a_chunks
-from ..validate import BALANCES, check_heads, head_split
+from ..validate import BALANCES
+from ..ulysses import check_heads, head_split
 from .cluster import ClusterSpec, GroupSpan, group_span
 from .memory import CheckpointPolicy, memory_split
 from .traffic import attention_bytes, ring_kv_heads
@@ -263,6 +264,15 @@ def best_a2a_chunks(cluster: ClusterSpec, seq_len: int, hq: int, hkv: int, head_
     return min(totals, key=lambda c: (totals[c], c))
 
 
+def choose_a2a_chunks(chunks, cluster: ClusterSpec, seq_len: int, hq: int, hkv: int,
+                      head_dim: int, ulysses: int, ring: int, **kw) -> int:
+    """The one rule for a layout's ``a2a_chunks``: ``"auto"``: ``best_a2a_chunks`` (``kw``
+    as there); an int: checked against the heads (``check_a2a_chunks``) and returned."""
+    if chunks == "auto":
+        return best_a2a_chunks(cluster, seq_len, hq, hkv, head_dim, ulysses, ring, **kw)
+    return check_a2a_chunks(chunks, hq, hkv, ulysses)
+
+
 def estimate(
     model: ModelConfig,
     cluster: ClusterSpec,
@@ -287,7 +297,7 @@ def estimate(
     holds all of them at once, on the busiest ulysses rank when the
     heads split unevenly. ``a2a_chunks``: pipeline stages of the ulysses all-to-alls
     (``attention_cost``). Raises ``ValueError`` when the heads cannot split over
-    ``ulysses`` (see ``usp.validate.head_split``) or into ``a2a_chunks`` stages.
+    ``ulysses`` (see ``usp.ulysses.head_split``) or into ``a2a_chunks`` stages.
     """
     L, r, u, P = seq_len, ring, ulysses, ring * ulysses
     world = dp * P

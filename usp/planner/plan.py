@@ -20,10 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..config import ModelConfig
-from ..validate import check_degrees, check_heads, check_placement, check_seq_len, head_split
+from ..validate import check_degrees, check_placement, check_seq_len
+from ..ulysses import check_heads, head_split
 from .cluster import GiB, ClusterSpec, group_span
-from ..ulysses import check_a2a_chunks
-from .cost import StepCost, best_a2a_chunks, estimate
+from .cost import StepCost, choose_a2a_chunks, estimate
 from .memory import CheckpointPolicy, MemorySplit, max_seq_len, memory_split, size
 
 
@@ -315,13 +315,11 @@ def plan(
                 rule = "seq_len"
                 check_seq_len(seq_len, u, r, balance)
                 rule = "a2a_chunks"
-                chunks = 1 if u == 1 else a2a_chunks
-                if chunks == "auto":
-                    chunks = best_a2a_chunks(
-                        cluster, seq_len, model.n_heads, model.n_kv_heads, model.head_dim, u,
-                        r, dp=d, dtype_bytes=dtype_bytes, causal=causal, balance=balance,
-                        placement=placement, n_fwd=2 if policy.enabled else 1)
-                check_a2a_chunks(chunks, model.n_heads, model.n_kv_heads, u)
+                chunks = choose_a2a_chunks(
+                    1 if u == 1 else a2a_chunks, cluster, seq_len, model.n_heads,
+                    model.n_kv_heads, model.head_dim, u, r, dp=d, dtype_bytes=dtype_bytes,
+                    causal=causal, balance=balance, placement=placement,
+                    n_fwd=2 if policy.enabled else 1)
                 rule = "memory"
                 cost = estimate(
                     model, cluster, seq_len, d, r, u, global_batch=batch * d,

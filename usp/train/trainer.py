@@ -27,7 +27,8 @@ from ..models.tiling import lm_loss
 from ..models.checkpoint import choose_checkpoint, load_checkpoint, run_fingerprint, save_checkpoint
 from .faults import NonFiniteGuard, Preempted, Preemption
 from .metrics import MetricsLogger, PeakMemory
-from .setup import TrainingData, build_dataset, resolve_a2a_chunks, resolve_degrees
+from ..data.dataset import TrainingData, build_dataset
+from ..run import RunLayout, resolve_run_group
 
 
 def lr_lambda(cfg: OptimConfig, steps: int):
@@ -103,13 +104,13 @@ def loss_and_predictions(model, batch: Batch, positions: torch.Tensor):
 
 
 @torch.no_grad()
-def evaluate(model, data: TrainingData, cfg: RunConfig, mesh: SPMesh, positions,
+def evaluate(model, data: TrainingData, batch_per_dp_rank: int, mesh: SPMesh, positions,
              device) -> float:
     """Answer accuracy on ``data.eval_batches`` batches no training step has drawn (held out)."""
     model.eval()
     hits = torch.zeros(2, dtype=torch.float64, device=device)
     for i in range(data.eval_batches):
-        b = data.model_batch(10**6 + i, cfg.data.batch_per_dp_rank, mesh.dp_rank, mesh.dp,
+        b = data.model_batch(10**6 + i, batch_per_dp_rank, mesh.dp_rank, mesh.dp,
                              positions=positions).to(device)
         _, predictions = loss_and_predictions(model, b, positions)
         correct, answers = data.answer_accuracy(predictions, b.labels)
@@ -119,17 +120,17 @@ def evaluate(model, data: TrainingData, cfg: RunConfig, mesh: SPMesh, positions,
     return (hits[0] / hits[1].clamp(min=1)).item()
 
 
-def _hf_model(cfg: RunConfig, mesh: SPMesh, layout: SequenceLayout, a2a_chunks: int = 1):
+def _hf_model(cfg: RunConfig, run: RunLayout, mesh: SPMesh, layout: SequenceLayout):
     """(transformers model, its decoder layers): built on every rank alike, its attention
-    routed through usp; rank 0 writes its config to ``run_dir/hf_config`` for export."""
+    routed through usp as ``run`` says; rank 0 writes its config to ``run_dir/hf_config``
+    for export."""
     from ..models import hf
     from ..models.export import build_model, save_config
 
     model = build_model(cfg.model, cfg.trainer.seed)
     if cfg.trainer.activation_checkpointing:  # the same non-reentrant torch checkpoint
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    hf.patch(model, mesh, layout, kernel=cfg.parallel.kernel, ring_impl=cfg.parallel.ring_impl,
-             a2a_chunks=a2a_chunks)
+    hf.patch(model, mesh, layout, **run.attention_options())
     if dist.get_rank() == 0:
         save_config(model.config, cfg.trainer.run_dir)
     return model, model.model.layers
@@ -138,9 +139,14 @@ def _hf_model(cfg: RunConfig, mesh: SPMesh, layout: SequenceLayout, a2a_chunks: 
 FaultHook = Callable[[int, torch.Tensor], torch.Tensor]
 
 
-def train(cfg: RunConfig, fault_hook: FaultHook | None = None,
+def train(cfg: RunConfig, run: RunLayout | None = None, fault_hook: FaultHook | None = None,
           memory_probe: Callable[[torch.device], PeakMemory] = PeakMemory) -> dict:
     """Train ``cfg.trainer.steps`` steps; returns the summary of the last step (every rank).
+
+    ``run``: the layout the launcher resolved (``usp.run.resolve_run``); None: resolved
+    here, once, by rank 0 for the group (``resolve_run_group``), for a caller that made
+    the process group itself. Degrees, placement, a2a chunks, dtype and per-rank batch
+    come from it, not from ``cfg.parallel``.
 
     Faults (``usp.train.faults``): a signal in ``trainer.preempt_signals`` on any rank makes
     every rank checkpoint at the next step boundary and raise ``Preempted`` (its
@@ -154,14 +160,16 @@ def train(cfg: RunConfig, fault_hook: FaultHook | None = None,
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
         else torch.device("cpu")
-    tc, pc = cfg.trainer, cfg.parallel
-    ulysses, ring, plan_table = resolve_degrees(cfg, world)
-    chunks = resolve_a2a_chunks(cfg, world, ulysses, ring)
-    if rank == 0 and plan_table:
-        print(plan_table, flush=True)
-    mesh = SPMesh.build(ulysses=ulysses, ring=ring, dp=pc.dp_degree, placement=pc.placement,
-                        ranks_per_node=pc.ranks_per_node)
-    layout = SequenceLayout(mesh, seq_len=cfg.data.seq_len, balance=pc.balance)
+    tc = cfg.trainer
+    if run is None:
+        run = resolve_run_group(cfg, device.type)
+        if rank == 0 and run.plan_table:
+            print(run.plan_table, flush=True)
+    if run.world != world:
+        raise ValueError(f"the run was laid out for {run.world} ranks but this group has "
+                         f"{world}; resolve it for this launch (usp.run.resolve_run)")
+    mesh = run.build_mesh()
+    layout = SequenceLayout(mesh, seq_len=run.seq_len, balance=run.balance)
     positions = layout.positions(device)  # global ids of this rank's tokens (RoPE, data)
     if rank == 0:
         print(mesh.describe(), flush=True)
@@ -172,8 +180,8 @@ def train(cfg: RunConfig, fault_hook: FaultHook | None = None,
     # bf16 is FSDP's mixed precision (bf16 compute, fp32 master weights), not autocast: the
     # ops that need fp32 upcast themselves (RMSNorm, RoPE, attention LSE and merge, loss).
     if cfg.model.hf is None:
-        attn = partial(usp_attention, mesh=mesh, layout=layout, causal=True, kernel=pc.kernel,
-                       ring_impl=pc.ring_impl, a2a_chunks=chunks)
+        attn = partial(usp_attention, mesh=mesh, layout=layout, causal=True,
+                       **run.attention_options())
         offload = ActivationOffload(StreamCopier(device)) if tc.activation_offload else None
         model = Transformer(cfg.model, attn, checkpoint_activations=tc.activation_checkpointing,
                             checkpoint_every=tc.checkpoint_every,
@@ -181,9 +189,9 @@ def train(cfg: RunConfig, fault_hook: FaultHook | None = None,
         model.init_weights(tc.seed)
         blocks = model.layers
     else:
-        model, blocks = _hf_model(cfg, mesh, layout, chunks)
+        model, blocks = _hf_model(cfg, run, mesh, layout)
     model.to(device)
-    shard_model(model, mesh.submesh("dp_sp"), tc.dtype, blocks)
+    shard_model(model, mesh.submesh("dp_sp"), run.dtype, blocks)
     oc = cfg.optim
     opt = torch.optim.AdamW(model.parameters(), lr=oc.lr, betas=(oc.beta1, oc.beta2),
                             weight_decay=oc.weight_decay)
@@ -204,7 +212,8 @@ def train(cfg: RunConfig, fault_hook: FaultHook | None = None,
         if rank == 0:
             print(f"resumed from {ckpt} at step {start}", flush=True)
     run_dir = Path(tc.run_dir)
-    logger = MetricsLogger(cfg.logging, run_dir, rank, asdict(cfg), resume_step=start)
+    logger = MetricsLogger(cfg.logging, run_dir, rank, {**asdict(cfg), "layout": asdict(run)},
+                           resume_step=start)
     bar = None
     if rank == 0 and cfg.logging.progress:
         from tqdm import tqdm
@@ -214,7 +223,7 @@ def train(cfg: RunConfig, fault_hook: FaultHook | None = None,
     try:
         # The handlers only set a flag; the previous ones are back however the loop ends.
         with Preemption(tc.preempt_signals) as preemption:
-            summary = _loop(cfg, start, model, opt, sched, data, mesh, positions, device,
+            summary = _loop(cfg, run, start, model, opt, sched, data, mesh, positions, device,
                             logger, bar, guard, preemption, fault_hook, memory_probe)
     except BaseException:  # Preempted, NonFiniteError, a lost peer: flush what was logged
         if bar is not None:
@@ -226,14 +235,14 @@ def train(cfg: RunConfig, fault_hook: FaultHook | None = None,
     if bar is not None:
         bar.close()
     if data.eval_batches > 0:
-        summary["eval_acc"] = evaluate(model, data, cfg, mesh, positions, device)
+        summary["eval_acc"] = evaluate(model, data, run.batch_per_dp_rank, mesh, positions, device)
     logger.finish(summary)
     plot = logger.plot()
     logger.close()
     if rank == 0:
         tail = f", train accuracy {summary['acc']:.3f}" if "acc" in summary else ""
         if "eval_acc" in summary:
-            n = data.eval_batches * cfg.data.global_batch(mesh.dp) * data.answers_per_sequence
+            n = data.eval_batches * run.global_batch * data.answers_per_sequence
             tail += f", held-out answer accuracy {summary['eval_acc']:.3f} ({n} answers)"
         print(f"done: step {summary.get('step', start)}, loss {summary.get('loss', float('nan')):.4f}"
               f"{tail}; run directory {run_dir.resolve()}"
@@ -245,7 +254,7 @@ def train(cfg: RunConfig, fault_hook: FaultHook | None = None,
     return summary
 
 
-def _loop(cfg: RunConfig, start: int, model, opt, sched, data, mesh: SPMesh, positions, device,
+def _loop(cfg: RunConfig, run: RunLayout, start: int, model, opt, sched, data, mesh: SPMesh, positions, device,
           logger: MetricsLogger, bar, guard: NonFiniteGuard, preemption: Preemption,
           fault_hook: FaultHook | None, memory_probe: Callable[[torch.device], PeakMemory]
           ) -> dict:
@@ -255,8 +264,8 @@ def _loop(cfg: RunConfig, start: int, model, opt, sched, data, mesh: SPMesh, pos
     run_dir = Path(tc.run_dir)
     dp_sp = mesh.group("dp_sp")
     n_shard = mesh.submesh("dp_sp").size()
-    tokens_per_step = cfg.data.global_batch(mesh.dp) * cfg.data.seq_len
-    flops = flops_per_token(cfg.model, cfg.data.seq_len)
+    tokens_per_step = run.tokens_per_step
+    flops = flops_per_token(cfg.model, run.seq_len)
     peak_mem = memory_probe(device)
     summary: dict = {}
     for step in range(start, tc.steps):
@@ -266,7 +275,7 @@ def _loop(cfg: RunConfig, start: int, model, opt, sched, data, mesh: SPMesh, pos
         # Data: this rank's tokens only; labels were shifted (and, for packed documents,
         # cut at document boundaries) on the global sequence; document ids and positions
         # inside documents are this rank's columns of the global [B, L] ones.
-        b = data.model_batch(step, cfg.data.batch_per_dp_rank, mesh.dp_rank, mesh.dp,
+        b = data.model_batch(step, run.batch_per_dp_rank, mesh.dp_rank, mesh.dp,
                              positions=positions).to(device)
         labels = b.labels  # [B, L/P]
         # Sync: the number of target tokens over dp x sp normalises the loss.
