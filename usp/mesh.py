@@ -12,9 +12,11 @@ inside a node and ring groups join the same local rank on different nodes (rail-
 
 from __future__ import annotations
 
+import atexit
 import gc
 import socket
 import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -60,8 +62,9 @@ class SPMesh:
     ``ulysses_rank``/``ring_rank``/``dp_rank`` are this rank's mesh coordinates; the
     sequence-parallel rank is ``sp_rank = ring_rank * ulysses + ulysses_rank``.
 
-    Close it before ``dist.destroy_process_group()``: ``mesh.close()``, or build it in a
-    ``with SPMesh.build(...) as mesh:`` block (see ``close`` for why).
+    ``mesh.close()`` (or a ``with SPMesh.build(...) as mesh:`` block) before
+    ``dist.destroy_process_group()`` frees its groups at once; a mesh left open is released
+    when the interpreter exits, before its shutdown starts (see ``close`` for why).
     """
 
     ulysses: int
@@ -75,6 +78,11 @@ class SPMesh:
     comm: CommStats = field(default_factory=CommStats)
     _cache: dict = field(default_factory=dict, repr=False)
     _closed: bool = field(default=False, repr=False)
+    _owned: _Owned | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.device_mesh is not None:  # released at interpreter exit unless closed first
+            self._owned = _Owned.track(self)
 
     # ---- construction -------------------------------------------------------------
     @classmethod
@@ -253,6 +261,9 @@ class SPMesh:
     # active exception", SIGABRT. Freeing the groups while the interpreter is alive joins
     # the workers first (the ProcessGroup's pybind holder, IntrusivePtrNoGilDestructor,
     # releases the GIL while it joins, so a worker waiting for it can finish).
+    # A mesh never closed is released by ``_release_unclosed_at_exit``, an ``atexit``
+    # handler: atexit handlers run in ``Py_FinalizeEx`` before it marks the interpreter
+    # finalizing, so a worker's GIL request is still answered normally there.
     def close(self, barrier: bool = True) -> None:
         """Release the DeviceMesh and every process group this mesh created.
 
@@ -275,16 +286,21 @@ class SPMesh:
         if self._closed:
             return
         self._closed = True
+        if self._owned is not None:
+            self._owned.untrack()
         if dist.is_initialized():  # False when the caller destroyed the world first
             if barrier:
                 dist.barrier()  # every rank is past its last collective on the subgroups
             self._destroy_groups()
+        self._drop_references()
+        gc.collect()  # DeviceMesh objects sit in reference cycles: free them now
+
+    def _drop_references(self) -> None:
         for dm in [self.device_mesh, *self.flat_meshes.values()]:
             release_device_mesh(dm)
         self.device_mesh = None
         self.flat_meshes = {}
         self._cache.clear()
-        gc.collect()  # DeviceMesh objects sit in reference cycles: free them now
 
     def _destroy_groups(self) -> None:
         # this rank's groups of the mesh in creation order (dp, ring, ulysses, sp, dp_sp),
@@ -317,3 +333,67 @@ class SPMesh:
         # would turn this rank's error into a hang, so only the local release runs
         self.close(barrier=exc_type is None)
 
+
+# ---- release at interpreter exit ----------------------------------------------------------
+
+class _Owned:
+    """Weak references to an SPMesh and to the DeviceMeshes it made.
+
+    The DeviceMeshes are followed on their own: once the SPMesh itself is freed (a script
+    that keeps it in ``main()``'s frame), its root and flattened DeviceMeshes live on in
+    their reference cycle, holding the groups, until a garbage collection.
+    """
+
+    _unclosed: dict[int, _Owned] = {}  # by id(record); pruned of dead records on track()
+    _handler_registered = False
+
+    __slots__ = ("mesh", "device_meshes")
+
+    def __init__(self, mesh: SPMesh) -> None:
+        self.mesh = weakref.ref(mesh)
+        self.device_meshes = [weakref.ref(dm)
+                              for dm in [mesh.device_mesh, *mesh.flat_meshes.values()]]
+
+    @classmethod
+    def track(cls, mesh: SPMesh) -> _Owned:
+        for key, rec in list(cls._unclosed.items()):
+            if rec.mesh() is None and all(r() is None for r in rec.device_meshes):
+                del cls._unclosed[key]
+        rec = cls(mesh)
+        cls._unclosed[id(rec)] = rec
+        if not cls._handler_registered:
+            cls._handler_registered = True
+            atexit.register(_release_unclosed_at_exit)
+        return rec
+
+    def untrack(self) -> None:
+        self._unclosed.pop(id(self), None)
+
+    def release(self) -> None:
+        """Drop every reference the mesh and its DeviceMeshes hold to process groups."""
+        mesh = self.mesh()
+        if mesh is not None and not mesh._closed:
+            mesh._closed = True
+            mesh._drop_references()
+        for ref in self.device_meshes:
+            release_device_mesh(ref())
+
+
+def _release_unclosed_at_exit() -> None:
+    """``atexit``: release every SPMesh not closed, and the DeviceMeshes it made.
+
+    No collective and no ``destroy_process_group`` here (a peer may be gone already): only
+    references are dropped, then ``gc.collect()`` frees the DeviceMesh cycles. After the
+    caller's ``dist.destroy_process_group()`` nothing else holds the groups, so they are
+    freed, and their gloo workers joined, now, while the interpreter is intact. When the
+    world was not destroyed, torch still holds the groups: then nothing changes for them.
+    """
+    records = list(_Owned._unclosed.values())
+    _Owned._unclosed.clear()
+    for rec in records:
+        try:
+            rec.release()
+        except Exception as e:  # noqa: BLE001 - never fail the exit; say why instead
+            warnings.warn(f"usp: releasing an SPMesh at exit failed: {e!r}", stacklevel=1)
+    if records:
+        gc.collect()
