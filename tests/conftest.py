@@ -1,31 +1,42 @@
-"""Test tiers as markers (the table is ``tests/tiers.py``), and the unit tier's promise checked.
+"""Test tiers as markers: the folder under ``tests/`` is the tier (``tests/tiers.py``), and the
+unit tier's promise checked.
 
+    python -m pytest -q                  # every tier (root tests skip themselves without root)
+    python -m pytest -q tests/unit       # one tier: unit, distributed, e2e, root, gpu
     python -m pytest -q -m fast          # unit + a few quick multi-rank tests
-    python -m pytest -q -m unit          # one process each
-    python -m pytest -q -m "not root"    # everything but the simulated cluster
 """
 
 import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))  # spawned workers import tests' helpers by name
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS))  # spawned workers import tests' helpers by name
 
 import tiers  # noqa: E402  (found through the path above)
 
 
+def _under_tests(path) -> str | None:
+    """``path`` relative to ``tests/`` (``unit/test_cli.py``); None outside it."""
+    try:
+        return Path(path).resolve().relative_to(TESTS).as_posix()
+    except ValueError:
+        return None
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
-    unlisted: set[str] = set()
+    misplaced: set[str] = set()
     no_cuda = None
     for item in items:
-        file, function = item.path.name, getattr(item, "originalname", item.name)
-        tier = tiers.tier_of(file, function)
+        file, function = _under_tests(item.path), getattr(item, "originalname", item.name)
+        tier = tiers.tier_of(file) if file else None
         if tier is None:
-            unlisted.add(file)
+            misplaced.add(f"tests/{file}" if file else str(item.path))
             continue
         item.add_marker(tier)
         if tiers.is_fast(file, function, tier):
@@ -37,11 +48,8 @@ def pytest_collection_modifyitems(config, items):
                 no_cuda = not torch.cuda.is_available()
             if no_cuda:
                 item.add_marker(pytest.mark.skip(reason="tier gpu: needs CUDA, none here"))
-    if unlisted:
-        raise pytest.UsageError(
-            f"{', '.join(sorted(unlisted))}: in no test tier; add each to TIERS in "
-            f"tests/tiers.py as unit, distributed, e2e, root or gpu (see its docstring)"
-        )
+    if misplaced:
+        raise pytest.UsageError(tiers.misplaced(sorted(misplaced)))
 
 
 _PROGRAMS = {"torchrun", "usp-train", "usp-plan"}
@@ -71,22 +79,21 @@ def _unit_stays_in_process(request, monkeypatch):
     import torch.distributed as dist
 
     def refuse(what: str, fix: str):
-        seen.append(f"{request.node.nodeid} is in tier unit but {what}; list it as {fix} in "
-                    f"tests/tiers.py")
+        seen.append(f"{request.node.nodeid} is in tier unit but {what}; move it to {fix}")
         raise RuntimeError(seen[-1])
 
     popen_init = subprocess.Popen.__init__
 
     def popen(self, args, *a, **kw):
         if _starts_python(args):
-            refuse(f"runs {args!r} in a subprocess", "e2e (or distributed)")
+            refuse(f"runs {args!r} in a subprocess", "tests/e2e (or tests/distributed)")
         popen_init(self, args, *a, **kw)
 
     monkeypatch.setattr(subprocess.Popen, "__init__", popen)
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start",
-                        lambda self: refuse("spawns a process", "distributed"))
+                        lambda self: refuse("spawns a process", "tests/distributed"))
     monkeypatch.setattr(dist, "init_process_group",
-                        lambda *a, **kw: refuse("makes a process group", "distributed"))
+                        lambda *a, **kw: refuse("makes a process group", "tests/distributed"))
     yield seen
     if seen:  # also when the test caught the RuntimeError
         pytest.fail(seen[0], pytrace=False)

@@ -1,4 +1,4 @@
-"""A library script that never closes its SPMeshes: one rank of it, for ``test_clean_exit.py``.
+"""A library script that never closes its SPMeshes, run per rank by ``test_clean_exit_scripts.py``.
 
 Run as ``python tests/no_close_script.py`` once per rank with RANK, WORLD_SIZE, MASTER_ADDR
 and MASTER_PORT set (env://), world size 4. It builds two SPMeshes, runs ``usp_attention``

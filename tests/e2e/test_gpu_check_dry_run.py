@@ -1,0 +1,29 @@
+"""python -m usp.bench.gpu_check --dry-run: the GPU check's own code runs on the CPU, every
+section, and passes."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_dry_run_end_to_end(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "usp.bench.gpu_check", "--dry-run", "--out", str(tmp_path)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["ok"] and report["dry_run"]
+    counts = {name: len(rows) for name, rows in report["sections"].items()}
+    # kernels: 2 dtypes x 3 head layouts x 1 head dim x 2 lengths x causal x strided
+    assert counts == {"kernels": 48, "ring": 16, "usp_attention": 16, "training": 4,
+                      "throughput": 2}
+    layouts = {(r["ulysses"], r["ring"], r["a2a_chunks"])
+               for r in report["sections"]["usp_attention"]}
+    assert layouts == {(2, 2, 1), (1, 4, 1), (4, 1, 1), (2, 2, 2), (4, 1, 2)}
+    for row in report["sections"]["usp_attention"]:  # every layout really communicated
+        assert sum(row["bytes_rank0"].values()) > 0
+    for row in report["sections"]["training"]:
+        assert row["loss_last5"] < 0.8 * row["loss_first5"]
+    assert "overall: PASS" in (tmp_path / "summary.txt").read_text()

@@ -1,0 +1,40 @@
+"""The CLIs print a refused input as one line ``usp-...: error: ...`` with status 2, and start
+nothing."""
+
+import pytest
+
+
+TRAIN_REFUSED = [
+    ("trainer.steps=0", "trainer.steps=0 must be >= 1"),  # was: rc 0, loss nan
+    ("+trainer.foo=1", "unknown config key trainer.foo"),  # was: ignored
+]
+PLAN_REFUSED = "data.seq_len=1001"  # odd: no zigzag layout splits it
+
+
+@pytest.fixture(scope="module")
+def command_lines(tmp_path_factory) -> dict:
+    """Each refused command line's result, all run in one process (``_cli.run_commands``)."""
+    from _cli import run_commands
+
+    tmp = tmp_path_factory.mktemp("refused")
+    calls = [("train_main", [o, f"hydra.run.dir={tmp / str(i)}"])
+             for i, (o, _) in enumerate(TRAIN_REFUSED)] + [("plan_main", [PLAN_REFUSED])]
+    return {(entry, args[0]): res for (entry, args), res in
+            zip(calls, run_commands(calls, tmp, timeout=300))}
+
+
+@pytest.mark.parametrize("override,needle", TRAIN_REFUSED)
+def test_usp_train_refuses_in_one_line(command_lines, override, needle):
+    res = command_lines["train_main", override]
+    assert res.returncode == 2
+    assert res.stderr.startswith("usp-train: error: ") and needle in res.stderr
+    assert res.stderr.strip().count("\n") == 0  # one line, no traceback
+    assert "SPMesh" not in res.stdout
+
+
+def test_usp_plan_refuses_in_one_line(command_lines):
+    res = command_lines["plan_main", PLAN_REFUSED]
+    assert res.returncode == 2
+    assert res.stderr.startswith("usp-plan: error: no feasible layout for world")
+    assert "seq_len refused" in res.stderr and "sequence length 1001" in res.stderr
+    assert res.stderr.strip().count("\n") == 0

@@ -1,0 +1,178 @@
+"""Hydra app: each configs/ group option composes to its typed dataclass, a default is written
+once (in the dataclass), every recipe composes and validates, typos are errors. The CLI
+run as a command: ``e2e/test_cli_commands.py``."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+
+import usp.cli as cli
+from usp.config import (DATA_KINDS, ClusterSpec, LoggingConfig, ModelConfig, OptimConfig,
+                        ParallelConfig, RecallData, RunConfig, TrainerConfig)
+from usp.planner import load_cluster
+from usp.config.model import EXECUTION_FIELDS
+from usp.run import decide_degrees, plan_run, resolve_run
+from usp.validate import check_degrees, check_seq_len
+from usp.ulysses import check_heads
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))
+GROUPS = {g: sorted(p.stem for p in (ROOT / "configs" / g).glob("*.yaml"))
+          for g in ("model", "parallel", "cluster", "data", "optim", "trainer", "logging")}
+SCHEMA = {"model": ModelConfig, "parallel": ParallelConfig, "cluster": ClusterSpec,
+          "optim": OptimConfig, "trainer": TrainerConfig, "logging": LoggingConfig}
+
+
+def _compose(name="train", overrides=()):
+    with initialize_config_dir(config_dir=cli.CONFIG_DIR, version_base="1.3"):
+        return cli.to_config(compose(name, overrides=list(overrides)))
+
+
+def _schema(group: str, option: str) -> type:
+    return DATA_KINDS[option] if group == "data" else SCHEMA[group]
+
+
+def _values(group: str, option: str) -> dict:
+    """What ``configs/<group>/<option>.yaml`` sets (its ``defaults`` list aside)."""
+    raw = yaml.safe_load((ROOT / "configs" / group / f"{option}.yaml").read_text()) or {}
+    raw.pop("defaults", None)
+    return raw
+
+
+def _field_defaults(cls) -> dict:
+    return {f.name: f.default for f in dataclasses.fields(cls)}
+
+
+def _default_options() -> dict[str, str]:
+    """group -> the option configs/train.yaml picks."""
+    entries = yaml.safe_load((ROOT / "configs" / "train.yaml").read_text())["defaults"]
+    return {g: o for e in entries if isinstance(e, dict) for g, o in e.items() if g in GROUPS}
+
+
+def test_there_are_the_promised_recipes():
+    assert {"tiny_cpu", "llama3_8b_128k_h100x16", "qwen2_7b_256k_h100x32"} <= set(RECIPES)
+    assert len(RECIPES) >= 4
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_composes_and_is_feasible(recipe):
+    cfg = _compose(overrides=[f"recipe={recipe}"])
+    world = cfg.cluster.nodes * cfg.cluster.ranks_per_node
+    if recipe == "tiny_cpu":
+        world = cfg.trainer.nprocs
+        run = resolve_run(cfg, world)
+        assert (run.ulysses, run.ring) == (2, 2)
+        return
+    u, r = cfg.parallel.ulysses_degree, cfg.parallel.ring_degree
+    if u == "auto" or r == "auto":
+        u, r, _, table = decide_degrees(cfg, world, env={})
+        assert "ulysses" in table
+    check_degrees(world, u, r)
+    check_heads(cfg.model.n_heads, cfg.model.n_kv_heads, u)
+    check_seq_len(cfg.data.seq_len, u, r, cfg.parallel.balance)
+    assert u <= cfg.cluster.ranks_per_node  # ulysses stays inside a node
+
+
+def test_recipe_specifics():
+    big = _compose(overrides=["recipe=llama3_8b_128k_h100x16"])
+    assert (big.parallel.ulysses_degree, big.parallel.ring_degree, big.cluster.nodes) == (8, 2, 2)
+    assert big.data.seq_len == 131072 and big.model.n_kv_heads == 8
+    q = _compose(overrides=["recipe=qwen2_7b_256k_h100x32"])
+    assert q.model.n_kv_heads == 4 and q.parallel.ring_degree * q.parallel.ulysses_degree == 32
+    assert q.parallel.ulysses_degree <= q.model.n_kv_heads < q.parallel.ring_degree
+    auto = _compose(overrides=["recipe=llama3_8b_1m_auto_h100x32"])
+    assert decide_degrees(auto, 32, env={})[:2] == (8, 4)
+
+
+@pytest.mark.parametrize("group", sorted(GROUPS))
+def test_every_group_option_composes_to_its_values(group):
+    """Each option becomes its group's dataclass holding the schema defaults overlaid with
+    exactly what the file sets (a cluster: what the planner's own reader makes of it)."""
+    for option in GROUPS[group]:
+        got = getattr(_compose(overrides=["~recipe", f"{group}={option}"]), group)
+        cls = _schema(group, option)
+        want = (load_cluster(option) if group == "cluster"
+                else cls(**{**_field_defaults(cls), **_values(group, option)}))
+        assert type(got) is cls and got == want, (group, option, got, want)
+
+
+def test_default_options_hold_no_values():
+    """A default is written once, in the dataclass: the option train.yaml picks sets nothing
+    (the cluster group has no default option: ClusterSpec's defaults describe unknown hardware)."""
+    defaults = _default_options()
+    assert set(defaults) == set(GROUPS)
+    for group, option in defaults.items():
+        if group == "cluster":
+            continue
+        assert _values(group, option) == {}, f"configs/{group}/{option}.yaml restates defaults"
+        composed = _compose(overrides=["~recipe", f"{group}={option}"])
+        assert getattr(composed, group) == _schema(group, option)()
+    assert ModelConfig().vocab_size == 320  # the tiny model's vocabulary: fits the recall task
+
+
+def test_other_options_set_only_what_differs():
+    """Options other than the default set only values that differ from the dataclass, so a
+    default change reaches them; model and cluster options state a whole shape or machine."""
+    defaults = _default_options()
+    fields = {g: {f.name for f in dataclasses.fields(c)} for g, c in SCHEMA.items()}
+    fields["model"] -= set(EXECUTION_FIELDS)  # memory choices, not the shape: recipes set them
+    for group, options in GROUPS.items():
+        for option in options:
+            values = _values(group, option)
+            if group == "cluster" or (group == "model" and option != defaults[group]):
+                assert set(values) == fields[group], (group, option, set(values) ^ fields[group])
+                continue
+            base = _field_defaults(_schema(group, option))
+            same = {k: v for k, v in values.items() if base[k] == v}
+            assert not same, f"configs/{group}/{option}.yaml restates defaults {same}"
+
+
+def test_the_default_run_is_every_default_plus_tiny_cpu():
+    cfg = _compose()
+    assert type(cfg) is RunConfig
+    assert cfg == RunConfig(parallel=ParallelConfig(ranks_per_node=2),
+                            cluster=load_cluster("cpu_local"), data=RecallData(),
+                            trainer=TrainerConfig(device="cpu"))
+    plan = _compose("plan", overrides=["nodes=2"])
+    assert (type(plan).__name__, plan.nodes, plan.data.batch_per_dp_rank,
+            plan.parallel.ulysses_degree, plan.trainer.dtype) == (
+        "PlanConfig", 2, 1, "auto", "bf16")
+
+
+def test_slurm_launcher_config_composes():
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    with initialize_config_dir(config_dir=cli.CONFIG_DIR, version_base="1.3"):
+        c = compose("train", overrides=["hydra/launcher=slurm", "recipe=llama3_8b_128k_h100x16"],
+                    return_hydra_config=True)
+    launcher = c.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 8, 8)
+
+
+def test_typos_and_bad_values_are_errors():
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException):
+        _compose(overrides=["parallel.ulysess_degree=2"])
+    with pytest.raises(Exception, match="dim"):
+        _compose(overrides=["model.dim=abc"])
+
+
+def test_the_planner_prices_the_global_batch_of_the_run():
+    """usp-plan and usp-train ask the planner the same question: batch_per_dp_rank x dp
+    sequences, in trainer.dtype."""
+
+    cfg = _compose("plan", overrides=["model=llama3_8b", "cluster=h100_ib", "nodes=4",
+                                      "data.seq_len=131072", "data.batch_per_dp_rank=3",
+                                      "parallel.dp_degree=2"])
+    spec = cfg.cluster.replace(nodes=cfg.nodes)
+    p = plan_run(cfg, spec, spec.world)
+    assert p.global_batch == 6 and {c.dp for c in p.candidates} == {2}
+    fp32 = plan_run(dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, dtype="fp32")),
+                    spec, spec.world)
+    mem32 = {(c.ring, c.ulysses): c.cost.mem_bytes for c in fp32.candidates}
+    both = [c for c in p.candidates if (c.ring, c.ulysses) in mem32]
+    assert both and all(mem32[c.ring, c.ulysses] > c.cost.mem_bytes for c in both)  # bf16 < fp32

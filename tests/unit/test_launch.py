@@ -1,0 +1,35 @@
+"""How usp-train finds its ranks: torchrun and Slurm variables, or a local spawn. Under
+torchrun for real: ``e2e/test_launch_torchrun.py``."""
+
+import pytest
+
+from usp.launch import _first_slurm_host, launcher_env
+
+
+def test_plain_launch_has_no_env():
+    assert launcher_env({}) is None
+    assert launcher_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) is None  # salloc shell
+
+
+def test_torchrun_env():
+    info = launcher_env({"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "5",
+                         "MASTER_ADDR": "node0", "MASTER_PORT": "29400"})
+    assert info == {"kind": "torchrun", "rank": 5, "world": 16, "local_rank": 5,
+                    "master_addr": "node0", "master_port": 29400}
+
+
+@pytest.mark.parametrize("nodelist,first", [
+    ("gpu[012-015,020]", "gpu012"),
+    ("gpu7", "gpu7"),
+    ("a01,b02", "a01"),
+    ("node[3,5]", "node3"),
+])
+def test_slurm_nodelist_first_host(nodelist, first):
+    assert _first_slurm_host(nodelist) == first
+
+
+def test_slurm_env():
+    info = launcher_env({"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
+                         "SLURM_JOB_NODELIST": "h100-[07-08]"})
+    assert (info["kind"], info["rank"], info["world"], info["local_rank"]) == ("slurm", 9, 16, 1)
+    assert info["master_addr"] == "h100-07" and info["master_port"] == 29500

@@ -1,0 +1,85 @@
+"""The run resolved once: ``usp.run.RunLayout`` is the only place that reads the parallel
+config's decisions; the layout checks itself; a refusal is printed by one task only.
+(That the launcher resolves once per launch is in ``test_launch_once.py``.)"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from usp.config import ModelConfig, ParallelConfig, RecallData, RunConfig, TrainerConfig
+from usp.run import RunLayout, resolve_run
+
+PACKAGE = Path(__file__).resolve().parents[2] / "usp"
+OWNERS = ("run.py", "config")  # the resolver, and the dataclasses that define the fields
+DEGREES = {"ulysses_degree", "ring_degree", "dp_degree"}
+
+
+def config_reads(source: str) -> list[str]:
+    """Attribute reads of the raw parallel config: ``x.parallel`` or ``x.<degree field>``."""
+    return [f"line {n.lineno}: .{n.attr}" for n in ast.walk(ast.parse(source))
+            if isinstance(n, ast.Attribute) and (n.attr == "parallel" or n.attr in DEGREES)]
+
+
+def test_only_the_resolver_reads_the_parallel_config():
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE)
+        if rel.parts[0] in OWNERS:
+            continue
+        found += [f"usp/{rel} {hit}" for hit in config_reads(path.read_text())]
+    assert not found, "decided again outside usp/run.py:\n" + "\n".join(found)
+
+
+def test_the_read_check_can_fail():
+    code = "def f(cfg):\n    pc = cfg.parallel\n    return run.ulysses, cfg.x.ring_degree\n"
+    assert config_reads(code) == ["line 2: .parallel", "line 3: .ring_degree"]
+    assert config_reads("def f(run):\n    return run.ulysses * run.ring\n") == []
+
+
+def _cfg(**parallel) -> RunConfig:
+    return RunConfig(model=ModelConfig(vocab_size=320, dim=64, n_heads=4, n_kv_heads=2),
+                     parallel=ParallelConfig(**parallel),
+                     data=RecallData(seq_len=128, batch_per_dp_rank=3),
+                     trainer=TrainerConfig(nprocs=8, dtype="bf16"))
+
+
+def test_resolved_layout_holds_every_decision():
+    cfg = _cfg(ulysses_degree=2, ring_degree=2, a2a_chunks=2, ranks_per_node=4)
+    run = resolve_run(cfg, 8, "cpu")
+    assert (run.world, run.dp, run.ring, run.ulysses, run.sp) == (8, 2, 2, 2, 4)
+    assert (run.a2a_chunks, run.device, run.dtype, run.ranks_per_node) == (2, "cpu", "bf16", 4)
+    assert (run.global_batch, run.tokens_per_step) == (6, 6 * 128)
+    assert run.attention_options() == dict(kernel="torch", ring_impl="usp", a2a_chunks=2)
+    assert cfg.parallel.a2a_chunks == 2 and cfg.parallel.dp_degree is None  # config untouched
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.ulysses = 4
+
+
+def test_layout_refuses_degrees_that_do_not_make_its_world():
+    run = resolve_run(_cfg(), 8, "cpu")
+    with pytest.raises(ValueError, match="ulysses"):
+        dataclasses.replace(run, dp=3)
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        dataclasses.replace(run, ranks_per_node=3)
+
+
+def test_auto_chunks_are_resolved_to_a_count():
+    run = resolve_run(_cfg(a2a_chunks="auto"), 4, "cpu")
+    assert isinstance(run.a2a_chunks, int) and run.a2a_chunks >= 1
+
+
+@pytest.mark.parametrize("rank,printed", [(0, True), (1, False)])
+def test_a_refusal_is_printed_by_the_first_task_only(monkeypatch, capsys, rank, printed):
+    from usp import cli
+
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as e:
+        cli._refuse("usp-train", ValueError("sequence length 100 is not divisible by 8"))
+    assert e.value.code == 2  # every task exits with the refusal's status
+    err = capsys.readouterr().err
+    assert ("usp-train: error: sequence length 100" in err) is printed
