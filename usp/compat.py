@@ -151,7 +151,7 @@ def release_device_mesh(dm: DeviceMesh | None) -> None:
     ``_root_mesh`` (``_get_root_mesh()``): a reference cycle. ``_mesh_resources`` holds only
     the stack of ``with device_mesh:`` blocks, unused by usp. Missing attributes are skipped.
     When these names change, find where the new mesh stores its groups and flattened meshes
-    and clear those; ``tests/test_clean_exit.py`` fails while any gloo worker thread of a
+    and clear those; ``tests/e2e/test_clean_exit_scripts.py`` fails while any gloo worker thread of a
     closed mesh is still alive.
     """
     if dm is None:

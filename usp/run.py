@@ -12,7 +12,7 @@ themselves), one message per rule, and raises ``ValueError`` before anything sta
   and every task checks what is its own (data files, run directory, kernel on its device).
 
 The mesh, the model and the trainer take the layout; nothing downstream reads the degree,
-placement or chunk fields of ``cfg.parallel`` again (``tests/test_run_layout.py``).
+placement or chunk fields of ``cfg.parallel`` again (``tests/unit/test_run_layout.py``).
 """
 
 from __future__ import annotations

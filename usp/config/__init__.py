@@ -15,7 +15,7 @@ planner and the CLI (only the CLI touches Hydra/OmegaConf; it turns YAML into th
 Each default value is written once, in the dataclass. The group option ``train.yaml``
 picks by default holds no values (the dataclass defaults are that option); the other
 options hold only what differs from the defaults, except the ``model`` and ``cluster``
-options, which state a whole model shape or machine. ``tests/test_cli.py`` checks this
+options, which state a whole model shape or machine. ``tests/unit/test_cli.py`` checks this
 for every file. Pure value rules live in each ``__post_init__``, so a bad value is refused
 where the config is built (the CLI: before anything is launched); rules that need the
 world size, the device or the file system are in ``usp.run.resolve_run``.

@@ -1,6 +1,6 @@
 """Bytes one ``usp_attention`` call sends per rank: the one comm-volume formula.
 
-The planner's cost model prices these bytes, and ``tests/test_comm_volume.py`` checks the
+The planner's cost model prices these bytes, and ``tests/distributed/test_comm_volume.py`` checks the
 ``CommStats`` that real calls record against them, so the planner is tied to real traffic.
 
 Heads per ulysses rank come from ``usp.ulysses.head_split``: rank j computes ``q_j`` query
