@@ -10,7 +10,7 @@ import pytest
 
 from tools.lab.cluster import ClusterBench, chunk_train_counts
 from tools.lab.cluster_report import chunk_lines, chunk_picks, chunk_verdict, report
-from usp.planner.cluster import load_cluster
+from usp.config.cluster import load_cluster
 from usp.planner.cost import attention_cost, best_a2a_chunks
 
 CFG = ClusterBench(seq_len=2048, heads=8, kv_heads=2, head_dim=64, train_seq_len=2048,

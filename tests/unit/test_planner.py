@@ -19,7 +19,7 @@ from usp.planner import (
     plan,
     rank_grid,
 )
-from usp.planner.cluster import GiB, cluster_dir
+from usp.config.cluster import GiB, cluster_dir
 from usp.planner.cost import attention_cost, best_a2a_chunks, layer_matmul_params, layer_params
 from usp.validate import check_seq_len
 from usp.ulysses import check_heads

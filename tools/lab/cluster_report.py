@@ -12,9 +12,9 @@ from pathlib import Path
 
 from usp.config import ModelConfig
 from usp.planner import plan
-from usp.planner.cluster import ClusterSpec, load_cluster
+from usp.config.cluster import ClusterSpec, load_cluster
 from usp.planner.cost import attention_cost, best_a2a_chunks, estimate
-from .cluster import NODES, PER_NODE, WORLD, ClusterBench, chunk_layouts
+from .cluster_bench import NODES, PER_NODE, WORLD, ClusterBench, chunk_layouts
 from .plots import bar_png, grouped_bar_png
 
 RINGS = ("ring P=2 zigzag", "ring P=2 contiguous")

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from usp.attention import local_attention
 from usp.layout import SequenceLayout
 from usp.mesh import SPMesh
-from .cluster import PER_NODE, ClusterBench, chunk_layouts
+from .cluster_bench import PER_NODE, ClusterBench, chunk_layouts
 from .simcluster import p2p_rate
 from usp.bench.timing import mean_over_ranks
 

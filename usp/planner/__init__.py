@@ -8,7 +8,8 @@ published benchmark figures. ``memory.memory_split`` is the per-rank memory mode
 (state, activations, attention, MLP, logits, peak) and ``max_seq_len`` its inverse.
 """
 
-from .cluster import ClusterSpec, GroupSpan, group_span, load_cluster, rank_grid
+from ..config.cluster import ClusterSpec, load_cluster
+from .cluster import GroupSpan, group_span, rank_grid
 from .cost import AttentionCost, StepCost, attention_cost, estimate
 from .detect import DetectReport, detect_topology
 from .draw import MeshDrawing, draw_mesh

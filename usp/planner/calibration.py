@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from ..validate import BALANCES, seq_multiple
 
 from ..ulysses import check_heads
-from .cluster import ClusterSpec, load_cluster
+from ..config.cluster import ClusterSpec, load_cluster
 from .cost import FLASH_BWD, attention_cost
 
 # kernel probes [1, n, heads, 64]: causal at the (u=4, r=1, L=4096) per-rank work, and

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..config.cluster import ClusterSpec, GiB, cluster_dir, load_cluster  # noqa: F401 (re-exported)
 from ..mesh import mesh_ranks
 from ..validate import check_degrees, check_placement
 

@@ -41,7 +41,8 @@ from ..config import ModelConfig
 from ..ulysses import check_a2a_chunks
 from ..validate import BALANCES
 from ..ulysses import check_heads, head_split
-from .cluster import ClusterSpec, GroupSpan, group_span
+from ..config.cluster import ClusterSpec
+from .cluster import GroupSpan, group_span
 from .memory import CheckpointPolicy, memory_split
 from .traffic import attention_bytes, ring_kv_heads
 

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .cluster import ClusterSpec
+from ..config.cluster import ClusterSpec
 
 Runner = Callable[[Sequence[str]], "str | None"]  # stdout, or None when it cannot run
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from ..config import ModelConfig
 from ..validate import check_degrees, check_placement, check_seq_len
 from ..ulysses import check_heads, head_split
-from .cluster import GiB, ClusterSpec, group_span
+from ..config.cluster import GiB, ClusterSpec
+from .cluster import group_span
 from .cost import StepCost, choose_a2a_chunks, estimate
 from .memory import CheckpointPolicy, MemorySplit, max_seq_len, memory_split, size
 

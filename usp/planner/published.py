@@ -8,7 +8,7 @@ the same setup (``usp.planner.calibration.predict_attention``).
 from __future__ import annotations
 
 from .calibration import AttentionShape, predict_attention
-from .cluster import load_cluster
+from ..config.cluster import load_cluster
 from .cost import FLASH_BWD
 
 RFA_SOURCE = ("https://github.com/zhuzilin/ring-flash-attention README.md, 'The current "
