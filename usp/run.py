@@ -138,13 +138,21 @@ def plan_report(cfg: PlanConfig) -> tuple[str, str]:
     return text, drawing
 
 
+def _simulated_nodes(spec, ranks_per_node: int | None, world: int):
+    """``spec`` as nodes of ``parallel.ranks_per_node`` ranks (simulated on one machine),
+    or unchanged when that is unset."""
+    if not ranks_per_node:
+        return spec
+    return spec.replace(ranks_per_node=ranks_per_node, nodes=world // ranks_per_node)
+
+
 def _cluster(cfg: RunConfig, world: int, env=None):
     """The cluster spec the planner sees: the config's, sized to ``world``, with the
     topology the launcher and this machine report (``detect_topology``)."""
     pc = cfg.parallel
     spec, report = detect_topology(os.environ if env is None else env, spec=cfg.cluster)
     if pc.ranks_per_node:
-        spec = spec.replace(ranks_per_node=pc.ranks_per_node, nodes=world // pc.ranks_per_node)
+        spec = _simulated_nodes(spec, pc.ranks_per_node, world)
     elif spec.world != world:
         spec = spec.replace(nodes=max(1, world // spec.ranks_per_node))
     return spec, report
@@ -176,9 +184,7 @@ def _a2a_chunks(cfg: RunConfig, world: int, ulysses: int, ring: int, dp: int) ->
         if pc.a2a_chunks > 1:
             raise ValueError(f"parallel.a2a_chunks={pc.a2a_chunks} pipelines usp's own ring; "
                              f"use parallel.ring_impl=usp or parallel.a2a_chunks=1")
-    spec = cfg.cluster
-    if pc.ranks_per_node:
-        spec = spec.replace(ranks_per_node=pc.ranks_per_node, nodes=world // pc.ranks_per_node)
+    spec = _simulated_nodes(cfg.cluster, pc.ranks_per_node, world)
     return choose_a2a_chunks(pc.a2a_chunks, spec, cfg.data.seq_len, m.n_heads, m.n_kv_heads,
                              m.head_dim, ulysses, ring, dp=dp,
                              dtype_bytes=cfg.trainer.compute_dtype.itemsize,
@@ -201,8 +207,7 @@ def resolve_run(cfg: RunConfig, world: int, device_type: str | None = None,
     check_ranks_per_node(world, pc.ranks_per_node, "parallel.ranks_per_node")
     check_placement(pc.placement)
     check_heads(cfg.model.n_heads, cfg.model.n_kv_heads, u)
-    chunks = _a2a_chunks(cfg, world, u, r, dp)
-    check_seq_len(cfg.data.seq_len, u, r, pc.balance)
+    chunks = _a2a_chunks(cfg, world, u, r, dp)  # check_task below checks the sequence
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     layout = RunLayout(world=world, dp=dp, ring=r, ulysses=u, placement=pc.placement,
