@@ -44,6 +44,13 @@ def docs_path(path: str | os.PathLike) -> Path:
     return bin_path.with_suffix(".docs")
 
 
+def tokenizer_dir(path: str | os.PathLike) -> Path:
+    """The tokenizer files next to ``path``'s ``.bin`` (``usp-prepare`` copies a Hugging Face
+    tokenizer there; byte-tokenized data has none): ``data/x.tokenizer``."""
+    bin_path = data_paths(path)[0]
+    return bin_path.with_suffix(".tokenizer")
+
+
 def _tmp(path: Path) -> Path:
     return path.with_name(path.name + ".tmp")
 
