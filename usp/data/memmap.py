@@ -61,7 +61,9 @@ class TokenWriter:
     Use as a context manager; on an exception the temporary files are removed and nothing
     at ``prefix`` changes. dtype is uint16 when ``vocab_size <= 65536``, else uint32.
     ``write_document`` also records where a document starts (``{prefix}.docs``); plain
-    ``write`` continues the current document.
+    ``write`` continues the current document; ``write_documents`` appends a block holding
+    several. Memory does not grow with the file: tokens and document starts go to disk as
+    they come.
     """
 
     def __init__(self, prefix: str | os.PathLike, vocab_size: int, tokenizer: str, source):
@@ -69,10 +71,10 @@ class TokenWriter:
         self.bin_path.parent.mkdir(parents=True, exist_ok=True)
         self.dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
         self.meta = {"vocab_size": vocab_size, "tokenizer": tokenizer, "source": source}
-        self.num_tokens, self.max_token = 0, -1
-        self.doc_starts: list[int] = []
+        self.num_tokens, self.max_token, self.num_documents = 0, -1, 0
         self._tmp = _tmp(self.bin_path)
         self._f = open(self._tmp, "wb")
+        self._docs = open(_tmp(docs_path(self.bin_path)), "wb")
 
     def write(self, tokens) -> None:
         """Append a 1-D array of token ids (each < vocab_size)."""
@@ -90,37 +92,61 @@ class TokenWriter:
 
     def write_document(self, tokens) -> None:
         """Append a 1-D array of token ids that starts a new document."""
-        if np.asarray(tokens).size == 0:
+        self.write_documents(tokens, [0])
+
+    def write_documents(self, tokens, starts) -> None:
+        """Append ``tokens`` [n], in which documents start at the offsets ``starts``
+        (increasing; tokens before the first start continue the current document; a start
+        at ``n`` or a repeated one, an empty document, is dropped)."""
+        arr = np.asarray(tokens)
+        if arr.size == 0:
             return
-        if not self.doc_starts and self.num_tokens:
-            self.doc_starts.append(0)  # tokens written before: the first document
-        self.doc_starts.append(self.num_tokens)
-        self.write(tokens)
+        at = np.unique(np.asarray(starts, dtype=np.int64))
+        at = at[(at >= 0) & (at < arr.size)] + self.num_tokens  # offsets in the file
+        if at.size and not self.num_documents and self.num_tokens and at[0] > 0:
+            at = np.concatenate([[0], at])  # tokens written before: the first document
+        self.write(arr)
+        self._docs.write(at.astype(DOC_DTYPE).tobytes())
+        self.num_documents += int(at.size)
 
     def close(self, **extra) -> dict:
         """Finish: fsync, write metadata (plus ``extra`` keys), rename into place."""
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
-        meta = {"dtype": self.dtype, "num_tokens": self.num_tokens, **self.meta}
-        meta.update(max_token=self.max_token, **extra)
-        docs = docs_path(self.bin_path)
-        if self.doc_starts:
-            meta["num_documents"] = len(self.doc_starts)
-            np.asarray(self.doc_starts, dtype=DOC_DTYPE).tofile(_tmp(docs))
-        json_tmp = _tmp(self.json_path)
-        json_tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-        os.replace(self._tmp, self.bin_path)
-        if self.doc_starts:
-            os.replace(_tmp(docs), docs)
-        else:
-            docs.unlink(missing_ok=True)  # an older file's boundaries would not match
-        os.replace(json_tmp, self.json_path)  # last: a .json means complete files
+        meta = self.finish(**extra)
+        self.publish()
         return meta
 
+    def finish(self, **extra) -> dict:
+        """Complete every file under its ``.tmp`` name (the ``.bin`` fsynced, the metadata
+        with ``extra`` keys) without touching ``prefix``; ``publish`` renames them. Lets a
+        caller complete several writers before any of them replaces its files."""
+        for f in (self._f, self._docs):
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        meta = {"dtype": self.dtype, "num_tokens": self.num_tokens, **self.meta}
+        meta.update(max_token=self.max_token, **extra)
+        if self.num_documents:
+            meta["num_documents"] = self.num_documents
+        _tmp(self.json_path).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        return meta
+
+    def publish(self) -> None:
+        """Rename the finished files into place, the ``.json`` last."""
+        docs = docs_path(self.bin_path)
+        os.replace(self._tmp, self.bin_path)
+        if self.num_documents:
+            os.replace(_tmp(docs), docs)
+        else:
+            _tmp(docs).unlink(missing_ok=True)
+            docs.unlink(missing_ok=True)  # an older file's boundaries would not match
+        os.replace(_tmp(self.json_path), self.json_path)  # last: a .json means complete files
+
     def abort(self) -> None:
+        """Remove every temporary file; nothing at ``prefix`` changes."""
         self._f.close()
-        self._tmp.unlink(missing_ok=True)
+        self._docs.close()
+        for path in (self._tmp, _tmp(docs_path(self.bin_path)), _tmp(self.json_path)):
+            path.unlink(missing_ok=True)
 
     def __enter__(self) -> "TokenWriter":
         return self
