@@ -137,7 +137,7 @@ def _metrics(run_dir) -> dict:
 
 @pytest.fixture(scope="module")
 def dp2_root(tmp_path_factory):
-    from usp.data.memmap import TokenWriter
+    from usp.data.files import TokenWriter
 
     root = tmp_path_factory.mktemp("dp2")
     prefix = root / "tokens"

@@ -1,5 +1,5 @@
 """Single-process tests of usp.data: the recall task, memmap tokens, and ``prepare`` (the
-library behind python -m usp.data.prepare)."""
+library behind usp-prepare)."""
 
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ def corpus(tmp_path_factory):
         (src / name).write_bytes(data)
     (src / "skip.md").write_bytes(b"not matched")
     out = tmp_path_factory.mktemp("data") / "corpus"
-    prepare(src, "**/*.txt", out)
+    prepare(src, "**/*.txt", out, val_fraction=0)
     return SimpleNamespace(src=src, out=out, files=files)
 
 
@@ -160,7 +160,7 @@ def test_prepare_data_roundtrip(corpus):
     assert meta["dtype"] == "uint16" and meta["eos_id"] == 256 and meta["max_token"] == 256
     assert meta["source"]["num_files"] == 3 and meta["tokenizer"] == "bytes+eos"
     assert not list(Path(corpus.out).parent.glob("*.tmp"))
-    capped = prepare(corpus.src, "**/*.txt", corpus.out.parent / "cap", 800)
+    capped = prepare(corpus.src, "**/*.txt", corpus.out.parent / "cap", 800, val_fraction=0)
     assert capped["num_tokens"] == 800 + 2 and capped["source"]["num_bytes"] == 800
 
 
@@ -223,11 +223,11 @@ def _write(prefix, ids, **meta):
 
 def test_memmap_errors_name_path_and_numbers(tmp_path):
     p = tmp_path / "d"
-    with pytest.raises(FileNotFoundError, match=r"d\.bin not found.*python -m usp\.data\.prepare"):
+    with pytest.raises(FileNotFoundError, match=r"d\.bin not found.*usp-prepare"):
         MemmapTokens(p, 8)
     _write(p, range(100))
     Path(f"{p}.json").unlink()
-    with pytest.raises(FileNotFoundError, match=r"d\.json not found.*usp\.data\.prepare"):
+    with pytest.raises(FileNotFoundError, match=r"d\.json not found.*usp-prepare"):
         MemmapTokens(p, 8)
     Path(f"{p}.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"d\.json is not valid JSON"):

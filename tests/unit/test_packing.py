@@ -132,7 +132,7 @@ def test_refusals_before_launch(corpus, tmp_path):
         Path(f"{old}.json").read_text())
     MemmapTokens(old, 16)  # fine without packing
     with pytest.raises(ValueError, match=r"records no document boundaries .* re-run "
-                                         r".*python -m usp.data.prepare"):
+                                         r".*usp-prepare"):
         build_dataset(MemmapData(path=str(old), seq_len=64, packing="documents"), ModelConfig())
     # a stale .docs next to a rewritten file is removed, not trusted
     docs_path(old).write_bytes(np.zeros(3, dtype=np.int64).tobytes())

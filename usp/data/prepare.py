@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .memmap import TokenWriter, data_paths, docs_path, tokenizer_dir
+from .files import TokenWriter, data_paths, docs_path, tokenizer_dir
 from .sources import Corpus, Piece, Problems, list_files
 from .tokenize import BYTE_EOS, BYTE_VOCAB, Encoder, TokenizerSpec, load_tokenizer
 
