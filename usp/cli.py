@@ -10,7 +10,7 @@ import dataclasses
 import difflib
 import gc
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,20 +18,38 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from .config import DATA_KINDS, PlanConfig, RunConfig
+from .config import DATA_KINDS, ModelConfig, PlanConfig, RunConfig
+from .data.dataset import AUTO, check_vocab, data_vocab
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
+
+
+@dataclass
+class _ModelSchema(ModelConfig):
+    """``model`` as Hydra holds it: ``vocab_size`` may also be ``auto`` (the data's
+    vocabulary, resolved by ``to_config`` into the ``ModelConfig`` the library gets)."""
+
+    vocab_size: Any = ModelConfig.vocab_size
+
+    def __post_init__(self) -> None:
+        if isinstance(self.vocab_size, str) and self.vocab_size != AUTO:
+            raise ValueError(f"model.vocab_size={self.vocab_size!r} is neither a whole number "
+                             f"nor {AUTO} (the data's vocabulary)")
+        if self.vocab_size != AUTO:
+            super().__post_init__()
 
 
 # OmegaConf cannot type a union of dataclasses, so in the schemas Hydra holds ``data`` is
 # open: each configs/data/<kind>.yaml extends /schema/data/<kind>, the dataclass of its kind.
 @dataclass
 class _TrainSchema(RunConfig):
+    model: _ModelSchema = field(default_factory=_ModelSchema)
     data: Any = MISSING
 
 
 @dataclass
 class _PlanSchema(PlanConfig):
+    model: _ModelSchema = field(default_factory=_ModelSchema)
     data: Any = MISSING
 
 
@@ -88,7 +106,12 @@ def to_config(dcfg: DictConfig) -> RunConfig:
                          f"drop the override or fix its name")
     composed = OmegaConf.to_object(dcfg)
     cls = _LIBRARY_TYPE[type(composed)]
-    return cls(**{f.name: getattr(composed, f.name) for f in dataclasses.fields(cls)})
+    fields = {f.name: getattr(composed, f.name) for f in dataclasses.fields(cls)}
+    model = dataclasses.asdict(composed.model)
+    if model["vocab_size"] == AUTO:  # the data's metadata, read by every task before any group
+        model["vocab_size"] = data_vocab(composed.data)
+    fields["model"] = ModelConfig(**model)
+    return cls(**fields)
 
 
 def _refuse(prog: str, e: Exception, status: int = 2) -> None:
@@ -123,6 +146,9 @@ def run_training(cfg: RunConfig) -> None:
     from .train.faults import Preempted
     from .train.trainer import train
 
+    # every task of a torchrun/Slurm launch refuses a model too small for its data here,
+    # from the data's metadata, before any process group
+    check_vocab(cfg.data, cfg.model)
     info = launcher_env()
     if info is None:
         nprocs = cfg.trainer.nprocs

@@ -14,6 +14,7 @@ from usp.config import (DATA_KINDS, ClusterSpec, LoggingConfig, ModelConfig, Opt
                         ParallelConfig, RecallData, RunConfig, TrainerConfig)
 from usp.planner import load_cluster
 from usp.config.model import EXECUTION_FIELDS
+from usp.data.dataset import check_vocab
 from usp.run import decide_degrees, plan_run, resolve_run
 from usp.validate import check_degrees, check_seq_len
 from usp.ulysses import check_heads
@@ -176,3 +177,30 @@ def test_the_planner_prices_the_global_batch_of_the_run():
     mem32 = {(c.ring, c.ulysses): c.cost.mem_bytes for c in fp32.candidates}
     both = [c for c in p.candidates if (c.ring, c.ulysses) in mem32]
     assert both and all(mem32[c.ring, c.ulysses] > c.cost.mem_bytes for c in both)  # bf16 < fp32
+
+
+def test_vocab_size_auto_takes_the_data_vocabulary(tmp_path):
+    from usp.data.files import TokenWriter
+
+    prefix = tmp_path / "tokens"
+    with TokenWriter(prefix, 70_000, "test", "test") as w:
+        w.write_document(list(range(0, 70_000, 7)))
+    cfg = _compose(overrides=["data=memmap", f"data.path={prefix}", "model.vocab_size=auto"])
+    assert cfg.model.vocab_size == 70_000 and type(cfg.model) is ModelConfig
+    plan = _compose("plan", overrides=["data=memmap", f"data.path={prefix}",
+                                       "model.vocab_size=auto"])
+    assert plan.model.vocab_size == 70_000
+    with pytest.raises(ValueError, match=r"vocab_size=auto takes the vocabulary of token files, "
+                                         r"and data=recall has none"):
+        _compose(overrides=["model.vocab_size=auto"])
+    with pytest.raises(FileNotFoundError, match=r"nowhere.json not found.*usp-prepare"):
+        _compose(overrides=["data=memmap", f"data.path={tmp_path / 'nowhere'}",
+                            "model.vocab_size=auto"])
+    with pytest.raises(ValueError, match=r"model.vocab_size='big' is neither a whole number "
+                                         r"nor auto"):
+        _compose(overrides=["model.vocab_size=big"])
+    # a model smaller than the data: both numbers and the fix, from the metadata alone
+    small = _compose(overrides=["data=memmap", f"data.path={prefix}", "model.vocab_size=512"])
+    with pytest.raises(ValueError, match=r"has vocab_size 70000 > model.vocab_size 512.*set "
+                                         r"model.vocab_size=70000 \(or model.vocab_size=auto\)"):
+        check_vocab(small.data, small.model)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..config import DataConfig, MemmapData, ModelConfig, RecallData
+from .files import data_paths, read_meta
 from .packing import Batch
 
 
@@ -53,6 +54,34 @@ class TrainingData:
         return int(correct), int(answers)
 
 
+AUTO = "auto"  # model.vocab_size=auto: the data's vocabulary
+
+
+def data_vocab(dc: DataConfig) -> int:
+    """The vocabulary of ``dc``'s token files (their ``vocab_size``: the tokenizer's every
+    id, special tokens included), from the metadata alone; what ``model.vocab_size=auto``
+    takes. ValueError for the recall task, which has no vocabulary of its own."""
+    if not isinstance(dc, MemmapData):
+        raise ValueError(f"model.vocab_size=auto takes the vocabulary of token files, and "
+                         f"data={dc.kind} has none; set model.vocab_size to a number (the "
+                         f"default is {ModelConfig.vocab_size})")
+    bin_path, json_path = data_paths(dc.path)
+    return int(read_meta(json_path, bin_path.with_suffix(""))["vocab_size"])
+
+
+def check_vocab(dc: DataConfig, mc: ModelConfig) -> None:
+    """Refuse a model whose vocabulary is smaller than the token files' (ValueError with
+    both numbers and the fix); reads only the metadata, so every task of a launch can run
+    it before any process group."""
+    if isinstance(dc, MemmapData):
+        have = data_vocab(dc)
+        if have > mc.vocab_size:
+            raise ValueError(
+                f"dataset {dc.path} has vocab_size {have} > model.vocab_size {mc.vocab_size}: "
+                f"its ids would index past the embedding; set model.vocab_size={have} (or "
+                f"model.vocab_size=auto)")
+
+
 def build_dataset(dc: DataConfig, mc: ModelConfig) -> TrainingData:
     """The dataset ``dc`` describes, for a model of ``mc``'s vocabulary and RoPE."""
     if mc.rope == "per_document" and not dc.packed:
@@ -72,11 +101,7 @@ def build_dataset(dc: DataConfig, mc: ModelConfig) -> TrainingData:
         from .memmap import MemmapTokens
 
         ds = MemmapTokens(dc.path, dc.seq_len, seed=dc.seed, documents=dc.packed)
-        if ds.vocab_size > mc.vocab_size:
-            raise ValueError(
-                f"dataset {dc.path} has vocab_size {ds.vocab_size} > model.vocab_size "
-                f"{mc.vocab_size}; set model.vocab_size={ds.vocab_size}"
-            )
+        check_vocab(dc, mc)
         return TrainingData(ds, **packing)
     raise ValueError(f"data config {dc!r} is none of RecallData, MemmapData; build it with "
                      f"one of them")
