@@ -53,7 +53,7 @@ VAL_SUFFIX = ".val"
 
 def prepare(src: str | Path, pattern: str, out: str | Path, max_bytes: int | None = None, *,
             tokenizer: str | Path = "bytes", text_key: str = "text", val_fraction: float = 0.01,
-            workers: int = 1, no_eos: bool = False, eos_token: str | None = None,
+            workers: int | None = 1, no_eos: bool = False, eos_token: str | None = None,
             strict: bool = False, progress: bool = False, log=print) -> dict:
     """Tokenize the documents of ``src`` matching ``pattern`` into ``out``'s files (see the
     module docstring); returns the training split's metadata, with ``val`` (the validation
@@ -63,6 +63,7 @@ def prepare(src: str | Path, pattern: str, out: str | Path, max_bytes: int | Non
     tokenizer, no matching file; and after reading, with nothing written, for a corpus
     without documents or (``strict``) a bad line. ``log`` gets the summary lines."""
     src = Path(src)
+    asked, workers = workers is not None, default_workers() if workers is None else workers
     _check_args(src, max_bytes, val_fraction, workers)
     spec = load_tokenizer(tokenizer, eos_token=eos_token, no_eos=no_eos)
     files = list_files(src, pattern)
@@ -80,9 +81,14 @@ def prepare(src: str | Path, pattern: str, out: str | Path, max_bytes: int | Non
     tok_tmp = tokenizer_dir(out).with_name(tokenizer_dir(out).name + ".tmp")
     t0 = time.perf_counter()
     total = sum(f.stat().st_size for f in files)
+    if total < POOL_BYTES:
+        if workers > 1 and asked:
+            log(f"note: {total / 1e6:.1f} MB of input is tokenized in this process (workers "
+                f"start only from {POOL_BYTES / 1e6:.0f} MB, where they pay for their start)")
+        workers = 1
     try:
         bar = _Bar(total, progress)
-        for pieces, ids, lengths in _encoded(corpus, spec, workers if total >= POOL_BYTES else 1):
+        for pieces, ids, lengths in _encoded(corpus, spec, workers):
             for name, (tokens, starts) in _blocks(pieces, ids, lengths, spec.eos_id).items():
                 splits[name].write_documents(tokens, starts)
             bar.update(corpus.bytes_read, sum(w.num_documents for w in splits.values()),
@@ -119,6 +125,11 @@ def prepare(src: str | Path, pattern: str, out: str | Path, max_bytes: int | Non
     meta.update(val=val_meta, seconds=seconds)
     _summary(meta, val_meta, problems, corpus, out, spec, seconds, log)
     return meta
+
+
+def default_workers() -> int:
+    """``--workers`` when not given: the CPU count, at most 8."""
+    return min(8, os.cpu_count() or 1)
 
 
 def _check_args(src: Path, max_bytes, val_fraction: float, workers: int) -> None:
@@ -290,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--text-key", default="text", help="JSON key / Parquet column of the text")
     ap.add_argument("--val-fraction", type=float, default=0.01,
                     help="share of documents in the validation split (default 0.01; 0: none)")
-    ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
+    ap.add_argument("--workers", type=int, default=None,
                     help="tokenizing processes (default: min(8, CPUs); 1: this process)")
     ap.add_argument("--no-eos", action="store_true", help="append no EOS after documents")
     ap.add_argument("--eos-token", default=None,

@@ -10,6 +10,7 @@ BOS or template); ``usp-prepare`` appends the EOS id after each document.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -165,5 +166,5 @@ class Encoder:
         fast = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         encs = fast(texts, add_special_tokens=False)
         lengths = np.fromiter((len(e.ids) for e in encs), np.int64, len(encs))
-        ids = np.fromiter((i for e in encs for i in e.ids), np.uint32, int(lengths.sum()))
+        ids = np.fromiter(chain.from_iterable(e.ids for e in encs), np.uint32, int(lengths.sum()))
         return ids, lengths
