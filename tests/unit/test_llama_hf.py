@@ -1,0 +1,107 @@
+"""The built-in Llama as a transformers model (``usp.models.llama_hf``), in one process: after
+a few optimizer steps the mapped model gives the same logits and loss, with tied or untied
+embeddings, windows on every layer or some (Mistral, Qwen2 with zero q/k/v biases), and
+per-document RoPE equals each document alone. Exports of real runs:
+``distributed/test_export_ranks.py``."""
+
+import functools
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from usp.attention import local_attention
+from usp.models.export import hf_config
+from usp.models.llama import Transformer
+from usp.models.llama_hf import hf_equivalent, hf_names, zero_filled
+
+from _export_runs import MODEL
+
+pytest.importorskip("transformers")
+L = 48
+
+
+def _trained(mc) -> Transformer:
+    """The built-in model after three AdamW steps on random tokens: every weight off its
+    init (the norms' too)."""
+    model = Transformer(mc, functools.partial(local_attention, causal=True))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        tokens = torch.randint(0, mc.vocab_size, (2, L + 1), generator=gen)
+        loss, _ = model(tokens[:, :-1], torch.arange(L), labels=tokens[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model.eval()
+
+
+def _as_hf(model: Transformer):
+    """The transformers model of ``model``'s config, holding its weights under the mapped
+    names (and the zero-filled ones): nothing left unfilled, nothing unplaced."""
+    from transformers import AutoModelForCausalLM
+
+    mc = model.cfg
+    hf = AutoModelForCausalLM.from_config(hf_config(hf_equivalent(mc)), dtype=torch.float32)
+    mine = model.state_dict()
+    state = {h: mine[u] for u, h in hf_names(mc).items()}
+    state.update({k: torch.zeros_like(hf.state_dict()[k]) for k in zero_filled(mc)})
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert unexpected == [] and missing == (["lm_head.weight"] if mc.tie_embeddings else [])
+    if mc.tie_embeddings:  # the missing head is the embedding itself
+        assert hf.lm_head.weight is hf.model.embed_tokens.weight
+    return hf.eval()
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.mark.parametrize("kw,arch", [
+    (dict(tie_embeddings=False), "LlamaForCausalLM"),
+    (dict(), "LlamaForCausalLM"),  # tied
+    (dict(sliding_window=8, full_attention_every=1), "LlamaForCausalLM"),  # every layer full
+    (dict(sliding_window=8), "MistralForCausalLM"),  # every layer windowed
+    (dict(sliding_window=8, full_attention_every=3), "MistralForCausalLM"),  # 2 layers < 3
+    (dict(sliding_window=8, full_attention_every=2, tie_embeddings=False), "Qwen2ForCausalLM"),
+])
+def test_builtin_model_maps_to_the_architecture_that_computes_it(kw, arch):
+    model = _trained(replace(MODEL, **kw))
+    hf = _as_hf(model)
+    assert type(hf).__name__ == arch
+    tokens = torch.randint(0, MODEL.vocab_size, (2, L + 1), generator=torch.Generator().manual_seed(2))
+    ids, labels = tokens[:, :-1], tokens[:, 1:]
+    with torch.no_grad():
+        want = model(ids, torch.arange(L))
+        want_loss, _ = model(ids, torch.arange(L), labels=labels)
+        got = hf(input_ids=ids).logits
+    got_loss = F.cross_entropy(got.flatten(0, 1), labels.flatten(), reduction="sum")
+    assert _rel(got, want) <= 1e-4
+    assert abs(got_loss - want_loss).item() <= 1e-4 * want_loss.item()
+    mc = model.cfg
+    if any(mc.layer_window(i) for i in range(mc.n_layers)):  # a window that matters: 8 < L
+        unwindowed = Transformer(replace(mc, sliding_window=None, full_attention_every=0),
+                                 functools.partial(local_attention, causal=True))
+        unwindowed.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            assert _rel(unwindowed.eval()(ids, torch.arange(L)), want) > 1e-3
+
+
+def test_per_document_rope_is_each_document_alone_from_position_0():
+    mc = replace(MODEL, rope="per_document", sliding_window=8, full_attention_every=2)
+    model = _trained(mc)
+    hf = _as_hf(model)
+    bounds = [(0, 20), (20, 31), (31, L)]  # three documents packed in one row
+    ids = torch.randint(0, mc.vocab_size, (1, L), generator=torch.Generator().manual_seed(3))
+    segment_ids = torch.cat([torch.full((1, e - s), d) for d, (s, e) in enumerate(bounds)], 1)
+    positions = torch.cat([torch.arange(e - s) for s, e in bounds])[None]  # [1, L]
+    with torch.no_grad():
+        packed = model(ids, positions, segment_ids)
+        for s, e in bounds:
+            assert _rel(hf(input_ids=ids[:, s:e]).logits, packed[:, s:e]) <= 1e-4
+
+
+def test_hf_equivalent_refuses_a_transformers_model():
+    with pytest.raises(ValueError, match="model.hf=llama is a transformers model already"):
+        hf_equivalent(replace(MODEL, hf="llama"))
