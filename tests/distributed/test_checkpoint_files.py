@@ -146,7 +146,7 @@ def _collective(run_dir, fingerprint, changed):
     names = sorted(p.name for p in (Path(run_dir) / "checkpoints").iterdir())
     assert names == ["step_000002", "step_000004"], names
     dist.barrier()
-    for p in ck._candidates(run_dir):  # nothing left verifies: an error, not a fresh start
+    for p in ck.step_dirs(run_dir):  # nothing left verifies: an error, not a fresh start
         if rank == 0:
             _truncate(p)
     dist.barrier()

@@ -106,12 +106,22 @@ def verify_checkpoint(path: str | Path, part: int = 0, parts: int = 1,
     return None
 
 
+def step_dirs(run_dir: str | Path) -> list[Path]:
+    """Every ``step_K`` directory under ``run_dir/checkpoints``, newest (largest K) first,
+    whether it verifies or not."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()),
+                  key=_step, reverse=True)
+
+
 def latest_checkpoint(run_dir: str | Path, verify: bool = True,
                       log: Callable[[str], None] = print) -> Path | None:
     """The newest checkpoint under ``run_dir/checkpoints`` that verifies, or None. Each newer
     one that does not is named in one ``log`` line and skipped. ``verify=False``: sizes only,
     no checksums. Reads every file: one process; on a process group use ``choose_checkpoint``."""
-    for path in _candidates(run_dir):
+    for path in step_dirs(run_dir):
         why = verify_checkpoint(path, checksum=verify)
         if why is None:
             _warn_legacy(path, log)
@@ -128,13 +138,13 @@ def choose_checkpoint(run_dir: str | Path, log: Callable[[str], None] = print) -
     line per skipped checkpoint. None when there is no checkpoint; ValueError when there are
     some and none verifies (resuming from scratch would silently lose the run)."""
     if not (dist.is_available() and dist.is_initialized()):
-        found = list(_candidates(run_dir))
+        found = list(step_dirs(run_dir))
         best = latest_checkpoint(run_dir, log=log)
         if found and best is None:
             raise ValueError(_none_verifies(run_dir, len(found)))
         return best
     rank, world = dist.get_rank(), dist.get_world_size()
-    box = [list(map(str, _candidates(run_dir))) if rank == 0 else None]
+    box = [list(map(str, step_dirs(run_dir))) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)  # the same candidate list on every rank
     for path in map(Path, box[0]):
         whys = [None] * world
@@ -247,15 +257,6 @@ def _step(p: Path) -> int:
     return int(_STEP_DIR.match(p.name).group(1))
 
 
-def _candidates(run_dir: str | Path) -> list[Path]:
-    """Every ``step_K`` directory, newest (largest K) first."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    return sorted((p for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()),
-                  key=_step, reverse=True)
-
-
 def _files(d: Path) -> list[str]:
     return sorted(str(f.relative_to(d)) for f in d.rglob("*") if f.is_file())
 
@@ -309,7 +310,7 @@ def _prune(root: Path, keep: int, newest: Path) -> None:
     """Keep ``newest`` (just written and hashed) and the ``keep - 1`` next newest complete
     checkpoints; delete every other ``step_K`` (older ones and damaged ones). A damaged
     checkpoint never takes the place of an intact one."""
-    others = [p for p in _candidates(root.parent) if p != newest]
+    others = [p for p in step_dirs(root.parent) if p != newest]
     kept = {newest, *[p for p in others if _complete(p)][:max(keep - 1, 0)]}
     for old in others:
         if old not in kept:
