@@ -17,7 +17,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ..attention import usp_attention
 from ..comm import naming_collectives
-from ..config import OptimConfig, RunConfig, torch_dtype
+from ..config import MemmapData, OptimConfig, RunConfig, torch_dtype
+from ..data.files import tokenizer_dir
 from ..data.packing import Batch
 from ..layout import SequenceLayout
 from ..mesh import SPMesh
@@ -25,6 +26,7 @@ from ..models.llama import Transformer, flops_per_token
 from ..models.offload import ActivationOffload, StreamCopier
 from ..models.tiling import lm_loss
 from ..models.checkpoint import choose_checkpoint, load_checkpoint, run_fingerprint, save_checkpoint
+from ..models.export import save_model_config, save_tokenizer
 from .faults import NonFiniteGuard, Preempted, Preemption
 from .metrics import MetricsLogger, PeakMemory
 from ..data.dataset import TrainingData, build_dataset
@@ -136,6 +138,15 @@ def _hf_model(cfg: RunConfig, run: RunLayout, mesh: SPMesh, layout: SequenceLayo
     return model, model.model.layers
 
 
+def record_for_export(cfg: RunConfig) -> None:
+    """Rank 0, at the start of a run: what ``usp-export`` needs besides the checkpoints, in
+    the run directory: the model group (``model_config.json``) and, for token files with a
+    tokenizer (``data.path`` + ``.tokenizer``), a copy of it (``tokenizer/``)."""
+    save_model_config(cfg.model, cfg.trainer.run_dir)
+    if isinstance(cfg.data, MemmapData) and tokenizer_dir(cfg.data.path).is_dir():
+        save_tokenizer(tokenizer_dir(cfg.data.path), cfg.trainer.run_dir)
+
+
 FaultHook = Callable[[int, torch.Tensor], torch.Tensor]
 
 
@@ -173,6 +184,7 @@ def train(cfg: RunConfig, run: RunLayout | None = None, fault_hook: FaultHook | 
     positions = layout.positions(device)  # global ids of this rank's tokens (RoPE, data)
     if rank == 0:
         print(mesh.describe(), flush=True)
+        record_for_export(cfg)
 
     # Model: identical init on every rank, then sharded (FSDP2) over the flattened dp x sp
     # axes. FSDP averages gradients over those ranks; the loss below is normalised by the
