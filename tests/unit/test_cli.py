@@ -204,3 +204,17 @@ def test_vocab_size_auto_takes_the_data_vocabulary(tmp_path):
     with pytest.raises(ValueError, match=r"has vocab_size 70000 > model.vocab_size 512.*set "
                                          r"model.vocab_size=70000 \(or model.vocab_size=auto\)"):
         check_vocab(small.data, small.model)
+
+
+def test_a_blend_on_the_command_line():
+    cfg = _compose(overrides=["data=memmap",
+                              "data.blend=[{path: a, weight: 0.7}, {path: b, weight: 0.3}]"])
+    assert cfg.data.sources() == [("a", 0.7), ("b", 0.3)] and cfg.data.path is None
+    with pytest.raises(ValueError, match=r"data.path=c and data.blend \(2 sources\) are "
+                                         r"exclusive.*data.path=null"):
+        _compose(overrides=["data=memmap", "data.path=c",
+                            "data.blend=[{path: a, weight: 0.7}, {path: b, weight: 0.3}]"])
+    with pytest.raises(ValueError, match=r"data.blend\[1\].weight=0.0 must be > 0"):
+        _compose(overrides=["data=memmap", "data.blend=[{path: a}, {path: b, weight: 0}]"])
+    with pytest.raises(ValueError, match=r"data.path is not set.*or give data.blend"):
+        _compose(overrides=["data=memmap"]).data.sources()

@@ -22,7 +22,7 @@ world size, the device or the file system are in ``usp.run.resolve_run``.
 """
 
 from .cluster import ClusterSpec, load_cluster
-from .data import DATA_KINDS, DataConfig, MemmapData, RecallData
+from .data import DATA_KINDS, BlendSource, DataConfig, MemmapData, RecallData
 from .logging import LoggingConfig
 from .model import ModelConfig
 from .optim import OptimConfig
@@ -33,6 +33,7 @@ from .run import PlanConfig, RunConfig
 __all__ = [
     "DATA_KINDS",
     "DTYPES",
+    "BlendSource",
     "ClusterSpec",
     "DataConfig",
     "LoggingConfig",

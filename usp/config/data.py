@@ -14,11 +14,12 @@ restarts RoPE positions at each document.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import List, Optional, Union
 
 from .checks import at_least, one_of
 
 PACKINGS = ("none", "documents")
+MISSING_PATH = ""
 
 
 class _Batches:
@@ -74,21 +75,48 @@ class RecallData(_Batches):
 
 
 @dataclass
+class BlendSource:
+    """One corpus of ``data.blend``: the prefix of its token files and its weight."""
+
+    path: str = MISSING_PATH
+    weight: float = 1.0
+
+
+@dataclass
 class MemmapData(_Batches):
-    """Token files made by ``python -m usp.data.prepare`` (``usp.data.memmap.MemmapTokens``)."""
+    """Token files made by ``usp-prepare`` (``usp.data.memmap.MemmapTokens``): one corpus
+    (``path``) or a weighted blend of several (``blend``), one of the two."""
 
     kind: str = "memmap"
     seq_len: int = 1024
     batch_per_dp_rank: int = 4
     path: Optional[str] = None  # prefix of {path}.bin / {path}.json (/ {path}.docs)
+    blend: Optional[List[BlendSource]] = None  # [{path, weight}, ...] instead of path
     seed: int = 1234
-    packing: str = "none"  # documents: needs the {path}.docs boundaries usp.data.prepare writes
+    packing: str = "none"  # documents: needs the {path}.docs boundaries usp-prepare writes
 
     def __post_init__(self) -> None:
         self._check("memmap")
+        if self.path and self.blend:
+            raise ValueError(f"data.path={self.path} and data.blend ({len(self.blend)} sources) "
+                             "are exclusive: a run reads one corpus or a blend; set "
+                             "data.path=null to blend")
+        for i, src in enumerate(self.blend or []):
+            if not src.path or src.path == MISSING_PATH:
+                raise ValueError(f"data.blend[{i}] has no path; give each source "
+                                 "{path: PREFIX, weight: W}")
+            if not src.weight > 0:
+                raise ValueError(f"data.blend[{i}].weight={src.weight} must be > 0")
+
+    def sources(self) -> list[tuple[str, float]]:
+        """(prefix, weight) of each corpus: ``[(path, 1.0)]`` or the blend's; ValueError
+        when neither is set."""
+        if self.blend:
+            return [(src.path, float(src.weight)) for src in self.blend]
         if not self.path:
             raise ValueError("data.path is not set; set it to the prefix of the .bin/.json "
-                             "files that python -m usp.data.prepare writes")
+                             "files that usp-prepare writes (or give data.blend)")
+        return [(self.path, 1.0)]
 
 
 DATA_KINDS: dict[str, type] = {"recall": RecallData, "memmap": MemmapData}

@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 from ..config import DataConfig, MemmapData, ModelConfig, RecallData
 from .files import data_paths, read_meta
+from .indexing import sample_indices
 from .packing import Batch
 
 
@@ -18,8 +20,9 @@ class TrainingData:
     model's ``rope``, ``per_document`` adds the positions inside each document."""
 
     def __init__(self, source, answers_per_sequence: int = 0, eval_batches: int = 0,
-                 packed: bool = False, rope: str = "global"):
+                 packed: bool = False, rope: str = "global", eval_windows: int = 0):
         self.source = source
+        self.eval_windows = eval_windows  # a validation split: its first windows scored
         self.answers_per_sequence = answers_per_sequence  # 0: plain text, nothing to score
         self.eval_batches = eval_batches if answers_per_sequence else 0
         self.packed, self.rope = packed, rope
@@ -33,12 +36,33 @@ class TrainingData:
         return self.source.batch(step, batch_per_dp_rank, dp_rank, dp_size, positions=positions)
 
     def model_batch(self, step, batch_per_dp_rank, dp_rank, dp_size, positions) -> Batch:
-        """This rank's ``Batch`` [B, L/P] as the model takes it: ``segment_ids`` when packed,
-        ``doc_positions`` (the RoPE positions) when ``rope=per_document``, else None."""
+        """This rank's ``Batch`` [B, L/P] at ``step`` (``sample_indices``); see ``model_rows``."""
+        return self.model_rows(sample_indices(step, batch_per_dp_rank, dp_rank, dp_size),
+                               positions)
+
+    def model_rows(self, samples, positions) -> Batch:
+        """The ``Batch`` [B, L/P] of global samples ``samples`` as the model takes it:
+        ``segment_ids`` when packed, ``doc_positions`` (the RoPE positions) when
+        ``rope=per_document``, else None."""
+        return self._model(self.source.rows(samples, positions, packed=self.packed))
+
+    def model_windows(self, windows, positions) -> Batch:
+        """``model_rows`` for the token file's windows ``windows`` in file order (the
+        validation split's first windows)."""
+        return self._model(self.source.windows(windows, positions, packed=self.packed))
+
+    def epochs(self, consumed: int) -> dict[str, float]:
+        """Epochs completed after ``consumed`` samples, as metrics: ``{"epoch": e}`` for a
+        token file, ``{"epoch/<name>": e, ...}`` per source of a blend, ``{}`` for a
+        synthetic task (no epochs)."""
+        if hasattr(self.source, "names"):  # a blend
+            return {f"epoch/{k}": v for k, v in self.source.epochs(consumed).items()}
+        order = getattr(self.source, "order", None)
+        return {} if order is None else {"epoch": order.epochs(consumed)}
+
+    def _model(self, b: Batch) -> Batch:
         if not self.packed:
-            return Batch(*self.batch(step, batch_per_dp_rank, dp_rank, dp_size, positions))
-        b = self.source.packed_batch(step, batch_per_dp_rank, dp_rank, dp_size,
-                                     positions=positions)
+            return Batch(b.tokens, b.labels)
         return b if self.rope == "per_document" else replace(b, doc_positions=None)
 
     def answer_accuracy(self, predictions, labels) -> tuple[int, int]:
@@ -57,16 +81,27 @@ class TrainingData:
 AUTO = "auto"  # model.vocab_size=auto: the data's vocabulary
 
 
+def _meta(prefix: str) -> dict:
+    bin_path, json_path = data_paths(prefix)
+    return read_meta(json_path, bin_path.with_suffix(""))
+
+
 def data_vocab(dc: DataConfig) -> int:
     """The vocabulary of ``dc``'s token files (their ``vocab_size``: the tokenizer's every
     id, special tokens included), from the metadata alone; what ``model.vocab_size=auto``
-    takes. ValueError for the recall task, which has no vocabulary of its own."""
+    takes. ValueError for the recall task, which has no vocabulary of its own, and for a
+    blend of files made with different tokenizers."""
     if not isinstance(dc, MemmapData):
         raise ValueError(f"model.vocab_size=auto takes the vocabulary of token files, and "
                          f"data={dc.kind} has none; set model.vocab_size to a number (the "
                          f"default is {ModelConfig.vocab_size})")
-    bin_path, json_path = data_paths(dc.path)
-    return int(read_meta(json_path, bin_path.with_suffix(""))["vocab_size"])
+    metas = [(path, _meta(path)) for path, _ in dc.sources()]
+    kinds = {(m["tokenizer"], int(m["vocab_size"])) for _, m in metas}
+    if len(kinds) > 1:
+        seen = "; ".join(f"{p}: {m['tokenizer']}, vocab {m['vocab_size']}" for p, m in metas)
+        raise ValueError(f"data.blend mixes token files of different tokenizers ({seen}); "
+                         "prepare every source with the same --tokenizer")
+    return int(metas[0][1]["vocab_size"])
 
 
 def check_vocab(dc: DataConfig, mc: ModelConfig) -> None:
@@ -76,10 +111,65 @@ def check_vocab(dc: DataConfig, mc: ModelConfig) -> None:
     if isinstance(dc, MemmapData):
         have = data_vocab(dc)
         if have > mc.vocab_size:
+            where = dc.path or ", ".join(p for p, _ in dc.sources())
             raise ValueError(
-                f"dataset {dc.path} has vocab_size {have} > model.vocab_size {mc.vocab_size}: "
+                f"dataset {where} has vocab_size {have} > model.vocab_size {mc.vocab_size}: "
                 f"its ids would index past the embedding; set model.vocab_size={have} (or "
                 f"model.vocab_size=auto)")
+
+
+EVAL_WINDOWS = 16  # validation windows scored when trainer.eval_windows is not set
+
+
+def validation_prefix(prefix: str) -> str:
+    """Where ``usp-prepare`` writes the validation split of ``prefix``: ``PREFIX.val``."""
+    return f"{data_paths(prefix)[0].with_suffix('')}.val"
+
+
+def source_names(dc: MemmapData) -> list[str]:
+    """What the metrics call each source: its file name (``epoch/<name>``), the index
+    added where two share one."""
+    names = [Path(p).name for p, _ in dc.sources()]
+    return [n if names.count(n) == 1 else f"{n}.{i}" for i, n in enumerate(names)]
+
+
+def build_validation(dc: DataConfig, mc: ModelConfig,
+                     eval_windows: int | None) -> list[tuple[str, float, TrainingData]]:
+    """(name, weight, split) of each source's validation split (``PREFIX.val.*``) with
+    ``eval_windows`` (its first windows; None: up to ``EVAL_WINDOWS``); empty when there is
+    nothing to score: the recall task (it has ``eval_batches``), or no usable split and no
+    ``eval_windows`` asked for (a source of a blend without one is left out). Asked for
+    without a split, or more windows than a split holds: ValueError with the numbers and
+    the fix."""
+    if not isinstance(dc, MemmapData):
+        if eval_windows is not None:
+            raise ValueError(f"trainer.eval_windows={eval_windows} scores the validation split "
+                             f"of token files, and data={dc.kind} has none (it scores "
+                             f"data.eval_batches); set trainer.eval_windows=null")
+        return []
+    from .memmap import MemmapTokens
+
+    out = []
+    for name, (path, weight) in zip(source_names(dc), dc.sources()):
+        prefix = validation_prefix(path)
+        try:
+            ds = MemmapTokens(prefix, dc.seq_len, seed=dc.seed, documents=dc.packed)
+        except (FileNotFoundError, ValueError) as e:
+            if eval_windows is None:
+                continue
+            raise ValueError(f"trainer.eval_windows={eval_windows} asks for validation, but "
+                             f"the split {prefix}.bin cannot be read ({e}); usp-prepare writes "
+                             "it (--val-fraction, default 0.01), or set "
+                             "trainer.eval_windows=null") from None
+        check_vocab(replace(dc, path=prefix, blend=None), mc)
+        windows = min(EVAL_WINDOWS, ds.num_windows) if eval_windows is None else eval_windows
+        if windows > ds.num_windows:
+            raise ValueError(f"trainer.eval_windows={eval_windows} but {prefix}.bin holds "
+                             f"{ds.num_windows} windows of data.seq_len {dc.seq_len} tokens; "
+                             f"set trainer.eval_windows<={ds.num_windows}")
+        out.append((name, weight, TrainingData(ds, packed=dc.packed, rope=mc.rope,
+                                               eval_windows=windows)))
+    return out
 
 
 def build_dataset(dc: DataConfig, mc: ModelConfig) -> TrainingData:
@@ -100,8 +190,14 @@ def build_dataset(dc: DataConfig, mc: ModelConfig) -> TrainingData:
     if isinstance(dc, MemmapData):
         from .memmap import MemmapTokens
 
-        ds = MemmapTokens(dc.path, dc.seq_len, seed=dc.seed, documents=dc.packed)
+        sources = [MemmapTokens(path, dc.seq_len, seed=dc.seed + i, documents=dc.packed)
+                   for i, (path, _) in enumerate(dc.sources())]
         check_vocab(dc, mc)
-        return TrainingData(ds, **packing)
+        if dc.blend:
+            from .blend import Blend
+
+            return TrainingData(Blend(sources, [w for _, w in dc.sources()], source_names(dc)),
+                                **packing)
+        return TrainingData(sources[0], **packing)
     raise ValueError(f"data config {dc!r} is none of RecallData, MemmapData; build it with "
                      f"one of them")

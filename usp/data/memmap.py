@@ -1,9 +1,10 @@
 """Training windows from memory-mapped token files (``usp.data.files`` says what the files
 hold; ``usp-prepare`` writes them).
 
-Training windows are drawn at random (with replacement) from the whole file; each sample
-reads ``seq_len + 1`` tokens so the label of the last position is the token after the
-window. With ``positions`` a rank reads only the tokens it owns (and their successors).
+The file is cut into non-overlapping windows of ``seq_len`` tokens, each read with the
+token after it so the label of the last position is the token after the window; training
+visits them in epochs without replacement (``usp.data.order``). With ``positions`` a rank
+reads only the tokens it owns (and their successors).
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import torch
 
 from .files import DOC_DTYPE, DTYPES, PREPARE_HINT, data_paths, docs_path, read_meta
 from .indexing import sample_indices
+from .order import WindowOrder
 from .packing import Batch, ignore_crossing
 
 _SCAN_CHUNK = 1 << 24  # tokens per chunk when verifying ids
 
 
 class MemmapTokens:
-    """Random ``seq_len`` windows from a token file, labels shifted on the global sequence.
+    """``seq_len`` windows of a token file in epochs, labels shifted on the global sequence.
 
     ``path`` is the prefix (``data/x`` for ``data/x.bin`` + ``data/x.json``) or either file.
     ``verify`` scans the whole file once for ids >= vocab_size (chunked; pass False for
@@ -67,6 +69,9 @@ class MemmapTokens:
             for lo in range(0, self.num_tokens, _SCAN_CHUNK):
                 self._check(self.tokens[lo : lo + _SCAN_CHUNK], lo)
         self.doc_starts = self._load_documents(prefix) if documents else None
+        # non-overlapping windows, each read with the token after it; the remainder dropped
+        self.num_windows = (self.num_tokens - 1) // seq_len
+        self.order = WindowOrder(self.num_windows, seed)
 
     def _load_documents(self, prefix: Path) -> np.ndarray:
         """The document start offsets [num_documents] int64 (read lazily from ``.docs``)."""
@@ -98,9 +103,8 @@ class MemmapTokens:
             )
 
     def window_start(self, index: int) -> int:
-        """First token of global sample ``index``: uniform in [0, num_tokens - seq_len - 1]."""
-        rng = np.random.default_rng([self.seed, index])
-        return int(rng.integers(0, self.num_tokens - self.seq_len))
+        """First token of global sample ``index``: its window (``usp.data.order``) x seq_len."""
+        return int(self.order.lookup([index])[1][0]) * self.seq_len
 
     def batch(
         self,
@@ -113,33 +117,57 @@ class MemmapTokens:
         """(tokens, labels) long, each [B, L] or, with ``positions`` [n], [B, n].
 
         Sample i of this rank is global sample
-        ``(step * dp_size + dp_rank) * batch_per_dp_rank + i``, whose window start depends
-        only on (seed, that index). ``labels[:, j]`` is the token after ``tokens[:, j]`` in the
-        file (shifted before sharding, so no label is lost at a shard boundary).
-        ``positions`` (global ids, e.g. ``layout.positions()``) selects columns; only
-        those tokens and their successors are read from disk.
-        """
-        b = self._read(step, batch_per_dp_rank, dp_rank, dp_size, positions)[0]
+        ``(step * dp_size + dp_rank) * batch_per_dp_rank + i`` (``sample_indices``); see
+        ``rows``."""
+        b = self.rows(sample_indices(step, batch_per_dp_rank, dp_rank, dp_size), positions)
         return b.tokens, b.labels
 
     def packed_batch(self, step: int, batch_per_dp_rank: int, dp_rank: int = 0,
                      dp_size: int = 1, positions: torch.Tensor | None = None) -> Batch:
-        """``batch``'s windows with document ids (the file's document index) and positions
-        inside each document (counted from the window start for the document it cuts); a
-        label whose target starts the next document is -100. Needs ``documents=True``."""
-        if self.doc_starts is None:
-            raise ValueError("packed_batch needs the document boundaries: build MemmapTokens "
+        """``batch``'s windows with document ids; see ``rows(packed=True)``."""
+        return self.rows(sample_indices(step, batch_per_dp_rank, dp_rank, dp_size), positions,
+                         packed=True)
+
+    def rows(self, samples, positions: torch.Tensor | None = None,
+             packed: bool = False) -> Batch:
+        """The ``Batch`` [B, L] (or [B, n] with ``positions`` [n]) of global samples
+        ``samples`` [B]: each the window ``usp.data.order`` gives it (epochs without
+        replacement, fixed by the seed). ``labels[:, j]`` is the token after
+        ``tokens[:, j]`` in the file (shifted before sharding, so no label is lost at a
+        shard boundary); ``positions`` (global ids, e.g. ``layout.positions()``) selects
+        columns, and only those tokens and their successors are read from disk.
+
+        ``packed``: also document ids (the file's document index) and positions inside
+        each document (counted from the window start for the document it cuts); a label
+        whose target starts the next document is -100. Needs ``documents=True``."""
+        return self.windows(self.order.lookup(samples)[1], positions, packed)
+
+    def windows(self, windows, positions: torch.Tensor | None = None,
+                packed: bool = False) -> Batch:
+        """``rows`` for the windows ``windows`` [B] themselves (window w: tokens
+        ``[w * seq_len, (w + 1) * seq_len]``), e.g. the first ones of a validation split."""
+        windows = np.asarray(windows, dtype=np.int64)
+        if windows.size and (windows.min() < 0 or windows.max() >= self.num_windows):
+            raise ValueError(f"{self.bin_path} has windows [0, {self.num_windows}) of "
+                             f"{self.seq_len} tokens; asked for [{windows.min()}, "
+                             f"{windows.max()}]")
+        if packed and self.doc_starts is None:
+            raise ValueError("packed rows need the document boundaries: build MemmapTokens "
                              "with documents=True")
-        b, idx, window = self._read(step, batch_per_dp_rank, dp_rank, dp_size, positions)
+        starts = windows * self.seq_len
+        b, idx = self._read(starts, positions)
+        if not packed:
+            return b
         doc = np.searchsorted(self.doc_starts, idx, side="right") - 1  # [B, n]
         nxt = np.searchsorted(self.doc_starts, idx + 1, side="right") - 1  # the label's
-        first = np.maximum(self.doc_starts[doc], window[:, None])  # in this window
+        first = np.maximum(self.doc_starts[doc], starts[:, None])  # in this window
         seg = torch.from_numpy(doc.astype(np.int64))
         return Batch(b.tokens, ignore_crossing(b.labels, seg, torch.from_numpy(nxt)), seg,
                      torch.from_numpy((idx - first).astype(np.int64)))
 
-    def _read(self, step, batch_per_dp_rank, dp_rank, dp_size, positions):
-        """(Batch of tokens and labels, absolute offsets [B, n], window starts [B])."""
+    def _read(self, starts: np.ndarray, positions):
+        """(Batch of tokens and labels, absolute offsets [B, n]) of the windows starting at
+        ``starts`` [B]."""
         if positions is None:
             cols = np.arange(self.seq_len)
         else:
@@ -147,10 +175,8 @@ class MemmapTokens:
             if cols.size and (cols.min() < 0 or cols.max() >= self.seq_len):
                 raise ValueError(f"positions must lie in [0, {self.seq_len}), got "
                                  f"[{cols.min()}, {cols.max()}]")
-        ids = sample_indices(step, batch_per_dp_rank, dp_rank, dp_size)
-        starts = np.array([self.window_start(i) for i in ids])
         idx = starts[:, None] + cols[None, :]  # [B, n] absolute offsets into the file
         offsets = np.stack([idx, idx + 1])  # [2, B, n]: each token and the one after it
         ids = np.asarray(self.tokens[offsets]).astype(np.int64)  # reads only these entries
         self._check(ids, offsets)
-        return Batch(torch.from_numpy(ids[0]), torch.from_numpy(ids[1])), idx, starts
+        return Batch(torch.from_numpy(ids[0]), torch.from_numpy(ids[1])), idx

@@ -200,10 +200,8 @@ class RecallTask:
                      dp_size: int = 1, positions: torch.Tensor | None = None) -> Batch:
         """This rank's ``Batch`` with document ids and per-document positions, [B, L] (or
         [B, len(positions)]); the samples are ``batch``'s."""
-        ids = sample_indices(step, batch_per_dp_rank, dp_rank, dp_size)
-        rows = [self.packed_sample(i) for i in ids]
-        tokens, labels, seg = (torch.from_numpy(np.stack(x)) for x in zip(*rows))  # [B, L]
-        return packed_rows(tokens, labels, seg).columns(positions)  # -> [B, n]
+        return self.rows(sample_indices(step, batch_per_dp_rank, dp_rank, dp_size), positions,
+                         packed=True)
 
     def batch(
         self,
@@ -216,19 +214,29 @@ class RecallTask:
         """(tokens, labels), each [B, L] long (or [B, len(positions)] with ``positions``).
 
         Sample ``i`` of this rank is global sample
-        ``(step * dp_size + dp_rank) * batch_per_dp_rank + i``, drawn from (seed, that
-        index): the global batch is the same for any dp split of it, and independent of the
-        SP layout.
+        ``(step * dp_size + dp_rank) * batch_per_dp_rank + i`` (``sample_indices``), drawn
+        from (seed, that index): the global batch is the same for any dp split of it, and
+        independent of the SP layout.
         ``labels[t]`` is the target for the prediction made at token t (already shifted
         on the global sequence), -100 except at query tokens. ``positions`` (global ids,
         e.g. ``layout.positions()``) selects this rank's columns.
         """
-        ids = sample_indices(step, batch_per_dp_rank, dp_rank, dp_size)
-        pairs = [self.sample(i) for i in ids]
+        b = self.rows(sample_indices(step, batch_per_dp_rank, dp_rank, dp_size), positions)
+        return b.tokens, b.labels
+
+    def rows(self, samples, positions: torch.Tensor | None = None,
+             packed: bool = False) -> Batch:
+        """The ``Batch`` [B, L] (or [B, len(positions)]) of global samples ``samples``, each
+        from (seed, its id) alone; ``packed``: with document ids and per-document
+        positions."""
+        if packed:
+            rows = [self.packed_sample(int(i)) for i in samples]
+            tokens, labels, seg = (torch.from_numpy(np.stack(x)) for x in zip(*rows))  # [B, L]
+            return packed_rows(tokens, labels, seg).columns(positions)  # -> [B, n]
+        pairs = [self.sample(int(i)) for i in samples]
         tokens = torch.from_numpy(np.stack([t for t, _ in pairs]))  # [B, L]
         labels = torch.from_numpy(np.stack([lab for _, lab in pairs]))  # [B, L]
-        b = Batch(tokens, labels).columns(positions)  # [B, L] -> [B, L/P]
-        return b.tokens, b.labels
+        return Batch(tokens, labels).columns(positions)  # [B, L] -> [B, L/P]
 
 
 def answer_accuracy(
