@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .config import ModelConfig, PlanConfig, RunConfig
-from .data.dataset import build_dataset
+from .data.dataset import build_dataset, build_validation
 from .masks import check_masks
 from .mesh import SPMesh
 from .models.export import check_pretrained
@@ -61,6 +61,8 @@ class RunLayout:
     seq_len: int
     batch_per_dp_rank: int
     plan_table: str = ""
+    grad_accum: int = 1  # micro-batches per optimizer step
+
 
     def __post_init__(self) -> None:
         if check_degrees(self.world, self.ulysses, self.ring, self.dp) != self.dp:
@@ -75,9 +77,22 @@ class RunLayout:
         return self.ring * self.ulysses
 
     @property
-    def global_batch(self) -> int:
-        """Sequences per step over all dp ranks."""
+    def micro_batch(self) -> int:
+        """Sequences per micro-batch over all dp ranks."""
         return self.batch_per_dp_rank * self.dp
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step: every micro-batch of every dp rank."""
+        return self.micro_batch * self.grad_accum
+
+    def samples(self, consumed: int, micro: int, dp_rank: int) -> range:
+        """Global sample ids of ``dp_rank``'s micro-batch ``micro`` of the optimizer step
+        that starts after ``consumed`` samples: micro-batch k of the step takes its samples
+        ``[k * micro_batch, (k + 1) * micro_batch)`` and each dp rank its own
+        ``batch_per_dp_rank`` of them. With one micro-batch this is ``sample_indices``."""
+        first = consumed + micro * self.micro_batch + dp_rank * self.batch_per_dp_rank
+        return range(first, first + self.batch_per_dp_rank)
 
     @property
     def tokens_per_step(self) -> int:
@@ -192,6 +207,31 @@ def _a2a_chunks(cfg: RunConfig, world: int, ulysses: int, ring: int, dp: int) ->
                              n_fwd=2 if cfg.trainer.activation_checkpointing else 1)
 
 
+def grad_accum_steps(tc, seq_len: int, batch_per_dp_rank: int, dp: int) -> int:
+    """Micro-batches per optimizer step: ``trainer.global_batch_tokens`` T / (seq_len x
+    batch_per_dp_rank x dp) when T is set (refused unless whole, with the nearest valid T,
+    and refused beside a different ``trainer.grad_accum_steps``), else
+    ``trainer.grad_accum_steps`` (default 1)."""
+    if tc.global_batch_tokens is None:
+        return tc.grad_accum_steps or 1
+    micro = seq_len * batch_per_dp_rank * dp  # tokens of one micro-batch over all dp ranks
+    k, rest = divmod(tc.global_batch_tokens, micro)
+    if rest or not k:
+        lo, hi = max(1, k) * micro, (k + 1) * micro
+        near = f"{lo} (grad_accum_steps {max(1, k)})" + (
+            f" or {hi} (grad_accum_steps {k + 1})" if k else "")
+        raise ValueError(
+            f"trainer.global_batch_tokens={tc.global_batch_tokens} is not a whole number of "
+            f"micro-batches of data.seq_len {seq_len} x data.batch_per_dp_rank "
+            f"{batch_per_dp_rank} x dp {dp} = {micro} tokens; the nearest valid values: {near}")
+    if tc.grad_accum_steps is not None and tc.grad_accum_steps != k:
+        raise ValueError(
+            f"trainer.global_batch_tokens={tc.global_batch_tokens} means grad_accum_steps {k} "
+            f"at data.seq_len {seq_len} x data.batch_per_dp_rank {batch_per_dp_rank} x dp {dp}, "
+            f"but trainer.grad_accum_steps={tc.grad_accum_steps}; set one of the two")
+    return k
+
+
 # ---- the resolver ------------------------------------------------------------------------
 
 
@@ -210,11 +250,13 @@ def resolve_run(cfg: RunConfig, world: int, device_type: str | None = None,
     chunks = _a2a_chunks(cfg, world, u, r, dp)  # check_task below checks the sequence
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    accum = grad_accum_steps(cfg.trainer, cfg.data.seq_len, cfg.data.batch_per_dp_rank, dp)
     layout = RunLayout(world=world, dp=dp, ring=r, ulysses=u, placement=pc.placement,
                        ranks_per_node=pc.ranks_per_node, balance=pc.balance, kernel=pc.kernel,
                        ring_impl=pc.ring_impl, a2a_chunks=chunks, device=device_type,
                        dtype=cfg.trainer.dtype, seq_len=cfg.data.seq_len,
-                       batch_per_dp_rank=cfg.data.batch_per_dp_rank, plan_table=table)
+                       batch_per_dp_rank=cfg.data.batch_per_dp_rank, plan_table=table,
+                       grad_accum=accum)
     check_task(cfg, layout)
     return layout
 
@@ -227,6 +269,7 @@ def check_task(cfg: RunConfig, layout: RunLayout) -> None:
     check_seq_len(cfg.data.seq_len, layout.ulysses, layout.ring, layout.balance)
     try:
         build_dataset(cfg.data, cfg.model)  # missing / corrupt data fails here
+        build_validation(cfg.data, cfg.model, cfg.trainer.eval_windows)
     except ValueError as e:
         raise ValueError(f"data.kind={cfg.data.kind}: {e}") from None
     check_run_dir(cfg.trainer.run_dir)

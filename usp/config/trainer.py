@@ -56,6 +56,10 @@ class TrainerConfig:
     max_restarts: int = 0  # local launch: relaunch all ranks from the last checkpoint this often
     preempt_signals: str = "SIGTERM,SIGUSR1"  # checkpoint at the next step, then exit ("" = off)
     on_nonfinite: str = "stop"  # non-finite loss/grad norm: stop (keep the last good ckpt) | skip
+    grad_accum_steps: Optional[int] = None  # micro-batches per optimizer step (None: 1, or T's)
+    global_batch_tokens: Optional[int] = None  # T: tokens per optimizer step; sets grad_accum_steps
+    eval_every: int = 0  # steps between validation-loss evaluations (0: only after the last)
+    eval_windows: Optional[int] = None  # validation windows scored; None: up to 16 if a split exists
 
     def __post_init__(self) -> None:
         at_least("trainer", 1, steps=self.steps, keep_checkpoints=self.keep_checkpoints,
@@ -72,6 +76,10 @@ class TrainerConfig:
                              "checkpoints keep, but trainer.activation_checkpointing=false; set "
                              "trainer.activation_checkpointing=true or activation_offload=false")
         parse_signals(self.preempt_signals)
+        at_least("trainer", 0, eval_every=self.eval_every)
+        for key in ("grad_accum_steps", "global_batch_tokens", "eval_windows"):
+            if getattr(self, key) is not None:
+                at_least("trainer", 1, **{key: getattr(self, key)})
         if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
             raise ValueError(f"trainer.stop_after={self.stop_after} is outside 1..trainer.steps="
                              f"{self.steps}; set it in that range or to null")

@@ -29,7 +29,7 @@ from ..models.checkpoint import choose_checkpoint, load_checkpoint, run_fingerpr
 from ..models.export import save_model_config, save_tokenizer
 from .faults import NonFiniteGuard, Preempted, Preemption
 from .metrics import MetricsLogger, PeakMemory
-from ..data.dataset import TrainingData, build_dataset
+from ..data.dataset import TrainingData, build_dataset, build_validation, source_names
 from ..run import RunLayout, resolve_run_group
 
 
@@ -122,6 +122,46 @@ def evaluate(model, data: TrainingData, batch_per_dp_rank: int, mesh: SPMesh, po
     return (hits[0] / hits[1].clamp(min=1)).item()
 
 
+@torch.no_grad()
+def validation_loss(model, val: TrainingData, windows: int, batch_per_dp_rank: int,
+                    mesh: SPMesh, positions, device) -> float:
+    """Mean cross-entropy per target token on the first ``windows`` windows of the
+    validation split, whatever the dp split: dp rank r scores windows ``first + r*b ...``
+    of each round; a rank short of windows in the last round scores a window with every
+    label ignored (it must still join every collective of the forward)."""
+    model.eval()
+    b, dp = batch_per_dp_rank, mesh.dp
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    for first in range(0, windows, b * dp):
+        ids = torch.arange(first + mesh.dp_rank * b, first + (mesh.dp_rank + 1) * b)
+        real = ids < windows
+        batch = val.model_windows(torch.where(real, ids, 0).numpy(), positions)
+        batch.labels[~real] = -100  # [B, L/P]: rows past the last window count for nothing
+        batch = batch.to(device)
+        loss_sum, _ = loss_and_predictions(model, batch, positions)
+        sums += torch.stack([loss_sum.double(),
+                             (batch.labels != -100).sum().to(torch.float64)])
+    dist.all_reduce(sums, group=mesh.group("dp_sp"))
+    model.train()
+    return (sums[0] / sums[1].clamp(min=1)).item()
+
+
+def _validate(model, val, run: RunLayout, mesh: SPMesh, positions, device) -> dict:
+    """``val_loss`` and ``val_ppl`` of the validation splits ``val`` [(name, weight, split)];
+    for a blend also each source's (``val_loss/<name>``), and ``val_loss`` is their mean by
+    the blend's weights."""
+    out, total, weights = {}, 0.0, 0.0
+    for name, weight, split in val:
+        loss = validation_loss(model, split, split.eval_windows, run.batch_per_dp_rank, mesh,
+                               positions, device)
+        if len(val) > 1:
+            out[f"val_loss/{name}"] = loss
+        total, weights = total + weight * loss, weights + weight
+    out["val_loss"] = total / weights
+    out["val_ppl"] = math.exp(min(out["val_loss"], 700.0))
+    return out
+
+
 def _hf_model(cfg: RunConfig, run: RunLayout, mesh: SPMesh, layout: SequenceLayout):
     """(transformers model, its decoder layers): built on every rank alike, its attention
     routed through usp as ``run`` says; rank 0 writes its config to ``run_dir/hf_config``
@@ -143,8 +183,10 @@ def record_for_export(cfg: RunConfig) -> None:
     the run directory: the model group (``model_config.json``) and, for token files with a
     tokenizer (``data.path`` + ``.tokenizer``), a copy of it (``tokenizer/``)."""
     save_model_config(cfg.model, cfg.trainer.run_dir)
-    if isinstance(cfg.data, MemmapData) and tokenizer_dir(cfg.data.path).is_dir():
-        save_tokenizer(tokenizer_dir(cfg.data.path), cfg.trainer.run_dir)
+    if isinstance(cfg.data, MemmapData):
+        first = cfg.data.sources()[0][0]  # a blend's sources share one tokenizer
+        if tokenizer_dir(first).is_dir():
+            save_tokenizer(tokenizer_dir(first), cfg.trainer.run_dir)
 
 
 FaultHook = Callable[[int, torch.Tensor], torch.Tensor]
@@ -209,8 +251,17 @@ def train(cfg: RunConfig, run: RunLayout | None = None, fault_hook: FaultHook | 
                             weight_decay=oc.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(oc, tc.steps))
     data = build_dataset(cfg.data, cfg.model)
+    val = build_validation(cfg.data, cfg.model, tc.eval_windows)  # [(name, weight, split)]
+    if rank == 0 and isinstance(cfg.data, MemmapData) and \
+            len(val) < len(cfg.data.sources()):
+        scored = {name for name, _, _ in val}
+        missing = [p for n, (p, _) in zip(source_names(cfg.data), cfg.data.sources())
+                   if n not in scored]
+        print(f"no validation split {', '.join(f'{p}.val.bin' for p in missing)} (or too "
+              "short for one window): no val_loss there; usp-prepare writes one "
+              "(--val-fraction)", flush=True)
 
-    start = 0
+    start, consumed = 0, 0
     guard = NonFiniteGuard(tc.on_nonfinite)
     # Sync: every rank verifies a share of the newest checkpoint's files; all take the same
     # one, and a resume with other settings (lr, seq_len, model shape...) is refused by name
@@ -218,11 +269,14 @@ def train(cfg: RunConfig, run: RunLayout | None = None, fault_hook: FaultHook | 
     if ckpt is not None:
         extra = load_checkpoint(ckpt, model, opt, sched, fingerprint=run_fingerprint(cfg))
         start = extra["step"]
+        # the data position: samples consumed (a checkpoint from before it: steps x batch)
+        consumed = extra.get("consumed", start * run.global_batch)
         guard.skipped = extra.get("skipped_steps", 0)
         if not extra["rng_restored"]:
             torch.manual_seed(tc.seed + 1000 * start + rank)
         if rank == 0:
-            print(f"resumed from {ckpt} at step {start}", flush=True)
+            print(f"resumed from {ckpt} at step {start} ({consumed} samples consumed)",
+                  flush=True)
     run_dir = Path(tc.run_dir)
     logger = MetricsLogger(cfg.logging, run_dir, rank, {**asdict(cfg), "layout": asdict(run)},
                            resume_step=start)
@@ -235,8 +289,9 @@ def train(cfg: RunConfig, run: RunLayout | None = None, fault_hook: FaultHook | 
     try:
         # The handlers only set a flag; the previous ones are back however the loop ends.
         with Preemption(tc.preempt_signals) as preemption:
-            summary = _loop(cfg, run, start, model, opt, sched, data, mesh, positions, device,
-                            logger, bar, guard, preemption, fault_hook, memory_probe)
+            summary = _loop(cfg, run, (start, consumed), model, opt, sched, (data, val), mesh,
+                            positions, device, logger, bar, guard, preemption, fault_hook,
+                            memory_probe)
     except BaseException:  # Preempted, NonFiniteError, a lost peer: flush what was logged
         if bar is not None:
             bar.close()
@@ -254,8 +309,10 @@ def train(cfg: RunConfig, run: RunLayout | None = None, fault_hook: FaultHook | 
     if rank == 0:
         tail = f", train accuracy {summary['acc']:.3f}" if "acc" in summary else ""
         if "eval_acc" in summary:
-            n = data.eval_batches * run.global_batch * data.answers_per_sequence
+            n = data.eval_batches * run.micro_batch * data.answers_per_sequence
             tail += f", held-out answer accuracy {summary['eval_acc']:.3f} ({n} answers)"
+        if "val_loss" in summary:
+            tail += f", val loss {summary['val_loss']:.4f} (ppl {summary['val_ppl']:.2f})"
         print(f"done: step {summary.get('step', start)}, loss {summary.get('loss', float('nan')):.4f}"
               f"{tail}; run directory {run_dir.resolve()}"
               + (f" (plot {plot.name})" if plot else ""), flush=True)
@@ -266,12 +323,14 @@ def train(cfg: RunConfig, run: RunLayout | None = None, fault_hook: FaultHook | 
     return summary
 
 
-def _loop(cfg: RunConfig, run: RunLayout, start: int, model, opt, sched, data, mesh: SPMesh, positions, device,
-          logger: MetricsLogger, bar, guard: NonFiniteGuard, preemption: Preemption,
-          fault_hook: FaultHook | None, memory_probe: Callable[[torch.device], PeakMemory]
-          ) -> dict:
-    """Steps ``start`` .. ``trainer.steps`` - 1; returns the last step's summary."""
+def _loop(cfg: RunConfig, run: RunLayout, position: tuple[int, int], model, opt, sched, datas,
+          mesh: SPMesh, positions, device, logger: MetricsLogger, bar, guard: NonFiniteGuard,
+          preemption: Preemption, fault_hook: FaultHook | None,
+          memory_probe: Callable[[torch.device], PeakMemory]) -> dict:
+    """Steps ``start`` .. ``trainer.steps`` - 1 from ``position`` = (start, samples consumed);
+    returns the last step's summary."""
     tc, oc = cfg.trainer, cfg.optim
+    (start, consumed), (data, val) = position, datas
     rank, world = dist.get_rank(), dist.get_world_size()
     run_dir = Path(tc.run_dir)
     dp_sp = mesh.group("dp_sp")
@@ -279,38 +338,49 @@ def _loop(cfg: RunConfig, run: RunLayout, start: int, model, opt, sched, data, m
     tokens_per_step = run.tokens_per_step
     flops = flops_per_token(cfg.model, run.seq_len)
     peak_mem = memory_probe(device)
+    accum = run.grad_accum
     summary: dict = {}
     for step in range(start, tc.steps):
         t0 = time.perf_counter()
         comm0 = mesh.comm.total_seconds()
         peak_mem.start()  # the peak below is this step's, not the run's
-        # Data: this rank's tokens only; labels were shifted (and, for packed documents,
-        # cut at document boundaries) on the global sequence; document ids and positions
-        # inside documents are this rank's columns of the global [B, L] ones.
-        b = data.model_batch(step, run.batch_per_dp_rank, mesh.dp_rank, mesh.dp,
-                             positions=positions).to(device)
-        labels = b.labels  # [B, L/P]
-        # Sync: the number of target tokens over dp x sp normalises the loss.
-        counts = torch.tensor([(labels != -100).sum().item()], dtype=torch.float64, device=device)
+        # Data: the step's global batch is the next global_batch samples after `consumed`;
+        # micro-batch k takes [k, k+1) x micro_batch of them and this dp rank its own part.
+        # Only this rank's tokens are read; labels were shifted (and, for packed documents,
+        # cut at document boundaries) on the global sequence.
+        micro = [data.model_rows(run.samples(consumed, k, mesh.dp_rank), positions).to(device)
+                 for k in range(accum)]  # each [B, L/P]
+        # Sync: the target tokens of all micro-batches over dp x sp normalise the loss.
+        counts = torch.tensor([float(sum((b.labels != -100).sum().item() for b in micro))],
+                              dtype=torch.float64, device=device)
+        loss_total = torch.zeros((), dtype=torch.float64, device=device)
+        correct = answers = 0
         # a peer that never answers an FSDP or loss collective is named as a dp_sp timeout
         # (usp's all-to-all and ring name their own axis inside)
         with naming_collectives("dp_sp", dp_sp):
             dist.all_reduce(counts, group=dp_sp)
-            # fp32 sum over this rank's labelled tokens; predictions [B, L/P] (no logits kept)
-            loss_sum, predictions = loss_and_predictions(model, b, positions)
-            if fault_hook is not None:
-                loss_sum = fault_hook(step + 1, loss_sum)
-            # grad of sum_r(loss_sum_r) / N: FSDP's mean over the n_shard ranks undoes the scale
-            (loss_sum * (n_shard / counts[0])).backward()
+            for k, b in enumerate(micro):
+                if accum > 1:  # FSDP reduce-scatters the gradients once, after the last
+                    model.set_requires_gradient_sync(k == accum - 1)
+                # fp32 sum over this rank's labelled tokens; predictions [B, L/P]
+                loss_sum, predictions = loss_and_predictions(model, b, positions)
+                if fault_hook is not None and k == 0:
+                    loss_sum = fault_hook(step + 1, loss_sum)
+                # grad of sum_r(loss_sum_r) / N: FSDP's mean over the n_shard ranks undoes
+                # the scale; the micro-batches' gradients add up to the step's
+                (loss_sum * (n_shard / counts[0])).backward()
+                loss_total += loss_sum.detach().double()
+                with torch.no_grad():
+                    c, a = data.answer_accuracy(predictions, b.labels)
+                correct, answers = correct + c, answers + a
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), oc.grad_clip)
         gn = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         gn = float(gn)  # global over dp x sp (FSDP): the same on every rank
 
         # Sync: global loss and answer accuracy (one all-reduce), read before the optimizer
         # steps so that a non-finite step never changes the weights.
-        with torch.no_grad():
-            correct, answers = data.answer_accuracy(predictions, labels)
-        stats = torch.tensor([loss_sum.item(), correct, answers], dtype=torch.float64, device=device)
+        stats = torch.tensor([loss_total.item(), correct, answers], dtype=torch.float64,
+                             device=device)
         dist.all_reduce(stats, group=dp_sp)
         loss = stats[0].item() / counts[0].item()
         # on_nonfinite: stop raises here (no step, no checkpoint); skip drops the grads
@@ -330,6 +400,7 @@ def _loop(cfg: RunConfig, run: RunLayout, start: int, model, opt, sched, data, m
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=dp_sp)  # the busiest rank's peak
         dt = time.perf_counter() - t0
         comm = mesh.comm.total_seconds() - comm0
+        consumed += run.global_batch
         summary = {
             "step": step + 1,
             "loss": loss,
@@ -343,27 +414,33 @@ def _loop(cfg: RunConfig, run: RunLayout, start: int, model, opt, sched, data, m
             "attn_comm_clock": mesh.comm.clock,  # host (gloo) or cuda_events (blocked stream time)
             "step_s": dt,
             "skipped_steps": guard.skipped,
+            "samples": consumed,  # the data position: global samples consumed
+            "tokens_seen": consumed * run.seq_len,
         }
+        summary.update(data.epochs(consumed))
         if data.has_answers:
             summary["acc"] = stats[1].item() / max(1.0, stats[2].item())
+        last = step + 1 == tc.steps
+        if val and (last or (tc.eval_every and (step + 1) % tc.eval_every == 0)):
+            summary.update(_validate(model, val, run, mesh, positions, device))
         logger.log(summary)
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{summary['loss']:.3f}",
                             **({"acc": f"{summary['acc']:.2f}"} if "acc" in summary else {}))
-        if rank == 0 and tc.log_every and (step + 1) % tc.log_every == 0:
+        if rank == 0 and ((tc.log_every and (step + 1) % tc.log_every == 0)
+                          or "val_loss" in summary):
             line = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                             for k, v in summary.items())
             bar.write(line) if bar is not None else print(line, flush=True)
-        last = step + 1 == tc.steps
         stopping = tc.stop_after is not None and step + 1 == tc.stop_after
         # Sync: every rank learns whether any rank got a preemption signal (none is needed
         # after the last step: the run is complete and exits normally).
         sig = None if last else preemption.agree(device)
         if (tc.ckpt_every and (step + 1) % tc.ckpt_every == 0) or last or stopping or sig:
-            # the step is the data position
+            # the data position: samples consumed, so any later dp and accumulation continue it
             ckpt = save_checkpoint(run_dir, step + 1, model, opt, sched, keep=tc.keep_checkpoints,
-                                   extra={"skipped_steps": guard.skipped},
+                                   extra={"skipped_steps": guard.skipped, "consumed": consumed},
                                    fingerprint=run_fingerprint(cfg))
         if sig is not None:
             err = Preempted(step + 1, sig.name, str(ckpt))
