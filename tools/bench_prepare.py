@@ -40,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-mb", type=float, default=d.sample_mb,
                    help=f"corpus MB the tokenizer is trained on (default {d.sample_mb:g})")
     p.add_argument("--timeout", type=float, default=None, help="seconds per run at most")
+    p.add_argument("--tokenizer", choices=("bpe", "bytes"), default=d.tokenizer,
+                   help="bytes: usp's byte tokenizer (with --only usp), e.g. for the memory "
+                        "bound on a corpus of several GB")
     p.add_argument("--json", type=Path, default=None, help="write the figures to this file")
     return p
 
@@ -55,7 +58,8 @@ def parse_args(argv=None) -> tuple[PrepareBench, argparse.Namespace]:
         cfg = PrepareBench(corpus_mb=args.corpus_mb, workers=workers, rounds=args.rounds,
                            work_dir=args.work_dir, seed=args.seed, vocab=args.vocab,
                            tools=(args.only,) if args.only else TOOLS,
-                           sample_mb=args.sample_mb, keep=args.keep, timeout_s=args.timeout)
+                           sample_mb=args.sample_mb, keep=args.keep, timeout_s=args.timeout,
+                           tokenizer=args.tokenizer)
     except ValueError as e:
         p.error(str(e))
     return cfg, args

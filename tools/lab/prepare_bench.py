@@ -58,6 +58,7 @@ class PrepareBench:
     sample_mb: float = 20.0
     keep: bool = False
     timeout_s: float | None = None
+    tokenizer: str = "bpe"  # bpe | bytes (usp's byte tokenizer: --only usp, no BPE trained)
 
     def __post_init__(self):
         if self.corpus_mb <= 0 or self.sample_mb <= 0:
@@ -70,6 +71,11 @@ class PrepareBench:
         if not 257 <= self.vocab <= 1 << 20:
             raise ValueError(f"vocab={self.vocab} must lie in [257, 2**20] (a byte-level BPE "
                              "needs the 256 bytes and EOS), e.g. --vocab 16384")
+        if self.tokenizer not in ("bpe", "bytes"):
+            raise ValueError(f"tokenizer={self.tokenizer!r}: bpe or bytes (--tokenizer)")
+        if self.tokenizer == "bytes" and tuple(self.tools) != ("usp",):
+            raise ValueError("--tokenizer bytes runs usp's byte tokenizer, which datasets has "
+                             "no counterpart of; add --only usp")
         unknown = set(self.tools) - set(TOOLS)
         if not self.tools or unknown:
             raise ValueError(f"tools {self.tools}: pick from {TOOLS} (--only usp|datasets)")
@@ -182,13 +188,17 @@ def run(cfg: PrepareBench, log=print) -> Result:
     interleaved; returns every run's figures and the token-file checks."""
     work = Path(cfg.work_dir)
     data = prepare_corpus.corpus(work, int(cfg.corpus_mb * MB), cfg.seed, log)
-    tok_dir = prepare_corpus.tokenizer(data, cfg.vocab, int(cfg.sample_mb * MB), log)
-    vocab_size = json.loads((tok_dir / prepare_corpus.MANIFEST).read_text())["vocab_size"]
+    if cfg.tokenizer == "bytes":
+        tok_dir = Path("bytes")  # usp-prepare --tokenizer bytes
+        tok = {"folder": None, "vocab_size": 257, "kind": "bytes", "eos": 256}
+    else:
+        tok_dir = prepare_corpus.tokenizer(data, cfg.vocab, int(cfg.sample_mb * MB), log)
+        vocab_size = json.loads((tok_dir / prepare_corpus.MANIFEST).read_text())["vocab_size"]
+        tok = {"folder": str(tok_dir), "vocab_size": vocab_size, "kind": "byte-level BPE",
+               "eos": prepare_corpus.EOS, "sample_mb": cfg.sample_mb}
     result = Result(cfg, {"folder": str(data.folder), "mb": data.num_bytes / MB,
                           "bytes": data.num_bytes, "documents": data.num_documents,
-                          "files": len(data.files), "seed": cfg.seed},
-                    {"folder": str(tok_dir), "vocab_size": vocab_size, "kind": "byte-level BPE",
-                     "eos": prepare_corpus.EOS, "sample_mb": cfg.sample_mb})
+                          "files": len(data.files), "seed": cfg.seed}, tok)
     env = dict(os.environ, **ENV)
     _warm_up(cfg.tools, data, env, log)
     runs = work / "runs"

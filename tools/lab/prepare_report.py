@@ -67,8 +67,8 @@ def report(result: Result, table: list[Row]) -> str:
     title = ("usp-prepare vs Hugging Face datasets" if "datasets" in b.tools else
              "usp-prepare alone (--only usp)")
     lines = [f"{title}: {c['mb']:.1f} MB of JSONL in {c['files']} "
-             f"files, {c['documents']:,} documents, {tokens:,} tokens; byte-level BPE vocab "
-             f"{result.tokenizer['vocab_size']}",
+             f"files, {c['documents']:,} documents, {tokens:,} tokens; "
+             f"{result.tokenizer['kind']} vocab {result.tokenizer['vocab_size']}",
              f"{' '.join(f'{k}={v}' for k, v in ENV.items() if k.startswith('TOKENIZERS'))} on "
              "both sides: N workers = N processes, no tokenizer threads; seconds = the whole "
              "command (start-up included)",
