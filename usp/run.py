@@ -33,6 +33,7 @@ from .mesh import SPMesh
 from .models.export import check_pretrained
 from .planner import CheckpointPolicy, Plan, detect_topology, draw_mesh, plan
 from .planner.cost import choose_a2a_chunks
+from .planner.memory import size
 from .validate import check_degrees, check_kernel, check_placement, check_ranks_per_node, check_seq_len
 from .ulysses import check_heads
 
@@ -149,8 +150,32 @@ def plan_report(cfg: PlanConfig) -> tuple[str, str]:
                         cfg.parallel.placement)
     text = "\n".join([p.format_table(),
                       f"choice: dp {best.dp} x ring {best.ring} x ulysses {best.ulysses}",
-                      p.memory_text(), str(drawing)])
+                      global_batch_text(cfg, p), p.memory_text(), str(drawing)])
     return text, drawing
+
+
+def global_batch_text(cfg: RunConfig, p: Plan) -> str:
+    """The optimizer step's batch on the plan's choice, in sequences and tokens; given
+    ``trainer.global_batch_tokens``, also the per-rank batch and accumulation that fit
+    memory (``Plan.batch_for_tokens``)."""
+    best, L, b = p.best, cfg.data.seq_len, cfg.data.batch_per_dp_rank
+    tc = cfg.trainer
+    try:
+        k = grad_accum_steps(tc, L, b, best.dp)
+        line = (f"global batch: {b * best.dp * k} sequences = {b * best.dp * k * L} tokens per "
+                f"optimizer step (batch_per_dp_rank {b} x dp {best.dp} x grad_accum_steps {k})")
+    except ValueError as e:
+        line = f"global batch: {e}"
+    if tc.global_batch_tokens is None:
+        return line
+    try:
+        fit_b, fit_k, peak = p.batch_for_tokens(tc.global_batch_tokens)
+        line += (f"\nfor trainer.global_batch_tokens={tc.global_batch_tokens}: the largest "
+                 f"per-rank batch that fits is data.batch_per_dp_rank={fit_b} with "
+                 f"trainer.grad_accum_steps={fit_k} (peak {size(peak)} per rank)")
+    except ValueError as e:
+        line += f"\nfor trainer.global_batch_tokens={tc.global_batch_tokens}: {e}"
+    return line
 
 
 def _simulated_nodes(spec, ranks_per_node: int | None, world: int):

@@ -218,3 +218,21 @@ def test_a_blend_on_the_command_line():
         _compose(overrides=["data=memmap", "data.blend=[{path: a}, {path: b, weight: 0}]"])
     with pytest.raises(ValueError, match=r"data.path is not set.*or give data.blend"):
         _compose(overrides=["data=memmap"]).data.sources()
+
+
+def test_usp_plan_speaks_of_the_global_batch_and_fits_it_in_memory():
+    from usp.run import plan_report
+
+    big = ["model=llama3_8b", "cluster=h100_ib", "nodes=4", "data.seq_len=131072"]
+    text, _ = plan_report(_compose("plan", overrides=[*big, "trainer.global_batch_tokens=4194304"]))
+    # 4 x 131072 tokens per dp rank; a second sequence per rank would not fit 80 GB
+    assert ("global batch: 32 sequences = 4194304 tokens per optimizer step (batch_per_dp_rank "
+            "1 x dp 8 x grad_accum_steps 4)") in text
+    assert "largest per-rank batch that fits is data.batch_per_dp_rank=1 with " \
+           "trainer.grad_accum_steps=4" in text
+    small = ["cluster=h100_ib", "nodes=1", "data.seq_len=1024", "parallel.ulysses_degree=8",
+             "parallel.ring_degree=1", "trainer.global_batch_tokens=4096"]
+    text, _ = plan_report(_compose("plan", overrides=small))
+    assert "data.batch_per_dp_rank=4 with trainer.grad_accum_steps=1" in text  # all fit
+    text, _ = plan_report(_compose("plan", overrides=[*big, "trainer.global_batch_tokens=1000"]))
+    assert "is no whole number of sequences for each of dp 8 ranks" in text

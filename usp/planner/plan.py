@@ -129,6 +129,27 @@ class Plan:
                 f"longest seq_len that fits this layout: {longest} "
                 f"(x{longest / self.seq_len:.2f} of {self.seq_len})")
 
+    def batch_for_tokens(self, tokens: int, c: Candidate | None = None) -> tuple[int, int, float]:
+        """(batch_per_dp_rank, grad_accum_steps, peak bytes per rank) that make a global
+        batch of ``tokens`` tokens on layout ``c`` (default the best): the largest per-rank
+        batch whose peak fits the budget, the rest by accumulation. ValueError when
+        ``tokens`` is no whole number of sequences per dp rank, or one sequence does not
+        fit."""
+        c = c or self.best
+        per_rank, rest = divmod(tokens, self.seq_len * c.dp)
+        if rest or not per_rank:
+            step = self.seq_len * c.dp
+            raise ValueError(f"trainer.global_batch_tokens={tokens} is no whole number of "
+                             f"sequences for each of dp {c.dp} ranks (seq_len {self.seq_len} "
+                             f"x dp {c.dp} = {step} tokens); use a multiple of {step}")
+        for b in sorted(_divisors(per_rank), reverse=True):
+            peak = memory_split(self.model, self.seq_len, c.dp, c.ring, c.ulysses, batch=b,
+                                **self.memory_kw).total
+            if peak <= self.budget:
+                return b, per_rank // b, peak
+        raise ValueError(f"one sequence of {self.seq_len} tokens per rank does not fit "
+                         f"{c.label()} ({size(peak)} > budget {size(self.budget)})")
+
     def find(self, dp: int, ring: int, ulysses: int) -> Candidate | None:
         return next((c for c in self.candidates if c.degrees == (dp, ring, ulysses)), None)
 
