@@ -210,7 +210,8 @@ def kill_rank(tmp: Path, ref: float, extra=(), at: int = 9) -> Outcome:
     loss = final_loss(run_dir)
     restarts = (run.out + run.err).count("usp: restart")
     resumed = [ln for ln in run.out.splitlines() if ln.startswith("resumed from")]
-    resumed_from = int(resumed[-1].rsplit(" ", 1)[1]) if resumed else 0  # "... at step K"
+    at = re.search(r" at step (\d+)", resumed[-1]) if resumed else None  # "... at step K (..."
+    resumed_from = int(at.group(1)) if at else 0
     ok = run.rc == 0 and restarts == 1 and same_loss(loss, ref) and not left
     return Outcome("SIGKILL one rank, trainer.max_restarts=1",
                    f"killed after step {killed.get('step')}, {restarts} restart, rc {run.rc}, "

@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..config import DataConfig, MemmapData, ModelConfig, RecallData
-from .files import data_paths, read_meta
+from .files import PREPARE_HINT, data_paths, read_meta
 from .indexing import sample_indices
 from .packing import Batch
 
@@ -82,7 +82,11 @@ AUTO = "auto"  # model.vocab_size=auto: the data's vocabulary
 
 
 def _meta(prefix: str) -> dict:
+    """The metadata of ``prefix``'s token files; FileNotFoundError names the missing one."""
     bin_path, json_path = data_paths(prefix)
+    if not bin_path.is_file():
+        raise FileNotFoundError(f"token file {bin_path} not found; create it with: "
+                                f"{PREPARE_HINT.format(prefix=bin_path.with_suffix(''))}")
     return read_meta(json_path, bin_path.with_suffix(""))
 
 
