@@ -19,7 +19,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from .config import DATA_KINDS, ModelConfig, PlanConfig, RunConfig
-from .data.dataset import AUTO, check_vocab, data_vocab
+from .data.dataset import AUTO, build_validation, check_vocab, data_vocab
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 
@@ -149,6 +149,7 @@ def run_training(cfg: RunConfig) -> None:
     # every task of a torchrun/Slurm launch refuses a model too small for its data here,
     # from the data's metadata, before any process group
     check_vocab(cfg.data, cfg.model)
+    build_validation(cfg.data, cfg.model, cfg.trainer.eval_windows)  # eval_windows without a split
     info = launcher_env()
     if info is None:
         nprocs = cfg.trainer.nprocs

@@ -193,7 +193,7 @@ def test_vocab_size_auto_takes_the_data_vocabulary(tmp_path):
     with pytest.raises(ValueError, match=r"vocab_size=auto takes the vocabulary of token files, "
                                          r"and data=recall has none"):
         _compose(overrides=["model.vocab_size=auto"])
-    with pytest.raises(FileNotFoundError, match=r"nowhere.json not found.*usp-prepare"):
+    with pytest.raises(FileNotFoundError, match=r"nowhere.bin not found.*usp-prepare"):
         _compose(overrides=["data=memmap", f"data.path={tmp_path / 'nowhere'}",
                             "model.vocab_size=auto"])
     with pytest.raises(ValueError, match=r"model.vocab_size='big' is neither a whole number "
@@ -223,16 +223,22 @@ def test_a_blend_on_the_command_line():
 def test_usp_plan_speaks_of_the_global_batch_and_fits_it_in_memory():
     from usp.run import plan_report
 
-    big = ["model=llama3_8b", "cluster=h100_ib", "nodes=4", "data.seq_len=131072"]
-    text, _ = plan_report(_compose("plan", overrides=[*big, "trainer.global_batch_tokens=4194304"]))
-    # 4 x 131072 tokens per dp rank; a second sequence per rank would not fit 80 GB
-    assert ("global batch: 32 sequences = 4194304 tokens per optimizer step (batch_per_dp_rank "
-            "1 x dp 8 x grad_accum_steps 4)") in text
-    assert "largest per-rank batch that fits is data.batch_per_dp_rank=1 with " \
+    big = ["model=llama3_8b", "cluster=h100_ib", "nodes=4", "data.seq_len=8192"]
+    text, _ = plan_report(_compose("plan", overrides=[*big, "trainer.global_batch_tokens=2097152"]))
+    # 8 sequences per dp rank: 8 or 4 at once do not fit 80 GB (with accumulation FSDP also
+    # holds 30 GiB of unsharded fp32 gradients), 2 at once x 4 micro-batches do
+    assert ("global batch: 256 sequences = 2097152 tokens per optimizer step (batch_per_dp_rank "
+            "1 x dp 32 x grad_accum_steps 8)") in text
+    assert "largest per-rank batch that fits is data.batch_per_dp_rank=2 with " \
            "trainer.grad_accum_steps=4" in text
+    long = ["model=llama3_8b", "cluster=h100_ib", "nodes=4", "data.seq_len=131072",
+            "trainer.global_batch_tokens=2097152"]
+    text, _ = plan_report(_compose("plan", overrides=long))
+    assert "FSDP holds the unsharded fp32 gradients (29.9 GiB)" in text
+    assert "trainer.global_batch_tokens=1048576 (one sequence per dp rank" in text
     small = ["cluster=h100_ib", "nodes=1", "data.seq_len=1024", "parallel.ulysses_degree=8",
              "parallel.ring_degree=1", "trainer.global_batch_tokens=4096"]
     text, _ = plan_report(_compose("plan", overrides=small))
     assert "data.batch_per_dp_rank=4 with trainer.grad_accum_steps=1" in text  # all fit
     text, _ = plan_report(_compose("plan", overrides=[*big, "trainer.global_batch_tokens=1000"]))
-    assert "is no whole number of sequences for each of dp 8 ranks" in text
+    assert "is no whole number of sequences for each of dp 32 ranks" in text

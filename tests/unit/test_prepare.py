@@ -225,3 +225,49 @@ def test_an_interrupted_run_keeps_the_previous_output(tmp_path, tokdir, monkeypa
     prepare(src, "*.jsonl", out, val_fraction=0, **_quiet())
     assert not (tmp_path / "c.tokenizer").exists() and not (tmp_path / "c.val.bin").exists()
     assert json.loads((tmp_path / "c.json").read_text())["tokenizer"] == "bytes+eos"
+
+
+def test_unreadable_files_and_unencodable_lines(tmp_path):
+    import shutil as sh
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.jsonl").write_text('{"text": "fine"}\n{"text": "broken emoji \\ud83d here"}\n')
+    meta = prepare(src, "*.jsonl", tmp_path / "c", val_fraction=0, **_quiet())
+    assert meta["num_documents"] == 1
+    assert meta["problems"]["counts"] == {"line skipped, text not encodable as UTF-8": 1}
+    assert meta["problems"]["examples"]["line skipped, text not encodable as UTF-8"][0] \
+        .startswith("a.jsonl:2 (surrogates not allowed")
+    with gzip.open(src / "b.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"text": "x" * 5000}) + "\n")
+    data = (src / "b.jsonl.gz").read_bytes()
+    (src / "b.jsonl.gz").write_bytes(data[: len(data) // 2])  # truncated
+    with pytest.raises(ValueError, match=r"b.jsonl.gz cannot be read \(EOFError"):
+        prepare(src, "*", tmp_path / "d", **_quiet())
+    (src / "b.jsonl.gz").unlink()
+    (src / "c.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(ValueError, match=r"c.parquet cannot be read as Parquet"):
+        prepare(src, "*", tmp_path / "d", **_quiet())
+    assert not list(tmp_path.glob("d*"))
+    sh.rmtree(src)
+
+
+def test_blends_compare_tokenizers_by_content_not_path(tmp_path):
+    from usp.config import BlendSource, MemmapData
+    from usp.data.dataset import data_vocab
+
+    src = jsonl_corpus(tmp_path / "src", texts(20), bad=False)
+    bpe().save(str(tmp_path / "tok.json"))
+    (tmp_path / "copy.json").write_bytes((tmp_path / "tok.json").read_bytes())
+    bpe(vocab_size=280).save(str(tmp_path / "other.json"))
+    for name, tok in (("a", "tok.json"), ("b", "copy.json"), ("c", "other.json")):
+        prepare(src, "*.jsonl", tmp_path / name, tokenizer=tmp_path / tok, val_fraction=0,
+                **_quiet())
+
+    def blend(*names):
+        return MemmapData(blend=[BlendSource(path=str(tmp_path / n)) for n in names])
+
+    assert data_vocab(blend("a", "b")) == json.loads((tmp_path / "a.json").read_text())[
+        "vocab_size"]  # the same tokenizer from two paths
+    with pytest.raises(ValueError, match=r"mixes token files of different tokenizers"):
+        data_vocab(blend("a", "c"))

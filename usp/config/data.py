@@ -30,6 +30,7 @@ class _Batches:
     seq_len: int
     batch_per_dp_rank: int
     packing: str
+    seed: int
 
     def global_batch(self, dp: int) -> int:
         """Sequences per step over all ``dp`` data-parallel ranks."""
@@ -41,6 +42,7 @@ class _Batches:
                              f"choose the dataset with the group: "
                              f"{' or '.join(f'data={k}' for k in DATA_KINDS)}")
         at_least("data", 1, seq_len=self.seq_len, batch_per_dp_rank=self.batch_per_dp_rank)
+        at_least("data", 0, seed=self.seed)
         one_of("data.packing", self.packing, PACKINGS)
 
     @property

@@ -100,7 +100,8 @@ def data_vocab(dc: DataConfig) -> int:
                          f"data={dc.kind} has none; set model.vocab_size to a number (the "
                          f"default is {ModelConfig.vocab_size})")
     metas = [(path, _meta(path)) for path, _ in dc.sources()]
-    kinds = {(m["tokenizer"], int(m["vocab_size"])) for _, m in metas}
+    # the tokenizer's content where usp-prepare recorded it, else its name
+    kinds = {(m.get("tokenizer_hash", m["tokenizer"]), int(m["vocab_size"])) for _, m in metas}
     if len(kinds) > 1:
         seen = "; ".join(f"{p}: {m['tokenizer']}, vocab {m['vocab_size']}" for p, m in metas)
         raise ValueError(f"data.blend mixes token files of different tokenizers ({seen}); "
@@ -161,10 +162,12 @@ def build_validation(dc: DataConfig, mc: ModelConfig,
         except (FileNotFoundError, ValueError) as e:
             if eval_windows is None:
                 continue
+            why = str(e).split("; ")[0]  # without the reader's own fix: it names this prefix
             raise ValueError(f"trainer.eval_windows={eval_windows} asks for validation, but "
-                             f"the split {prefix}.bin cannot be read ({e}); usp-prepare writes "
-                             "it (--val-fraction, default 0.01), or set "
-                             "trainer.eval_windows=null") from None
+                             f"the split {prefix}.bin cannot be read ({why}); usp-prepare "
+                             f"--out {path} writes it beside the training split "
+                             "(--val-fraction, default 0.01), or set trainer.eval_windows=null"
+                             ) from None
         check_vocab(replace(dc, path=prefix, blend=None), mc)
         windows = min(EVAL_WINDOWS, ds.num_windows) if eval_windows is None else eval_windows
         if windows > ds.num_windows:

@@ -106,7 +106,8 @@ def prepare(src: str | Path, pattern: str, out: str | Path, max_bytes: int | Non
             log(f"note: no document fell in the validation split ({train.num_documents} "
                 f"documents x {val_fraction} = {train.num_documents * val_fraction:.2f}); no "
                 f"{out}{VAL_SUFFIX}.* written; raise --val-fraction for one")
-        extra = {"eos_id": spec.eos_id, "problems": problems.as_dict()}
+        extra = {"eos_id": spec.eos_id, "problems": problems.as_dict(),
+                 "tokenizer_hash": spec.fingerprint}
         if not spec.is_bytes:
             extra["tokenizer_dir"] = tokenizer_dir(out).name
         val_meta = (splits["val"].finish(split="validation", **extra) if "val" in splits

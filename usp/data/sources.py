@@ -17,6 +17,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -53,7 +54,7 @@ class Problems:
     def add(self, reason: str, where: str, detail: str = "", n: int = 1) -> None:
         if self.strict:
             raise ValueError(f"{where}: {reason}{detail} (--strict stops at the first bad "
-                             "line; drop --strict to skip and count them)")
+                             "line or file; drop --strict to count them and go on)")
         self.counts[reason] = self.counts.get(reason, 0) + n
         kept = self.examples.setdefault(reason, [])
         if len(kept) < EXAMPLES:
@@ -125,10 +126,14 @@ class Corpus:
                 docs = ((ident, [text]) for ident, text in self._parquet(path, rel))
             else:
                 docs = [(f"{rel}:1", self._text(path, rel))]
-            for ident, chunks in docs:
-                yield from self._pieces(ident, chunks)
-                if self._full():
-                    break
+            try:
+                for ident, chunks in docs:
+                    yield from self._pieces(ident, chunks)
+                    if self._full():
+                        break
+            except (OSError, EOFError, zlib.error) as e:  # truncated or corrupt, not a bad line
+                raise ValueError(f"{rel} cannot be read ({type(e).__name__}: {e}); fix or "
+                                 "remove the file, or narrow --glob") from None
             self.bytes_read += path.stat().st_size
 
     def _full(self) -> bool:
@@ -140,7 +145,12 @@ class Corpus:
         val = in_validation(ident, self.val_fraction)
         pending, first = None, True  # one piece held back, so the last can say so
         for chunk in chunks:
-            data = chunk if isinstance(chunk, bytes) else chunk.encode("utf-8")
+            try:
+                data = chunk if isinstance(chunk, bytes) else chunk.encode("utf-8")
+            except UnicodeEncodeError as e:  # JSON's "\ud83d": a lone surrogate
+                self.problems.add("line skipped, text not encodable as UTF-8", ident,
+                                  f" ({e.reason} at {e.start})")
+                return
             start = 0
             while start < len(data) and not self._full():
                 end = _cut(data, start)
@@ -176,7 +186,7 @@ class Corpus:
                         yield piece.decode("utf-8")
                     except UnicodeDecodeError as e:
                         if not bad:
-                            self.problems.add("document kept, invalid UTF-8 replaced by U+FFFD",
+                            self.problems.add("invalid UTF-8 (without --strict: kept, bad bytes replaced by U+FFFD)",
                                               rel, f" at byte {e.start} of a {len(piece)}-byte "
                                               "block")
                             bad = True
@@ -215,8 +225,17 @@ class Corpus:
         except ImportError as e:
             raise ValueError(f"{rel} is Parquet, which needs pyarrow; install it with: "
                              "pip install 'usp[data]'") from e
-        pf = pq.ParquetFile(path)
+        if path.name.endswith(".gz"):
+            raise ValueError(f"{rel}: a gzipped Parquet file; Parquet compresses inside, so "
+                             "unzip it (or write it with compression= set)")
+        try:
+            pf = pq.ParquetFile(path)
+        except Exception as e:  # pyarrow's own errors: not a Parquet file, a damaged footer
+            raise ValueError(f"{rel} cannot be read as Parquet ({e}); fix or remove the file, "
+                             "or narrow --glob") from None
         names = pf.schema_arrow.names
+        if self.text_key not in names and pf.metadata.num_rows == 0:
+            return
         if self.text_key not in names:
             self.problems.add(f"rows skipped, no column {self.text_key!r} (--text-key)",
                               f"{rel}:1", f" (columns {names[:6]}; all "

@@ -9,6 +9,7 @@ BOS or template); ``usp-prepare`` appends the EOS id after each document.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
@@ -42,6 +43,14 @@ class TokenizerSpec:
     @property
     def is_bytes(self) -> bool:
         return self.state is None
+
+    @property
+    def fingerprint(self) -> str:
+        """What makes two token files comparable: the tokenizer's content and EOS, not the
+        path it was loaded from (``"bytes+eos"`` for the byte tokenizer)."""
+        if self.is_bytes:
+            return self.name
+        return hashlib.sha256(f"{self.state}\0{self.eos_id}".encode()).hexdigest()[:16]
 
     def save(self, out_dir: Path) -> None:
         """Write files ``AutoTokenizer.from_pretrained(out_dir)`` loads (nothing for bytes)."""

@@ -132,7 +132,9 @@ class Plan:
     def batch_for_tokens(self, tokens: int, c: Candidate | None = None) -> tuple[int, int, float]:
         """(batch_per_dp_rank, grad_accum_steps, peak bytes per rank) that make a global
         batch of ``tokens`` tokens on layout ``c`` (default the best): the largest per-rank
-        batch whose peak fits the budget, the rest by accumulation. ValueError when
+        batch whose peak fits the budget, the rest by accumulation. With accumulation the
+        peak includes the unsharded fp32 gradients FSDP holds between micro-batches (4
+        bytes per parameter on every rank). ValueError when
         ``tokens`` is no whole number of sequences per dp rank, or one sequence does not
         fit."""
         c = c or self.best
@@ -142,11 +144,22 @@ class Plan:
             raise ValueError(f"trainer.global_batch_tokens={tokens} is no whole number of "
                              f"sequences for each of dp {c.dp} ranks (seq_len {self.seq_len} "
                              f"x dp {c.dp} = {step} tokens); use a multiple of {step}")
-        for b in sorted(_divisors(per_rank), reverse=True):
+        grads = 4 * self.model.num_params()  # FSDP holds them unsharded, in fp32, between
+        for b in sorted(_divisors(per_rank), reverse=True):  # micro-batches
             peak = memory_split(self.model, self.seq_len, c.dp, c.ring, c.ulysses, batch=b,
                                 **self.memory_kw).total
+            if per_rank // b > 1:
+                peak += grads
             if peak <= self.budget:
                 return b, per_rank // b, peak
+        if per_rank > 1 and peak - grads <= self.budget:
+            raise ValueError(f"{per_rank} sequences per dp rank need grad_accum_steps "
+                             f"{per_rank} at one per micro-batch, and between micro-batches "
+                             f"FSDP holds the unsharded fp32 gradients ({size(grads)}): peak "
+                             f"{size(peak)} > budget {size(self.budget)} on {c.label()}; use "
+                             f"more dp ranks or trainer.global_batch_tokens="
+                             f"{self.seq_len * c.dp} (one sequence per dp rank, no "
+                             "accumulation)")
         raise ValueError(f"one sequence of {self.seq_len} tokens per rank does not fit "
                          f"{c.label()} ({size(peak)} > budget {size(self.budget)})")
 
