@@ -70,8 +70,8 @@ def _four_rank_runs(root: str, prefix: str) -> None:
     root = Path(root)
     # (b=4, K=1) and (b=2, K=2) at (ulysses, ring) = (2, 2): one sequence per 4 ranks
     for packing in ("none", "documents"):
-        train(cfg(root / f"b4k1_{packing}", prefix, b=4, packing=packing))
-        train(cfg(root / f"b2k2_{packing}", prefix, b=2, accum=2, packing=packing))
+        train(cfg(root / f"b4k1_{packing}", prefix, b=4, packing=packing, steps=4))
+        train(cfg(root / f"b2k2_{packing}", prefix, b=2, accum=2, packing=packing, steps=4))
     # dp 2 x ulysses 2: FSDP reduce-scatters once per optimizer step whatever K
     for name, b, k in (("dp_k1", 2, 1), ("dp_k2", 1, 2)):
         sent: list = []
@@ -99,7 +99,7 @@ def _four_rank_runs(root: str, prefix: str) -> None:
     c = cfg(root / "blend_stopped", prefix, steps=6, eval_windows=4, seed=9)
     train(replace(c, data=replace(c.data, path=None, blend=blend)))
     # validation: every 4 steps and at the end, wandb offline
-    train(replace(cfg(root / "val", prefix, steps=12, eval_every=4, eval_windows=6),
+    train(replace(cfg(root / "val", prefix, steps=8, eval_every=4, eval_windows=6),
                   logging=LoggingConfig(wandb="offline", jsonl=True, plot=False, progress=False)))
 
 
@@ -145,7 +145,7 @@ def _weights(run_dir) -> dict:
 @pytest.mark.parametrize("packing", ["none", "documents"])
 def test_accumulation_gives_the_same_losses_and_weights(runs, packing):
     one, two = _metrics(runs / f"b4k1_{packing}"), _metrics(runs / f"b2k2_{packing}")
-    assert sorted(one) == sorted(two) == list(range(1, 7))
+    assert sorted(one) == sorted(two) == list(range(1, 5))
     for s in one:
         for key in ("loss", "grad_norm"):
             a, b = one[s][key], two[s][key]
@@ -155,7 +155,7 @@ def test_accumulation_gives_the_same_losses_and_weights(runs, packing):
     wa, wb = _weights(runs / f"b4k1_{packing}"), _weights(runs / f"b2k2_{packing}")
     for name in wa:
         torch.testing.assert_close(wb[name], wa[name], rtol=1e-5, atol=1e-6, msg=name)
-    assert one[6]["loss"] < one[1]["loss"]
+    assert one[4]["loss"] < one[1]["loss"]
 
 
 def test_fsdp_reduces_once_per_optimizer_step(runs):
@@ -187,11 +187,11 @@ def test_resume_mid_epoch_is_exact_also_with_dp_halved(runs):
 def test_validation_loss_falls_and_is_recorded(runs):
     hist = _metrics(runs / "val")
     evals = sorted(s for s, rec in hist.items() if "val_loss" in rec)
-    assert evals == [4, 8, 12]
-    assert hist[12]["val_loss"] < hist[4]["val_loss"]
-    assert hist[12]["val_ppl"] == pytest.approx(np.exp(hist[12]["val_loss"]))
+    assert evals == [4, 8]
+    assert hist[8]["val_loss"] < hist[4]["val_loss"]
+    assert hist[8]["val_ppl"] == pytest.approx(np.exp(hist[8]["val_loss"]))
     summary = json.loads((runs / "val" / "summary.json").read_text())
-    assert summary["val_loss"] == hist[12]["val_loss"]
+    assert summary["val_loss"] == hist[8]["val_loss"]
     offline = list((runs / "val").rglob("*.wandb"))
     assert offline and b"val_loss" in offline[0].read_bytes()
 

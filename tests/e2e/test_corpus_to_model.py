@@ -74,7 +74,13 @@ def test_corpus_to_tokens_to_a_model_transformers_runs(prepared):
     out_dir = tmp / "hf"
     r = _run("usp-export", run, out_dir)
     assert r.returncode == 0 and r.stderr == "", r.stderr[-3000:]
-    assert "LlamaForCausalLM" in r.stdout and "tokenizer: copied" in r.stdout
+    from usp.config import ModelConfig
+
+    n = ModelConfig(vocab_size=meta["vocab_size"]).num_params()  # the tiny shape, tied
+    assert r.stdout.splitlines() == [
+        f"usp-export: wrote LlamaForCausalLM ({n:,} parameters, float32) from "
+        f"{run}/checkpoints/step_000040 to {out_dir}",
+        f"usp-export: tokenizer: copied from {run}/tokenizer"]
 
     model = AutoModelForCausalLM.from_pretrained(out_dir).eval()
     tok = AutoTokenizer.from_pretrained(out_dir)

@@ -1,8 +1,8 @@
 """usp-export's parts in one process: what a run records for export (its model config and
 its data's tokenizer), model configs this usp cannot build, and the command's refusals that
 need no checkpoint (one error line, exit 2, nothing written). Exports of real runs'
-checkpoints: ``distributed/test_export_ranks.py``; the command after usp-train:
-``e2e/test_export_command.py``."""
+checkpoints: ``distributed/test_export_ranks.py``; the command after usp-prepare and usp-train:
+``e2e/test_corpus_to_model.py``."""
 
 import json
 from dataclasses import asdict
