@@ -18,3 +18,31 @@ def small_cfg(run_dir, u=2, r=2, steps=6, model=MODEL, **trainer_kw) -> RunConfi
         trainer=TrainerConfig(steps=steps, run_dir=str(run_dir), nprocs=u * r, **trainer_kw),
         logging=QUIET,
     )
+
+
+def checkpointed_model(cfg: RunConfig, run, mesh, layout):
+    """(model, optimizer, schedule) of a finished run, on every rank of ``mesh``: the model
+    built and FSDP-sharded as the trainer builds it (the built-in one or ``model.hf``'s),
+    its weights loaded from the run's newest checkpoint (the optimizer and schedule only
+    hold the checkpoint's other entries)."""
+    from functools import partial
+
+    import torch
+
+    from usp.attention import usp_attention
+    from usp.models.checkpoint import latest_checkpoint, load_checkpoint
+    from usp.models.llama import Transformer
+    from usp.train.trainer import _hf_model, shard_model
+
+    if cfg.model.hf is None:
+        attn = partial(usp_attention, mesh=mesh, layout=layout, causal=True,
+                       **run.attention_options())
+        model = Transformer(cfg.model, attn)
+        blocks = model.layers
+    else:
+        model, blocks = _hf_model(cfg, run, mesh, layout)
+    shard_model(model, mesh.submesh("dp_sp"), "fp32", blocks)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    load_checkpoint(latest_checkpoint(cfg.trainer.run_dir), model, opt, sched)
+    return model, opt, sched

@@ -9,7 +9,6 @@ import contextlib
 import io
 import json
 import shutil
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from usp.models.export import MODEL_CONFIG, main
 from usp.train.trainer import train
 
 from _export_runs import RUNS, TEXT, corpus, memmap, run_cfg
+from _hf_runs import checkpointed_model
 
 pytest.importorskip("transformers")
 ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -34,29 +34,16 @@ LAST = "checkpoints/step_000003"  # each run's one checkpoint
 def _reference(cfg: RunConfig) -> None:
     """Rank 0 saves usp's logits [B, L, V] and summed loss on held-out batch 10**6: the
     run's model built and sharded as the trainer does, loaded from its newest checkpoint."""
-    from usp.attention import usp_attention
     from usp.data.dataset import build_dataset
     from usp.layout import SequenceLayout
-    from usp.models.checkpoint import latest_checkpoint, load_checkpoint
-    from usp.models.llama import Transformer
     from usp.run import resolve_run
-    from usp.train.trainer import _hf_model, forward, loss_and_predictions, shard_model
+    from usp.train.trainer import forward, loss_and_predictions
 
     run = resolve_run(cfg, dist.get_world_size(), "cpu")
     seq_len = cfg.data.seq_len
     with run.build_mesh() as mesh:
         layout = SequenceLayout(mesh, seq_len=seq_len, balance=run.balance)
-        if cfg.model.hf is None:
-            attn = partial(usp_attention, mesh=mesh, layout=layout, causal=True,
-                           **run.attention_options())
-            model = Transformer(cfg.model, attn)
-            blocks = model.layers
-        else:
-            model, blocks = _hf_model(cfg, run, mesh, layout)
-        shard_model(model, mesh.submesh("dp_sp"), "fp32", blocks)
-        opt = torch.optim.AdamW(model.parameters())
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        load_checkpoint(latest_checkpoint(cfg.trainer.run_dir), model, opt, sched)
+        model, opt, sched = checkpointed_model(cfg, run, mesh, layout)
         data = build_dataset(cfg.data, cfg.model)
         positions = layout.positions()
         b = data.model_batch(10**6, 2, 0, 1, positions=positions)  # no step drew it

@@ -17,7 +17,7 @@ from usp.data.dataset import build_dataset
 from usp.run import resolve_run
 from usp.train.trainer import train
 
-from _hf_runs import MODEL, small_cfg
+from _hf_runs import MODEL, checkpointed_model, small_cfg
 
 pytest.importorskip("transformers")
 
@@ -35,16 +35,11 @@ def _logits_worker(cfg: RunConfig, exported: str, out: str) -> None:
 
     from usp.layout import SequenceLayout
     from usp.mesh import SPMesh
-    from usp.models.checkpoint import latest_checkpoint, load_checkpoint
-    from usp.train.trainer import _hf_model, forward, shard_model
+    from usp.train.trainer import forward
 
     with SPMesh.build(ulysses=2, ring=2) as mesh:
         layout = SequenceLayout(mesh, seq_len=cfg.data.seq_len)
-        model, blocks = _hf_model(cfg, resolve_run(cfg, 4, "cpu"), mesh, layout)
-        shard_model(model, mesh.submesh("dp_sp"), "fp32", blocks)
-        opt = torch.optim.AdamW(model.parameters())
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        load_checkpoint(latest_checkpoint(cfg.trainer.run_dir), model, opt, sched)
+        model, opt, sched = checkpointed_model(cfg, resolve_run(cfg, 4, "cpu"), mesh, layout)
         data = build_dataset(cfg.data, cfg.model)
         positions = layout.positions()
         b = data.model_batch(10**6, 2, 0, 1, positions=positions)
