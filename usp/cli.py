@@ -146,10 +146,6 @@ def run_training(cfg: RunConfig) -> None:
     from .train.faults import Preempted
     from .train.trainer import train
 
-    # every task of a torchrun/Slurm launch refuses a model too small for its data here,
-    # from the data's metadata, before any process group
-    check_vocab(cfg.data, cfg.model)
-    build_validation(cfg.data, cfg.model, cfg.trainer.eval_windows)  # eval_windows without a split
     info = launcher_env()
     if info is None:
         nprocs = cfg.trainer.nprocs
@@ -163,6 +159,11 @@ def run_training(cfg: RunConfig) -> None:
         if code:  # the ranks' own exit code, e.g. preempted after a forwarded SIGTERM
             raise SystemExit(code)
         return
+    # every task refuses, before any process group, a model too small for its data (from
+    # the data's metadata) and trainer.eval_windows without a validation split; the local
+    # launch checks both in resolve_run, before spawning
+    check_vocab(cfg.data, cfg.model)
+    build_validation(cfg.data, cfg.model, cfg.trainer.eval_windows)
     # refuses a missing GPU before joining; trainer.timeout_s bounds every collective
     device = init_from_env(info, cfg.trainer.device, timeout_s=cfg.trainer.timeout_s)
     try:
