@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from . import slurm
 from .comm import PEER_LOST
 
 
@@ -129,7 +130,7 @@ def spawn_local(fn, world_size: int, *args, threads: int | None = None,
 
 # ---- supervised local launch: restarts, signal forwarding, no rank left behind ---------------
 
-FORWARDED_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1")  # sent on to every rank by run_local
+FORWARDED_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")  # sent on to every rank by run_local
 _SETTLE_S = 2.0  # after a rank lost its peer: how long the peer may take to report why
 
 
@@ -268,7 +269,7 @@ def run_local(fn, nprocs: int, *args, max_restarts: int = 0, device_type: str = 
       rendezvous (new port), at most ``max_restarts`` times, one log line per restart.
       ``fn`` resumes from its last complete checkpoint (the trainer does, from run_dir).
     - A ``ValueError`` in a rank is a refusal: re-raised here, never retried.
-    - SIGTERM/SIGINT/SIGUSR1 sent to this process are forwarded to every rank; the ranks
+    - SIGTERM/SIGINT/SIGUSR1/SIGUSR2 sent to this process are forwarded to every rank; the ranks
       get ``grace_s`` to checkpoint and exit (then are killed) and their exit code is
       returned, without restart. So is the code of a rank that exits on purpose
       (``SystemExit(n)`` or an exception with an int ``exit_code``, e.g. preemption).
@@ -298,15 +299,6 @@ def run_local(fn, nprocs: int, *args, max_restarts: int = 0, device_type: str = 
                        f"(trainer.max_restarts={max_restarts}); last: {line}")
 
 
-def _first_slurm_host(nodelist: str) -> str:
-    """'gpu[012-015,020],cpu01' -> 'gpu012' (the first host of a Slurm node list)."""
-    first = nodelist.split(",")[0]  # 'gpu[012-015' or 'cpu01'
-    if "[" not in first:
-        return first
-    prefix, ranges = first.split("[", 1)
-    return prefix + ranges.split("-")[0].rstrip("]")
-
-
 def launcher_env(env=None) -> dict | None:
     """Rank/world/master from torchrun or Slurm variables, or None for a plain local launch."""
     env = os.environ if env is None else env
@@ -323,20 +315,105 @@ def launcher_env(env=None) -> dict | None:
         return info
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:  # srun / submitit
         nodelist = env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "127.0.0.1"))
+        port, port_source = slurm.rendezvous_port(env)
         return {"kind": "slurm", "rank": int(env["SLURM_PROCID"]),
                 "world": int(env["SLURM_NTASKS"]), "local_rank": int(env.get("SLURM_LOCALID", 0)),
-                "master_addr": env.get("MASTER_ADDR", _first_slurm_host(nodelist)),
-                "master_port": int(env.get("MASTER_PORT", 29500))}
+                "master_addr": env.get("MASTER_ADDR", slurm.first_host(nodelist)),
+                "master_port": port, "port_source": port_source,
+                "identity": slurm.identity(env), "placement": slurm.placement(env)}
     return None
 
 
-def init_from_env(info: dict, device: str = "auto", timeout_s: float = 600.0) -> torch.device:
+class RendezvousError(RuntimeError):
+    """This rank could not join its own job's group (port taken, another job's rendezvous).
+    Unlike a refusal, it is this rank's own: the rank that raised it prints it."""
+
+
+_IDENTITY_KEY = "usp/identity"
+
+
+def _rendezvous_store(info: dict, timeout: timedelta) -> dist.Store:
+    """The store this launch's ranks meet in: rank 0 serves it on ``master_port`` and
+    publishes the launch's identity; every other rank checks it met its own launch. The
+    group's keys live under that identity, so ranks of two launches never mix."""
+    rank, host, port = info["rank"], info["master_addr"], info["master_port"]
+    ident = info["identity"]
+    fix = ("unset MASTER_PORT (usp then takes a port per job) or give each job its own"
+           if info.get("port_source") == "MASTER_PORT" else "set MASTER_PORT to a free port")
+    try:
+        store = dist.TCPStore(host, port, info["world"], is_master=rank == 0, timeout=timeout,
+                              wait_for_workers=False)
+    except (RuntimeError, OSError) as e:
+        if rank == 0 and ("EADDRINUSE" in str(e) or "already in use" in str(e).lower()):
+            raise RendezvousError(
+                f"rank 0 of {ident}: port {port} ({info.get('port_source')}) on {host} is "
+                f"already taken, perhaps by another job on this node; {fix}") from None
+        raise RendezvousError(f"rank {rank} of {ident}: no rendezvous at {host}:{port} "
+                              f"({info.get('port_source')}) within {timeout}: {e}") from None
+    if rank == 0:
+        store.set(_IDENTITY_KEY, ident)
+    else:
+        met = store.get(_IDENTITY_KEY).decode()
+        if met != ident:
+            raise RendezvousError(
+                f"rank {rank} of {ident} reached the rendezvous at {host}:{port} "
+                f"({info.get('port_source')}), which belongs to {met}: two jobs on one port; "
+                f"{fix}")
+    return dist.PrefixStore(f"usp/{ident}/", store)
+
+
+def rendezvous_store(info: dict, timeout_s: float = 600.0) -> dist.Store:
+    """The store this launch's ranks meet in (``launcher_env``), before any process group.
+
+    Under torchrun a client of the agent's store, one prefix per restart attempt; under
+    Slurm a store of the job step's own, which refuses a rank of another job
+    (``RendezvousError``); otherwise a store served by rank 0 on ``master_port``."""
+    timeout = timedelta(seconds=timeout_s)
+    if "store_prefix" in info:  # torchrun: a client of the agent's store, one prefix per attempt
+        store = dist.TCPStore(info["master_addr"], info["master_port"], info["world"],
+                              is_master=False, timeout=timeout)
+        return dist.PrefixStore(info["store_prefix"], store)
+    if "identity" in info:  # Slurm: a store of this job step's own, identity checked
+        return _rendezvous_store(info, timeout)
+    store = dist.TCPStore(info["master_addr"], info["master_port"], info["world"],
+                          is_master=info["rank"] == 0, timeout=timeout, wait_for_workers=False)
+    return dist.PrefixStore("usp/", store)
+
+
+def start_together(store: dist.Store, info: dict, refusal: str | None,
+                   timeout_s: float = 600.0) -> str | None:
+    """Every task's verdict on its own checks, exchanged through ``store`` before any process
+    group: None when all may start, else the one refusal every task raises: rank 0's when it
+    refused (then all refused alike, as they share config and environment), otherwise the
+    first refusing rank's, named. So a task whose node lacks a file is heard, once."""
+    rank, world = info["rank"], info["world"]
+    votes = dist.PrefixStore("start/", store)
+    votes.set(f"rank{rank}", refusal or "")
+    if rank == 0:
+        keys = [f"rank{r}" for r in range(world)]
+        votes.wait(keys, timedelta(seconds=timeout_s))
+        said = [votes.get(k).decode() for k in keys]
+        refused = [r for r, text in enumerate(said) if text]
+        verdict = ""
+        if refused and said[0]:
+            verdict = said[0]
+        elif refused:
+            ranks = ", ".join(map(str, refused[:8])) + (", ..." if len(refused) > 8 else "")
+            verdict = (f"rank {refused[0]} (of {len(refused)} refusing: {ranks}): "
+                       f"{said[refused[0]]}")
+        votes.set("verdict", verdict)
+    verdict = votes.get("verdict").decode()
+    return verdict or None
+
+
+def init_from_env(info: dict, device: str = "auto", timeout_s: float = 600.0,
+                  store: dist.Store | None = None) -> torch.device:
     """Join the process group described by ``launcher_env``; returns this rank's device.
 
     ``device`` is ``trainer.device`` (see ``choose_device``); on CUDA the rank drives GPU
     ``cuda_index(local_rank, visible GPUs)``. ``ValueError`` (e.g. cuda without a GPU) is
-    raised before joining. ``timeout_s`` (``trainer.timeout_s``): collective timeout. Under
-    torchrun the rendezvous uses the agent's store, keyed by restart attempt.
+    raised before joining. ``timeout_s`` (``trainer.timeout_s``): collective timeout. The
+    group meets in ``store`` (default: ``rendezvous_store(info)``).
     """
     visible = torch.cuda.device_count()
     backend, device_type = choose_device(device, 1, torch.cuda.is_available(), visible)
@@ -344,13 +421,8 @@ def init_from_env(info: dict, device: str = "auto", timeout_s: float = 600.0) ->
     if device_type == "cuda":
         index = cuda_index(info["local_rank"], visible)
         torch.cuda.set_device(index)  # before NCCL binds a device
-    timeout = timedelta(seconds=timeout_s)
-    if "store_prefix" in info:  # torchrun: a client of the agent's store, one prefix per attempt
-        store = dist.TCPStore(info["master_addr"], info["master_port"], info["world"],
-                              is_master=False, timeout=timeout)
-        rendezvous = {"store": dist.PrefixStore(info["store_prefix"], store)}
-    else:
-        rendezvous = {"init_method": f"tcp://{info['master_addr']}:{info['master_port']}"}
+    if store is None:
+        store = rendezvous_store(info, timeout_s)
     dist.init_process_group(backend, rank=info["rank"], world_size=info["world"],
-                            timeout=timeout, **rendezvous)
+                            timeout=timedelta(seconds=timeout_s), store=store)
     return torch.device(device_type, index)

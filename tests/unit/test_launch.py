@@ -3,7 +3,8 @@ torchrun for real: ``e2e/test_launch_torchrun.py``."""
 
 import pytest
 
-from usp.launch import _first_slurm_host, launcher_env
+from usp.launch import launcher_env
+from usp.slurm import first_host
 
 
 def test_plain_launch_has_no_env():
@@ -25,7 +26,7 @@ def test_torchrun_env():
     ("node[3,5]", "node3"),
 ])
 def test_slurm_nodelist_first_host(nodelist, first):
-    assert _first_slurm_host(nodelist) == first
+    assert first_host(nodelist) == first
 
 
 def test_slurm_env():

@@ -24,7 +24,7 @@ LAYERS = (
     ("planner",),
     ("run",),
     ("train",),
-    ("launch", "cli", "bench"),
+    ("slurm", "launch", "cli", "bench"),
 )
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 

@@ -1,0 +1,85 @@
+"""usp.slurm: the job's rendezvous port and identity, its placement, requeue after a
+preemption checkpoint (scontrol faked). Against a real Slurm: ``tests/slurm``."""
+
+import subprocess
+
+import pytest
+
+from usp.launch import launcher_env
+from usp.slurm import (PORT_BASE, PORT_SLOTS, PORT_STRIDE, identity, job_fields, job_port,
+                       placement, rendezvous_port, requeue, tasks_per_node)
+
+
+def test_job_ports_differ_per_job_and_step_and_stay_in_range():
+    ports = {job_port(j, s) for j in range(1000, 1000 + PORT_SLOTS) for s in range(PORT_STRIDE)}
+    assert len(ports) == PORT_SLOTS * PORT_STRIDE  # no two (job, step) of a window share one
+    assert min(ports) == PORT_BASE and max(ports) < 32768  # below the ephemeral range
+    assert job_port(12345, 0) != job_port(12346, 0) != job_port(12345, 1)
+
+
+def test_master_port_overrides_the_jobs_port():
+    env = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "1"}
+    assert rendezvous_port(env) == (job_port(4242, 1), "job 4242's port")
+    assert rendezvous_port({**env, "MASTER_PORT": "29400"}) == (29400, "MASTER_PORT")
+    assert rendezvous_port({}) == (29500, "default")
+    assert identity(env) == "slurm job 4242 step 1"
+
+
+@pytest.mark.parametrize("value,counts,text", [
+    ("2(x2)", [2, 2], "2 nodes x 2 tasks"),
+    ("3(x2),1", [3, 3, 1], "3 nodes, 3+3+1 tasks"),
+    ("2", [2], "1 node x 2 tasks"),
+    ("", [], ""),
+])
+def test_tasks_per_node(value, counts, text):
+    env = {"SLURM_STEP_TASKS_PER_NODE": value}
+    assert tasks_per_node(env) == counts and placement(env) == text
+
+
+def test_slurm_launch_env_carries_port_identity_and_placement():
+    info = launcher_env({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "77",
+                         "SLURM_STEP_ID": "0", "SLURM_JOB_NODELIST": "n[0-1]",
+                         "SLURM_STEP_TASKS_PER_NODE": "2(x2)"})
+    assert (info["master_addr"], info["master_port"]) == ("n0", job_port(77, 0))
+    assert info["identity"] == "slurm job 77 step 0"
+    assert info["placement"] == "2 nodes x 2 tasks"
+
+
+class FakeScontrol:
+    """``scontrol show job -o`` answers with ``state``; ``scontrol requeue`` with ``requeue_rc``."""
+
+    def __init__(self, state="RUNNING", batch="1", requeue_rc=0):
+        self.state, self.batch, self.requeue_rc, self.calls = state, batch, requeue_rc, []
+
+    def __call__(self, argv, **kw):
+        self.calls.append(argv)
+        if argv[1] == "show":
+            out = (f"JobId={argv[-1]} JobName=usp JobState={self.state} Reason=None "
+                   f"BatchFlag={self.batch} Restarts=0 NodeList=n[0-1]\n")
+            return subprocess.CompletedProcess(argv, 0, out, "")
+        return subprocess.CompletedProcess(argv, self.requeue_rc, "",
+                                           "" if not self.requeue_rc else "Requested operation is presently disabled")
+
+
+def test_job_fields_parse_one_line():
+    fields = job_fields("9", FakeScontrol())
+    assert fields["JobState"] == "RUNNING" and fields["NodeList"] == "n[0-1]"
+
+
+def test_requeue_a_running_batch_job():
+    fake = FakeScontrol()
+    ok, line = requeue({"SLURM_JOB_ID": "9"}, fake)
+    assert ok and "job 9 requeued" in line
+    assert fake.calls[-1] == ["scontrol", "requeue", "9"]
+
+
+@pytest.mark.parametrize("fake,env,why", [
+    (FakeScontrol(state="CANCELLED"), {"SLURM_JOB_ID": "9"}, "is CANCELLED"),
+    (FakeScontrol(batch="0"), {"SLURM_JOB_ID": "9"}, "not a batch job"),
+    (FakeScontrol(requeue_rc=1), {"SLURM_JOB_ID": "9"}, "presently disabled"),
+    (FakeScontrol(), {}, "not a Slurm job"),
+])
+def test_no_requeue_when_slurm_ends_the_job_or_refuses(fake, env, why):
+    ok, line = requeue(env, fake)
+    assert not ok and why in line and "not requeued" in line
+    assert ["scontrol", "requeue", "9"] not in fake.calls or fake.requeue_rc
