@@ -114,37 +114,56 @@ def to_config(dcfg: DictConfig) -> RunConfig:
     return cls(**fields)
 
 
+class JobError(RuntimeError):
+    """Under submitit: what usp-train would print and exit with, as an exception, so that
+    submitit writes it as the job's result and the submitter reports it (a ``SystemExit``
+    would leave no result and the submitter polling)."""
+
+
 def _refuse(prog: str, e: Exception, status: int = 2) -> None:
-    """Print one line ``prog: error: ...`` (no traceback) and exit with ``status``. In a
-    torchrun/Slurm launch every task refuses alike; only the first task prints."""
+    """Print ``prog: error: ...`` (no traceback) and exit with ``status``.
+
+    In a torchrun/Slurm launch a refusal (status 2) is the same on every task: rank 0
+    prints it once, with the task count, and the others exit quietly with the same code.
+    A rank's own failure (status 1: a fault, a rendezvous that is not its job's) is
+    printed by that rank. Under submitit the line is raised as ``JobError`` instead."""
+    from .launch import RendezvousError, launcher_env
+
     text = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
-    if _task_rank() == 0:
+    info = launcher_env()
+    own = status != 2 or isinstance(e, RendezvousError)
+    if info is not None and not own:
+        text += f" (all {info['world']} tasks stop with this error)"
+    elif info is not None and not text.startswith("rank "):
+        text = f"rank {info['rank']}: {text}"
+    if info is None or own or info["rank"] == 0:
         print(f"{prog}: error: {text}", file=sys.stderr, flush=True)
+    if _under_submitit():
+        raise JobError(f"{prog}: error: {text}") from None
     raise SystemExit(status)
 
 
-def _task_rank() -> int:
-    """This task's rank in a torchrun/Slurm launch (0 outside one)."""
-    from .launch import launcher_env
+def _under_submitit() -> bool:
+    import os
 
-    info = launcher_env()
-    return 0 if info is None else info["rank"]
+    from .slurm import under_submitit
+
+    return under_submitit(os.environ)
 
 
 def run_training(cfg: RunConfig) -> None:
     """Launch: torchrun/Slurm environment if present, else spawn ``trainer.nprocs`` local ranks.
 
-    The run's layout (``usp.run.RunLayout``) is resolved once, before training: here, in
-    the parent of the spawned ranks, or by rank 0 of a torchrun/Slurm launch for all of
-    them; every rank builds its mesh, model and trainer from that one object.
+    The run's layout (``usp.run.RunLayout``) is resolved once, before any process starts
+    training: here, in the parent of the spawned ranks; under torchrun/Slurm by every task
+    from its own config and environment, before any process group (so a layout that cannot
+    fit the allocation is refused at once, alike on every task), then agreed on by all. Every
+    rank builds its mesh, model and trainer from that one object.
     """
     import torch
-    import torch.distributed as dist
 
-    from .launch import choose_device, init_from_env, launcher_env, run_local
-    from .run import resolve_run, resolve_run_group
-    from .train.faults import Preempted
-    from .train.trainer import train
+    from .launch import choose_device, launcher_env, run_local
+    from .run import resolve_run, use_scheduler_hosts
 
     info = launcher_env()
     if info is None:
@@ -159,28 +178,88 @@ def run_training(cfg: RunConfig) -> None:
         if code:  # the ranks' own exit code, e.g. preempted after a forwarded SIGTERM
             raise SystemExit(code)
         return
-    # every task refuses, before any process group, a model too small for its data (from
-    # the data's metadata) and trainer.eval_windows without a validation split; the local
-    # launch checks both in resolve_run, before spawning
-    check_vocab(cfg.data, cfg.model)
-    build_validation(cfg.data, cfg.model, cfg.trainer.eval_windows)
+    if info["kind"] == "slurm":  # the scheduler's hosts are the topology, not a recipe's
+        notice = use_scheduler_hosts(cfg, info["placement"] or "from Slurm")
+        if notice and info["rank"] == 0:
+            print(f"usp: {notice}", flush=True)
+    # every task, before any process group: the data's vocabulary and validation split,
+    # then the whole layout for this allocation (degrees, heads, sequence, data, kernel);
+    # the verdicts meet in the rendezvous store, so one refusal is raised on every task
+    from .launch import rendezvous_store, start_together
+
+    run, refusal = None, None
+    try:
+        check_vocab(cfg.data, cfg.model)
+        build_validation(cfg.data, cfg.model, cfg.trainer.eval_windows)
+        _, device_type = choose_device(cfg.trainer.device, 1, torch.cuda.is_available(),
+                                       torch.cuda.device_count())
+        run = resolve_run(cfg, info["world"], device_type)
+    except (ValueError, FileNotFoundError) as e:
+        refusal = str(e)
+    store = rendezvous_store(info, cfg.trainer.timeout_s)
+    refusal = start_together(store, info, refusal, cfg.trainer.timeout_s)
+    if refusal is not None:
+        raise ValueError(refusal)
+    _train_launched(cfg, info, run, store)
+
+
+def _train_launched(cfg: RunConfig, info: dict, run, store) -> None:
+    """Join the launch's process group, agree on ``run``, train; a preempted Slurm job is
+    requeued by rank 0 after its checkpoint (``usp.slurm.requeue``)."""
+    import torch.distributed as dist
+
+    from .launch import init_from_env
+    from .run import agree_run
+    from .train.faults import Preempted
+    from .train.trainer import train
+
     # refuses a missing GPU before joining; trainer.timeout_s bounds every collective
-    device = init_from_env(info, cfg.trainer.device, timeout_s=cfg.trainer.timeout_s)
+    init_from_env(info, cfg.trainer.device, timeout_s=cfg.trainer.timeout_s, store=store)
+    preempted, requeued = None, False
     try:
         # every rank composed its own config; rank 0's run directory is the run's
         run_dir = [cfg.trainer.run_dir]
         dist.broadcast_object_list(run_dir, src=0)
         cfg.trainer.run_dir = run_dir[0]
-        run = resolve_run_group(cfg, device.type)  # rank 0's layout, checked on every rank
+        run = agree_run(run)  # every task resolved the same layout, or all refuse
         if info["rank"] == 0 and run.plan_table:
             print(run.plan_table, flush=True)
         try:
             train(cfg, run)
-        except Preempted as e:  # every rank checkpointed at e.step: requeue with resume
-            raise SystemExit(e.exit_code) from None
+        except Preempted as e:  # every rank checkpointed at e.step
+            preempted = e
+            requeued, line = _requeue(cfg, info)
     finally:
         gc.collect()  # train() closed its mesh; free what is left before the world goes
         dist.destroy_process_group()
+    if preempted is None:
+        return
+    if _under_submitit() and not requeued:  # the submitter learns it from the result
+        raise JobError(f"usp-train: {preempted}; {line}")
+    raise SystemExit(preempted.exit_code)
+
+
+def _requeue(cfg: RunConfig, info: dict) -> tuple[bool, str]:
+    """After the preemption checkpoint (collective): rank 0 requeues the Slurm batch job
+    (``trainer.requeue``) and every rank learns whether it did."""
+    import os
+    import signal
+
+    import torch.distributed as dist
+
+    from .slurm import requeue
+
+    # requeueing ends this job step with SIGTERM: the ranks finish exiting first, with 75
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if info["kind"] != "slurm":
+        return False, "not a Slurm job: not requeued; run it again to resume"
+    if not cfg.trainer.requeue:
+        return False, "trainer.requeue=false: not requeued; submit it again to resume"
+    outcome = [requeue(os.environ) if info["rank"] == 0 else None]
+    if info["rank"] == 0:
+        print(f"usp: {outcome[0][1]}", flush=True)
+    dist.broadcast_object_list(outcome, src=0)
+    return outcome[0]
 
 
 def _local_worker(cfg: RunConfig, run) -> None:
@@ -198,6 +277,8 @@ def _train_main(dcfg) -> None:
         if cfg.trainer.run_dir is None:
             cfg.trainer.run_dir = HydraConfig.get().runtime.output_dir
         run_training(cfg)
+    except JobError:  # under submitit: already said, the result carries it
+        raise
     except (ValueError, FileNotFoundError) as e:  # refused before launch: no traceback
         _refuse("usp-train", e)
     except RuntimeError as e:  # the ranks failed (their tracebacks are above): one last line

@@ -83,3 +83,16 @@ def test_no_requeue_when_slurm_ends_the_job_or_refuses(fake, env, why):
     ok, line = requeue(env, fake)
     assert not ok and why in line and "not requeued" in line
     assert ["scontrol", "requeue", "9"] not in fake.calls or fake.requeue_rc
+
+
+def test_scheduler_hosts_replace_a_recipes_simulated_nodes():
+    from usp.config import RunConfig
+    from usp.run import use_scheduler_hosts
+
+    cfg = RunConfig()
+    cfg.parallel.ranks_per_node = 2  # tiny_cpu's simulated nodes
+    line = use_scheduler_hosts(cfg, "2 nodes x 2 tasks")
+    assert cfg.parallel.ranks_per_node is None
+    assert line == ("parallel.ranks_per_node=2 ignored under Slurm: the mesh uses the job's "
+                    "hosts (2 nodes x 2 tasks)")
+    assert use_scheduler_hosts(cfg, "2 nodes x 2 tasks") is None  # nothing set: nothing said

@@ -54,7 +54,9 @@ class TrainerConfig:
     stop_after: Optional[int] = None  # stop early at this step (tests: simulate a crash)
     timeout_s: float = 600.0  # collective timeout: a stuck peer becomes an error after this
     max_restarts: int = 0  # local launch: relaunch all ranks from the last checkpoint this often
-    preempt_signals: str = "SIGTERM,SIGUSR1"  # checkpoint at the next step, then exit ("" = off)
+    # checkpoint at the next step, then exit 75 ("" = off); SIGUSR2 is submitit's warning
+    preempt_signals: str = "SIGTERM,SIGUSR1,SIGUSR2"
+    requeue: bool = True  # a preempted Slurm batch job requeues itself after its checkpoint
     on_nonfinite: str = "stop"  # non-finite loss/grad norm: stop (keep the last good ckpt) | skip
     grad_accum_steps: Optional[int] = None  # micro-batches per optimizer step (None: 1, or T's)
     global_batch_tokens: Optional[int] = None  # T: tokens per optimizer step; sets grad_accum_steps
