@@ -1,8 +1,8 @@
 """Test tiers as markers: the folder under ``tests/`` is the tier (``tests/tiers.py``), and the
 unit tier's promise checked.
 
-    python -m pytest -q                  # every tier (root tests skip themselves without root)
-    python -m pytest -q tests/unit       # one tier: unit, distributed, e2e, root, gpu
+    python -m pytest -q                  # every tier (root, slurm tests skip themselves without root)
+    python -m pytest -q tests/unit       # one tier: unit, distributed, e2e, root, slurm, gpu
     python -m pytest -q -m fast          # unit + a few quick multi-rank tests
 """
 

@@ -5,6 +5,8 @@ each of its tests that marker.
     distributed  gloo process groups: ranks spawned by ``spawn_local``/``run_local``/torchrun
     e2e          a user's command in a subprocess: ``usp-train``/``usp-plan``, a tool, an example
     root         a simulated cluster (``tools.simcluster``: root, ip, tc, unshare)
+    slurm        a real Slurm cluster (``tools.slurmcluster``: root, slurm-wlm, munge); skipped
+                 with the reason without them
     gpu          needs CUDA; skipped with the reason on a machine without it
 
 Each tier is one command, ``python -m pytest -q tests/<tier>``. ``fast`` marks every unit
@@ -18,8 +20,8 @@ from __future__ import annotations
 
 from pathlib import PurePosixPath
 
-UNIT, DISTRIBUTED, E2E, ROOT, GPU = "unit", "distributed", "e2e", "root", "gpu"
-NAMES = (UNIT, DISTRIBUTED, E2E, ROOT, GPU)
+UNIT, DISTRIBUTED, E2E, ROOT, SLURM, GPU = "unit", "distributed", "e2e", "root", "slurm", "gpu"
+NAMES = (UNIT, DISTRIBUTED, E2E, ROOT, SLURM, GPU)
 
 # Distributed tests in the fast selection: 2-10 s each on 2 cores, and between them every
 # mechanism (mesh, layout, all-to-all + ring parity, agreement, byte counts, close, eval).
