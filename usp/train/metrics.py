@@ -1,16 +1,69 @@
 """Run metrics on rank 0: console, a JSONL file, wandb (offline unless asked), a PNG plot;
-and the per-step peak memory every rank can measure."""
+and the per-step peak memory every rank can measure.
+
+wandb runs in a service process of its own (wandb-core), and Slurm's ``scancel`` or
+preemption sends SIGTERM to every process of the job step, that one included: it dies at
+once, while the ranks still have a step to finish and a checkpoint to write. So no wandb
+call may stop the run: each one is bounded in time (``WANDB_WAIT_S``), and the first that
+fails or hangs turns wandb off for the rest of the run with one warning; ``metrics.jsonl``
+goes on. (The service cannot be kept out of the signal: it is a Go program, and Go's runtime
+installs its own SIGTERM handler whatever the handler or mask it inherits.)
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import resource
+import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from ..config import LoggingConfig
+
+# The longest one wandb call (log, summary, finish) may take. A live service answers in
+# milliseconds; a stopped or stuck one never does, and a dead one fails at once. An online
+# run's final upload is cut there too: what is left stays in run_dir/wandb for `wandb sync`.
+WANDB_WAIT_S = 10.0
+# After a failure: how long wandb may take to let go (restore the console it captured and
+# drop its exit hook, which would otherwise wait at exit on a stuck service).
+WANDB_RELEASE_S = 2.0
+
+
+def _bounded(fn: Callable[[], object], seconds: float) -> str | None:
+    """Run ``fn()`` in a daemon thread and wait at most ``seconds``: None when it returned,
+    else what went wrong, ``"<ExceptionType>: <message>"`` or ``"no answer in <seconds> s"``
+    (the thread is then left behind; a daemon, it cannot hold up the exit)."""
+    failed: list[str] = []
+
+    def call() -> None:
+        try:
+            fn()
+        except BaseException as e:  # wandb.teardown may raise SystemExit: it ends this thread only
+            failed.append(f"{type(e).__name__}: {e}")
+
+    thread = threading.Thread(target=call, name="usp-wandb", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        return f"no answer in {seconds:g} s"
+    return failed[0] if failed else None
+
+
+def _release_wandb(run) -> None:
+    """Let go of a failed wandb: ``teardown`` first drops wandb's exit hook (then waits for,
+    or fails on, the service), ``finish`` restores the console wandb captured; errors are
+    expected, the service being gone or stuck."""
+    import wandb
+
+    for step in [wandb.teardown] + ([run.finish] if run is not None else []):
+        try:
+            step()
+        except BaseException:  # as in _bounded: SystemExit from teardown too
+            pass
 
 
 class PeakMemory:
@@ -69,7 +122,10 @@ class PeakMemory:
 
 
 class MetricsLogger:
-    """Writes one record per step. Construct on every rank; only rank 0 writes."""
+    """Writes one record per step. Construct on every rank; only rank 0 writes.
+
+    wandb never stops the run: its first call that fails or takes longer than
+    ``WANDB_WAIT_S`` prints one warning and turns wandb off; the other backends go on."""
 
     def __init__(self, cfg: LoggingConfig, run_dir: Path, rank: int, run_config: dict,
                  resume_step: int = 0):
@@ -84,13 +140,32 @@ class MetricsLogger:
         if cfg.wandb not in ("offline", "online", "disabled"):
             raise ValueError(f"logging.wandb must be offline, online or disabled, got {cfg.wandb!r}")
         if cfg.wandb != "disabled":
-            import wandb
-
             os.environ.setdefault("WANDB_SILENT", "true")
-            self._wandb = wandb.init(
-                project=cfg.project, mode=cfg.wandb, dir=str(self.run_dir),
-                config=run_config, resume="allow", id=self._wandb_id(),
-            )
+            try:  # bounded by wandb itself (init_timeout), before any step
+                import wandb
+
+                self._wandb = wandb.init(
+                    project=cfg.project, mode=cfg.wandb, dir=str(self.run_dir),
+                    config=run_config, resume="allow", id=self._wandb_id(),
+                )
+            except Exception as e:
+                self._wandb_failed(f"{type(e).__name__}: {e}")
+
+    def _wandb_call(self, fn: Callable[[object], object]) -> None:
+        """``fn(run)`` on the wandb run, bounded; the first failure turns wandb off."""
+        run = self._wandb
+        error = _bounded(lambda: fn(run), WANDB_WAIT_S)
+        if error is not None:
+            self._wandb_failed(error)
+
+    def _wandb_failed(self, error: str) -> None:
+        """One warning, then the run goes on without wandb."""
+        kept = ("metrics.jsonl keeps every metric" if self.cfg.jsonl
+                else "logging.jsonl=false: no file keeps the metrics")
+        print(f"warning: wandb failed ({error}); wandb logging is off for the rest of this "
+              f"run; {kept}", file=sys.stderr, flush=True)
+        run, self._wandb = self._wandb, None
+        _bounded(lambda: _release_wandb(run), WANDB_RELEASE_S)
 
     def _wandb_id(self) -> str:
         """A stable id per run directory, so a resumed run continues the same wandb run."""
@@ -116,7 +191,8 @@ class MetricsLogger:
             with open(self.jsonl_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+            values = {k: v for k, v in record.items() if k != "step"}
+            self._wandb_call(lambda run: run.log(values, step=record["step"]))
 
     def finish(self, summary: dict) -> None:
         """Final figures of the run: ``run_dir/summary.json`` and the wandb run summary."""
@@ -124,7 +200,7 @@ class MetricsLogger:
             return
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if self._wandb is not None:
-            self._wandb.summary.update(summary)
+            self._wandb_call(lambda run: run.summary.update(summary))
 
     def records(self) -> list[dict]:
         if not self.jsonl_path.exists():
@@ -162,6 +238,14 @@ class MetricsLogger:
         return path
 
     def close(self) -> None:
+        """Finish the wandb run and stop its service (each at most ``WANDB_WAIT_S``); the other
+        backends need nothing. Stopping the service now, not in wandb's exit hook, matters on
+        Slurm: a requeue or ``scancel`` kills it before this process exits, and the hook
+        would then print a ``ConnectionResetError`` traceback."""
         if self._wandb is not None:
-            self._wandb.finish()
+            self._wandb_call(lambda run: run.finish())
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb_call(lambda run: wandb.teardown())
             self._wandb = None
