@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import gc
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,10 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from .config import DATA_KINDS, ModelConfig, PlanConfig, RunConfig
+
+# hydra-core 1.4 warns about version_base="1.3" at every start (three lines on every task of
+# a job); 1.3 semantics are what the configs are written for
+warnings.filterwarnings("ignore", message="The version_base parameter is deprecated")
 from .data.dataset import AUTO, build_validation, check_vocab, data_vocab
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
@@ -255,6 +260,7 @@ def _requeue(cfg: RunConfig, info: dict) -> tuple[bool, str]:
         return False, "not a Slurm job: not requeued; run it again to resume"
     if not cfg.trainer.requeue:
         return False, "trainer.requeue=false: not requeued; submit it again to resume"
+    dist.barrier()  # every rank ignores SIGTERM before rank 0 asks Slurm to end the step
     outcome = [requeue(os.environ) if info["rank"] == 0 else None]
     if info["rank"] == 0:
         print(f"usp: {outcome[0][1]}", flush=True)

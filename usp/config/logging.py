@@ -13,7 +13,7 @@ class LoggingConfig:
     project: str = "usp"
     jsonl: bool = True
     plot: bool = True
-    progress: bool = True
+    progress: bool = True  # a tqdm bar on rank 0 when stderr is a terminal
 
     def __post_init__(self) -> None:
         one_of("logging.wandb", self.wandb, ("offline", "online", "disabled"))

@@ -275,13 +275,20 @@ def train(cfg: RunConfig, run: RunLayout | None = None, fault_hook: FaultHook | 
         if not extra["rng_restored"]:
             torch.manual_seed(tc.seed + 1000 * start + rank)
         if rank == 0:
-            print(f"resumed from {ckpt} at step {start} ({consumed} samples consumed)",
-                  flush=True)
+            print(f"resumed from {ckpt} at step {start} ({consumed} samples consumed); a step "
+                  f"is {run.global_batch} samples: dp {run.dp} x {run.grad_accum} "
+                  f"micro-batch(es) of {run.batch_per_dp_rank}", flush=True)
+            before = extra.get("global_batch")
+            if before is not None and before != run.global_batch:  # e.g. fewer nodes, no T
+                print(f"usp: the global batch changed from {before} to {run.global_batch} "
+                      f"samples per step; trainer.global_batch_tokens keeps it across layouts",
+                      flush=True)
     run_dir = Path(tc.run_dir)
     logger = MetricsLogger(cfg.logging, run_dir, rank, {**asdict(cfg), "layout": asdict(run)},
                            resume_step=start)
     bar = None
-    if rank == 0 and cfg.logging.progress:
+    if rank == 0 and cfg.logging.progress and sys.stderr.isatty():
+        # a terminal gets the bar; a job's log file (Slurm, nohup) the step lines alone
         from tqdm import tqdm
 
         bar = tqdm(total=tc.steps, initial=start, desc="train", dynamic_ncols=True)
@@ -440,7 +447,8 @@ def _loop(cfg: RunConfig, run: RunLayout, position: tuple[int, int], model, opt,
         if (tc.ckpt_every and (step + 1) % tc.ckpt_every == 0) or last or stopping or sig:
             # the data position: samples consumed, so any later dp and accumulation continue it
             ckpt = save_checkpoint(run_dir, step + 1, model, opt, sched, keep=tc.keep_checkpoints,
-                                   extra={"skipped_steps": guard.skipped, "consumed": consumed},
+                                   extra={"skipped_steps": guard.skipped, "consumed": consumed,
+                                          "global_batch": run.global_batch},
                                    fingerprint=run_fingerprint(cfg))
         if sig is not None:
             err = Preempted(step + 1, sig.name, str(ckpt))
