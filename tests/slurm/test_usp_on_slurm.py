@@ -1,0 +1,315 @@
+"""usp under a real Slurm (2 nodes x 2 tasks, ``tools.lab.slurmcluster``), as a user runs it:
+``sbatch recipes/slurm/train.sbatch ...`` and ``usp-train -m hydra/launcher=slurm ...``.
+
+Every training case is compared with the same run launched locally (4 ranks, the recipe's
+simulated nodes of 2 ranks: the same mesh), loss by loss. Preemption is sent as Slurm sends
+it (``scancel --signal``, which reaches every process of the step, wandb's service too: its
+default, offline, stays on); the requeued job is released at once (Slurm would hold it about
+120 s) and must resume exactly."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TEMPLATE = ROOT / "recipes" / "slurm" / "train.sbatch"
+STEPS = 40
+# the recipe's ranks_per_node=2 places the local run as 2 simulated nodes; under Slurm the
+# real nodes give the same placement (and usp says it ignored the recipe's value)
+RUN = ["recipe=tiny_cpu", "parallel.ulysses_degree=2", "parallel.ring_degree=2",
+       f"trainer.steps={STEPS}", "trainer.ckpt_every=0", "data.batch_per_dp_rank=2"]
+TWO_BY_TWO = ("--nodes=2", "--ntasks-per-node=2")
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """step -> loss from metrics.jsonl (a step logged twice keeps its last value)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return {}
+    out = {}
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if "loss" in rec:
+            out[rec["step"]] = rec["loss"]
+    return out
+
+
+def local_run(run_dir: Path, args: list[str], nprocs: int = 4) -> dict[int, float]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT"))}
+    p = subprocess.run([sys.executable, "-m", "usp.cli", *args, f"trainer.nprocs={nprocs}",
+                        f"trainer.run_dir={run_dir}", f"hydra.run.dir={run_dir}/hydra"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return losses(run_dir)
+
+
+def wait_for_step(cluster, job: int, run_dir: Path, step: int, timeout: float = 120) -> None:
+    """Until ``run_dir`` logged ``step`` (the job must still run)."""
+    deadline = t0 = time.monotonic()
+    deadline += timeout
+    while max(losses(run_dir), default=0) < step:
+        state = cluster.job(job)["JobState"]
+        assert state in ("PENDING", "RUNNING", "CONFIGURING"), (state, cluster.output(job)[-3000:])
+        assert time.monotonic() < deadline, f"job {job} did not log step {step} in {timeout} s"
+        time.sleep(0.2)
+    print(f"step {step} logged after {time.monotonic() - t0:.1f} s")
+
+
+def preempt_and_requeue(cluster, job: int, sig: str, restarts: int,
+                        before_release: list[str] | None = None) -> None:
+    """``scancel --signal=sig`` to every task; the job checkpoints, requeues itself
+    (``trainer.requeue``) and waits as PENDING; release it (no 120 s hold) and see it run."""
+    t0 = time.monotonic()
+    cluster.signal(job, sig)
+    deadline = time.monotonic() + 60
+    while True:
+        info = cluster.job(job)
+        if int(info.get("Restarts", 0)) >= restarts and info["JobState"] == "PENDING":
+            break
+        assert info["JobState"] in ("RUNNING", "COMPLETING", "PENDING", "REQUEUED"), \
+            (info["JobState"], cluster.output(job)[-3000:])
+        assert time.monotonic() < deadline, f"job {job} not requeued after SIG{sig}: {info}"
+        time.sleep(0.3)
+    if before_release:
+        p = cluster.run(before_release)
+        assert p.returncode == 0, p.stderr
+    t1 = time.monotonic()
+    cluster.release(job)
+    cluster.wait_running(job, timeout=60)
+    print(f"SIG{sig}: requeued (pending) after {t1 - t0:.1f} s, running again "
+          f"{time.monotonic() - t1:.1f} s after the release")
+
+
+def sbatch(cluster, workdir: Path, args: list[str], *options: str) -> int:
+    workdir.mkdir(parents=True, exist_ok=True)
+    return cluster.sbatch([*options, str(TEMPLATE), *args], chdir=workdir)
+
+
+def task_lines(out: str, needle: str) -> list[str]:
+    return [line for line in out.splitlines() if needle in line]
+
+
+def exited(out: str, code: int) -> int:
+    """How many tasks srun saw exit with ``code`` ('node0: tasks 0-1: Exited with exit code
+    75' counts 2)."""
+    count = 0
+    for m in re.finditer(rf"tasks? ([0-9,-]+): Exited with exit code {code}\b", out):
+        for part in m.group(1).split(","):
+            lo, _, hi = part.partition("-")
+            count += int(hi or lo) - int(lo) + 1
+    return count
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, float]:
+    """The uninterrupted run, launched locally: 4 ranks, the same mesh."""
+    losses_ = local_run(tmp_path_factory.mktemp("local") / "run", RUN)
+    assert sorted(losses_) == list(range(1, STEPS + 1))
+    return losses_
+
+
+def test_sbatch_preempted_by_usr1_then_sigterm_resumes_exactly(slurm_cluster, reference,
+                                                               tmp_path):
+    """The shipped template: trains bit-identically to the local run across two preemptions
+    (USR1, the template's time-limit warning, then SIGTERM, the scheduler's own), each time
+    checkpointing at the next step, requeueing itself and resuming; wandb (offline) stays on."""
+    run_dir = tmp_path / "run"
+    job = sbatch(slurm_cluster, tmp_path, [*RUN, f"trainer.run_dir={run_dir}"], *TWO_BY_TWO)
+    wait_for_step(slurm_cluster, job, run_dir, 6)
+    preempt_and_requeue(slurm_cluster, job, "USR1", restarts=1)
+    wait_for_step(slurm_cluster, job, run_dir, max(losses(run_dir)) + 6)
+    preempt_and_requeue(slurm_cluster, job, "TERM", restarts=2)
+    info = slurm_cluster.wait(job, timeout=180)
+    out = slurm_cluster.output(job)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", out[-3000:]
+    assert losses(run_dir) == reference  # every step, bit for bit
+    preempted = task_lines(out, "preempted by")
+    assert len(preempted) == 2, out[-3000:]  # rank 0's line, once per preemption
+    assert len(task_lines(out, "requeued; it resumes from this checkpoint")) == 2
+    assert exited(out, 75) == 2 * 4  # every task, each time
+    assert "Terminated" not in out  # no task killed by the requeue while it finished
+    assert len(task_lines(out, "resumed from")) == 2
+    # the recipe's simulated nodes gave way to the job's real ones, said once per start
+    assert len(task_lines(out, "parallel.ranks_per_node=2 ignored under Slurm")) == 3
+    assert "2 nodes x 2 tasks" in out
+    assert "Traceback" not in out, out[-3000:]  # nor did the killed wandb service cost one
+
+
+def test_a_plain_scancel_is_not_requeued(slurm_cluster, tmp_path):
+    """``scancel`` (no --signal) ends the job: usp still checkpoints on the SIGTERM, but does
+    not requeue a job its user cancelled."""
+    run_dir = tmp_path / "run"
+    job = sbatch(slurm_cluster, tmp_path, [*RUN, f"trainer.run_dir={run_dir}"], *TWO_BY_TWO)
+    wait_for_step(slurm_cluster, job, run_dir, 3)
+    slurm_cluster.cancel(job)
+    info = slurm_cluster.wait(job, timeout=60)
+    assert info["JobState"] == "CANCELLED" and int(info.get("Restarts", 0)) == 0, info
+    time.sleep(2)  # the tasks' last lines
+    out = slurm_cluster.output(job)
+    assert "Slurm is ending it; not requeued" in out, out[-3000:]
+
+
+def test_two_jobs_on_the_same_nodes_both_finish(slurm_cluster, tmp_path):
+    """Each job takes its own rendezvous port (usp.slurm.job_port): two 2 x 2 jobs sharing both
+    nodes at once train alike and finish."""
+    short = [*RUN[:-3], "trainer.steps=6", "trainer.ckpt_every=0", "data.batch_per_dp_rank=2"]
+    jobs = {name: sbatch(slurm_cluster, tmp_path / name,
+                         [*short, f"trainer.run_dir={tmp_path / name / 'run'}"], *TWO_BY_TWO)
+            for name in ("a", "b")}
+    for job in jobs.values():
+        slurm_cluster.wait_running(job, timeout=60)
+    running = [j for j in slurm_cluster.jobs() if j["JobState"] == "RUNNING"]
+    assert {int(j["JobId"]) for j in running} >= set(jobs.values())  # side by side
+    for name, job in jobs.items():
+        info = slurm_cluster.wait(job, timeout=180)
+        assert info["JobState"] == "COMPLETED", slurm_cluster.output(job)[-3000:]
+    a, b = (losses(tmp_path / name / "run") for name in ("a", "b"))
+    assert sorted(a) == list(range(1, 7)) and a == b
+
+
+def test_degrees_that_cannot_fit_are_refused_once_before_any_group(slurm_cluster, tmp_path):
+    """ulysses 3 on 4 tasks: every task exits 2 at once; one line, from rank 0, with the count."""
+    job = sbatch(slurm_cluster, tmp_path, ["recipe=tiny_cpu", "parallel.ulysses_degree=3",
+                                           "parallel.ring_degree=1",
+                                           f"trainer.run_dir={tmp_path / 'run'}"], *TWO_BY_TWO)
+    info = slurm_cluster.wait(job, timeout=120)
+    out = slurm_cluster.output(job)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", (info, out[-3000:])
+    errors = task_lines(out, "usp-train: error:")
+    assert len(errors) == 1, out[-3000:]
+    assert "ulysses" in errors[0] and errors[0].endswith("(all 4 tasks stop with this error)")
+    assert errors[0].startswith("0: ")  # srun --label: task 0 said it
+    assert exited(out, 2) == 4 and "Traceback" not in out
+    print(f"refused: job ran {info['RunTime']} (start-up of 4 tasks on 2 cores included)")
+
+
+def test_a_job_continues_on_fewer_nodes_with_the_global_batch_kept(slurm_cluster, tmp_path_factory):
+    """Elastic: a 2 x 2 job (dp 2 x ulysses 2, one micro-batch per step) is preempted, a node
+    is drained, and the requeued job (``--nodes=1-2``) continues on 1 x 2 (dp 1 x ulysses 2):
+    the checkpoint resharded, ``trainer.global_batch_tokens`` kept by two micro-batches, the
+    data continued at the same sample. Every loss equals the uninterrupted 2 x 2 run's to
+    1e-4 relative."""
+    tmp = tmp_path_factory.mktemp("elastic")
+    # T = 512 tokens x 4 sequences x dp 2 = 4096: K = 1 at dp 2, K = 2 at dp 1
+    args = ["recipe=tiny_cpu", "parallel.ulysses_degree=2", "parallel.ring_degree=1",
+            "data.batch_per_dp_rank=4", "trainer.global_batch_tokens=4096", "trainer.steps=24",
+            "trainer.ckpt_every=0"]
+    reference = local_run(tmp / "local", args)
+    run_dir = tmp / "run"
+    job = sbatch(slurm_cluster, tmp, [*args, f"trainer.run_dir={run_dir}"],
+                 "--nodes=1-2", "--ntasks-per-node=2")
+    assert slurm_cluster.wait_running(job)["NumNodes"] == "2"
+    wait_for_step(slurm_cluster, job, run_dir, 8)
+    node = slurm_cluster.node_names[1]
+    slurm_cluster.drain(node, "elastic test")
+    try:
+        # a requeued job keeps the task count of its first start (4 = 2 nodes x 2): the user
+        # lowers it while it waits, and the job starts on the one node left
+        preempt_and_requeue(slurm_cluster, job, "USR1", restarts=1, before_release=[
+            "scontrol", "update", f"JobId={job}", "NumNodes=1-2", "NumTasks=2"])
+        assert slurm_cluster.job(job)["NumNodes"] == "1"
+        info = slurm_cluster.wait(job, timeout=240)
+    finally:
+        slurm_cluster.resume(node)
+    out = slurm_cluster.output(job)
+    assert info["JobState"] == "COMPLETED", out[-3000:]
+    got = losses(run_dir)
+    assert sorted(got) == sorted(reference) == list(range(1, 25))
+    worst = max(abs(got[s] - reference[s]) / abs(reference[s]) for s in reference)
+    assert worst <= 1e-4, worst
+    resumed = task_lines(out, "resumed from")
+    assert len(resumed) == 1 and "a step is 8 samples: dp 1 x 2 micro-batch(es) of 4" in resumed[0]
+    print(f"elastic: 2 x 2 -> 1 x 2, worst relative loss difference {worst:.2e}")
+
+
+# ---- hydra-submitit-launcher: usp-train -m hydra/launcher=slurm ------------------------------
+
+SUBMITIT = ["hydra/launcher=slurm", "hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=2",
+            "hydra.launcher.gpus_per_node=null", "hydra.launcher.cpus_per_task=1",
+            "hydra.launcher.mem_gb=null", "hydra.launcher.timeout_min=30"]
+
+
+def submit(cluster, tmp: Path, args: list[str]) -> subprocess.Popen:
+    """The submitter, as a user starts it (inside the cluster's client namespace); it waits
+    for the job's result."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(
+        cluster.client([sys.executable, "-m", "usp.cli", "-m", *SUBMITIT,
+                        f"hydra.sweep.dir={tmp / 'sweep'}", *args]),
+        cwd=tmp, env=cluster.client_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+
+
+def the_job(cluster, submitter: subprocess.Popen, before: set[int], timeout: float = 60) -> int:
+    """The job the submitter submitted: the one not among the ids ``before`` it started."""
+    deadline = time.monotonic() + timeout
+    while not (new := {int(j["JobId"]) for j in cluster.jobs()} - before):
+        assert submitter.poll() is None, submitter.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "the submitter submitted no job"
+        time.sleep(0.3)
+    return new.pop()
+
+
+def job_ids(cluster) -> set[int]:
+    return {int(j["JobId"]) for j in cluster.jobs()}
+
+
+def finished(submitter: subprocess.Popen, timeout: float) -> tuple[int, str, float]:
+    t0 = time.monotonic()
+    try:
+        out, _ = submitter.communicate(timeout=timeout)
+    finally:
+        if submitter.poll() is None:
+            submitter.kill()
+    return submitter.returncode, out, time.monotonic() - t0
+
+
+def test_submitit_preempted_by_usr2_then_sigterm_resumes_exactly(slurm_cluster, reference,
+                                                                 tmp_path):
+    """submitit asks Slurm for SIGUSR2 before the time limit: usp checkpoints, requeues the job
+    itself (no submitit timeout budget needed) and the submitter, still waiting, gets the
+    requeued job's result; every loss equals the local run's."""
+    run_dir = tmp_path / "run"
+    before = job_ids(slurm_cluster)
+    submitter = submit(slurm_cluster, tmp_path, [*RUN, f"trainer.run_dir={run_dir}"])
+    try:
+        job = the_job(slurm_cluster, submitter, before)
+        wait_for_step(slurm_cluster, job, run_dir, 6)
+        preempt_and_requeue(slurm_cluster, job, "USR2", restarts=1)
+        wait_for_step(slurm_cluster, job, run_dir, max(losses(run_dir)) + 6)
+        preempt_and_requeue(slurm_cluster, job, "TERM", restarts=2)
+        info = slurm_cluster.wait(job, timeout=180)
+        rc, out, after = finished(submitter, timeout=60)
+    finally:
+        if submitter.poll() is None:
+            submitter.kill()
+    assert info["JobState"] == "COMPLETED", info
+    assert rc == 0, out[-3000:]
+    assert losses(run_dir) == reference
+    print(f"submitit: the submitter returned {after:.1f} s after the job completed")
+
+
+def test_submitit_refusal_reaches_the_submitter(slurm_cluster, tmp_path):
+    """A refusal under submitit is the job's result: the submitter ends with usp's message,
+    instead of polling a job that left no result."""
+    before = job_ids(slurm_cluster)
+    submitter = submit(slurm_cluster, tmp_path, ["recipe=tiny_cpu", "parallel.ulysses_degree=3",
+                                                 "parallel.ring_degree=1",
+                                                 f"trainer.run_dir={tmp_path / 'run'}"])
+    try:
+        job = the_job(slurm_cluster, submitter, before)
+        info = slurm_cluster.wait(job, timeout=120)
+        rc, out, after = finished(submitter, timeout=60)
+    finally:
+        if submitter.poll() is None:
+            submitter.kill()
+    assert rc != 0 and "does not divide world size 4" in out, out[-3000:]
+    assert "(all 4 tasks stop with this error)" in out
+    print(f"submitit refusal: job {info['JobState']} {info['ExitCode']}, the submitter ended "
+          f"{after:.1f} s after")
