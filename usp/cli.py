@@ -128,20 +128,21 @@ class JobError(RuntimeError):
 def _refuse(prog: str, e: Exception, status: int = 2) -> None:
     """Print ``prog: error: ...`` (no traceback) and exit with ``status``.
 
-    In a torchrun/Slurm launch a refusal (status 2) is the same on every task: rank 0
-    prints it once, with the task count, and the others exit quietly with the same code.
-    A rank's own failure (status 1: a fault, a rendezvous that is not its job's) is
-    printed by that rank. Under submitit the line is raised as ``JobError`` instead."""
-    from .launch import RendezvousError, launcher_env
+    In a torchrun/Slurm launch a refusal decided together before the process group
+    (``usp.launch.SharedRefusal``) is the same on every task: rank 0 prints it once, with
+    the task count, and the others exit quietly with the same code. Anything else is the
+    rank's own (a fault, a lost peer, a rendezvous that is not its job's): that rank prints
+    it, named. Under submitit the line is raised as ``JobError`` instead."""
+    from .launch import SharedRefusal, launcher_env
 
     text = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
     info = launcher_env()
-    own = status != 2 or isinstance(e, RendezvousError)
-    if info is not None and not own:
+    shared = isinstance(e, SharedRefusal)
+    if info is not None and shared:
         text += f" (all {info['world']} tasks stop with this error)"
     elif info is not None and not text.startswith("rank "):
         text = f"rank {info['rank']}: {text}"
-    if info is None or own or info["rank"] == 0:
+    if info is None or not shared or info["rank"] == 0:
         print(f"{prog}: error: {text}", file=sys.stderr, flush=True)
     if _under_submitit():
         raise JobError(f"{prog}: error: {text}") from None
@@ -160,10 +161,11 @@ def run_training(cfg: RunConfig) -> None:
     """Launch: torchrun/Slurm environment if present, else spawn ``trainer.nprocs`` local ranks.
 
     The run's layout (``usp.run.RunLayout``) is resolved once, before any process starts
-    training: here, in the parent of the spawned ranks; under torchrun/Slurm by every task
-    from its own config and environment, before any process group (so a layout that cannot
-    fit the allocation is refused at once, alike on every task), then agreed on by all. Every
-    rank builds its mesh, model and trainer from that one object.
+    training: here, in the parent of the spawned ranks; under torchrun/Slurm by rank 0 before
+    any process group, checked by every other task on its own config and machine, the
+    verdicts exchanged in the rendezvous store (``usp.launch.decide_together``: a layout
+    that cannot fit the allocation is refused at once, alike on every task). Every rank
+    builds its mesh, model and trainer from that one object.
     """
     import torch
 
@@ -181,40 +183,47 @@ def run_training(cfg: RunConfig) -> None:
         code = run_local(_local_worker, nprocs, cfg, run, device_type=device_type,
                          max_restarts=cfg.trainer.max_restarts, timeout_s=cfg.trainer.timeout_s)
         if code:  # the ranks' own exit code, e.g. preempted after a forwarded SIGTERM
-            raise SystemExit(code)
+            _local_exit(cfg, code)
         return
     if info["kind"] == "slurm":  # the scheduler's hosts are the topology, not a recipe's
         notice = use_scheduler_hosts(cfg, info["placement"] or "from Slurm")
         if notice and info["rank"] == 0:
             print(f"usp: {notice}", flush=True)
-    # every task, before any process group: the data's vocabulary and validation split,
-    # then the whole layout for this allocation (degrees, heads, sequence, data, kernel);
-    # the verdicts meet in the rendezvous store, so one refusal is raised on every task
-    from .launch import rendezvous_store, start_together
+    # before any process group: rank 0 resolves the layout for this allocation (degrees,
+    # heads, sequence, data, kernel) and every other task checks its own config, data and
+    # device against it; the verdicts meet in the rendezvous store, so one refusal is
+    # raised on every task within a second of start-up
+    from .launch import decide_together, rendezvous_store
+    from .run import check_task
 
-    run, refusal = None, None
-    try:
+    def decide():
         check_vocab(cfg.data, cfg.model)
         build_validation(cfg.data, cfg.model, cfg.trainer.eval_windows)
         _, device_type = choose_device(cfg.trainer.device, 1, torch.cuda.is_available(),
                                        torch.cuda.device_count())
-        run = resolve_run(cfg, info["world"], device_type)
-    except (ValueError, FileNotFoundError) as e:
-        refusal = str(e)
+        return resolve_run(cfg, info["world"], device_type), cfg.trainer.run_dir
+
+    def check(decided):
+        # every rank composed its own config; rank 0's run directory is the run's
+        cfg.trainer.run_dir = decided[1]
+        check_vocab(cfg.data, cfg.model)
+        choose_device(cfg.trainer.device, 1, torch.cuda.is_available(),
+                      torch.cuda.device_count())
+        check_task(cfg, decided[0])
+
     store = rendezvous_store(info, cfg.trainer.timeout_s)
-    refusal = start_together(store, info, refusal, cfg.trainer.timeout_s)
-    if refusal is not None:
-        raise ValueError(refusal)
+    run, cfg.trainer.run_dir = decide_together(store, info, decide, check, cfg.trainer.timeout_s)
+    if info["rank"] == 0 and run.plan_table:
+        print(run.plan_table, flush=True)
     _train_launched(cfg, info, run, store)
 
 
 def _train_launched(cfg: RunConfig, info: dict, run, store) -> None:
-    """Join the launch's process group, agree on ``run``, train; a preempted Slurm job is
+    """Join the launch's process group and train ``run``; a preempted Slurm job is
     requeued by rank 0 after its checkpoint (``usp.slurm.requeue``)."""
     import torch.distributed as dist
 
     from .launch import init_from_env
-    from .run import agree_run
     from .train.faults import Preempted
     from .train.trainer import train
 
@@ -222,18 +231,10 @@ def _train_launched(cfg: RunConfig, info: dict, run, store) -> None:
     init_from_env(info, cfg.trainer.device, timeout_s=cfg.trainer.timeout_s, store=store)
     preempted, requeued = None, False
     try:
-        # every rank composed its own config; rank 0's run directory is the run's
-        run_dir = [cfg.trainer.run_dir]
-        dist.broadcast_object_list(run_dir, src=0)
-        cfg.trainer.run_dir = run_dir[0]
-        run = agree_run(run)  # every task resolved the same layout, or all refuse
-        if info["rank"] == 0 and run.plan_table:
-            print(run.plan_table, flush=True)
-        try:
-            train(cfg, run)
-        except Preempted as e:  # every rank checkpointed at e.step
-            preempted = e
-            requeued, line = _requeue(cfg, info)
+        train(cfg, run)
+    except Preempted as e:  # every rank checkpointed at e.step
+        preempted = e
+        requeued, line = _requeue(cfg, info)
     finally:
         gc.collect()  # train() closed its mesh; free what is left before the world goes
         dist.destroy_process_group()
@@ -266,6 +267,30 @@ def _requeue(cfg: RunConfig, info: dict) -> tuple[bool, str]:
         print(f"usp: {outcome[0][1]}", flush=True)
     dist.broadcast_object_list(outcome, src=0)
     return outcome[0]
+
+
+def _local_exit(cfg: RunConfig, code: int) -> None:
+    """The local launcher's ranks exited with ``code``. Inside a one-task Slurm job (the
+    launcher spawns the ranks) a preemption requeues the job as a multi-task one does;
+    under submitit the outcome is raised as ``JobError`` unless the job was requeued."""
+    import os
+    import signal
+
+    from . import slurm
+    from .train.faults import PREEMPTED_EXIT_CODE
+
+    line = f"the ranks exited with {code}"
+    requeued = False
+    if code == PREEMPTED_EXIT_CODE and os.environ.get("SLURM_JOB_ID"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the requeue ends this step
+        if cfg.trainer.requeue:
+            requeued, line = slurm.requeue(os.environ)
+        else:
+            line = "trainer.requeue=false: not requeued; submit it again to resume"
+        print(f"usp: {line}", flush=True)
+    if _under_submitit() and not requeued:
+        raise JobError(f"usp-train: {line}")
+    raise SystemExit(code)
 
 
 def _local_worker(cfg: RunConfig, run) -> None:

@@ -11,6 +11,7 @@ import gc
 import json
 import multiprocessing.connection
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -380,12 +381,27 @@ def rendezvous_store(info: dict, timeout_s: float = 600.0) -> dist.Store:
     return dist.PrefixStore("usp/", store)
 
 
+class SharedRefusal(ValueError):
+    """A refusal every task of a launch raises alike, decided together before any process
+    group (``decide_together``): rank 0 prints it once, the other tasks exit quietly."""
+
+
+def _why(e: BaseException) -> str:
+    """An exception as a refusal line: a ValueError/FileNotFoundError by its message, anything
+    else with its type, so no message is ever empty."""
+    text = str(e)
+    if isinstance(e, (ValueError, FileNotFoundError)) and text:
+        return text
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 def start_together(store: dist.Store, info: dict, refusal: str | None,
                    timeout_s: float = 600.0) -> str | None:
     """Every task's verdict on its own checks, exchanged through ``store`` before any process
     group: None when all may start, else the one refusal every task raises: rank 0's when it
-    refused (then all refused alike, as they share config and environment), otherwise the
-    first refusing rank's, named. So a task whose node lacks a file is heard, once."""
+    refused, otherwise the first refusing rank's, named. So a task whose node lacks a file
+    is heard, once. Rank 0, which serves the store under Slurm, stays until every task has
+    read a refusal (at most ``timeout_s``), so none loses the store before it knows."""
     rank, world = info["rank"], info["world"]
     votes = dist.PrefixStore("start/", store)
     votes.set(f"rank{rank}", refusal or "")
@@ -402,8 +418,40 @@ def start_together(store: dist.Store, info: dict, refusal: str | None,
             verdict = (f"rank {refused[0]} (of {len(refused)} refusing: {ranks}): "
                        f"{said[refused[0]]}")
         votes.set("verdict", verdict)
+        deadline = time.monotonic() + timeout_s
+        while verdict and votes.add("read", 0) < world - 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return verdict or None
     verdict = votes.get("verdict").decode()
+    votes.add("read", 1)
     return verdict or None
+
+
+def decide_together(store: dist.Store, info: dict, decide, check, timeout_s: float = 600.0):
+    """Before any process group: rank 0 runs ``decide()`` (the run's layout, say) and
+    publishes its value in ``store``; every other task runs ``check(value)`` on its own
+    config and machine; the verdicts meet (``start_together``). Returns the value on every
+    task, or raises ``SharedRefusal`` on every task. Any exception in ``decide``/``check``
+    is a refusal, so no task leaves the others waiting for its vote."""
+    shared = dist.PrefixStore("decided/", store)
+    value, refusal = None, None
+    if info["rank"] == 0:
+        try:
+            value = decide()
+        except Exception as e:
+            refusal = _why(e)
+        shared.set("value", pickle.dumps(value))
+    else:
+        value = pickle.loads(shared.get("value"))
+        if value is not None:
+            try:
+                check(value)
+            except Exception as e:
+                refusal = _why(e)
+    verdict = start_together(store, info, refusal, timeout_s)
+    if verdict is not None:
+        raise SharedRefusal(verdict)
+    return value
 
 
 def init_from_env(info: dict, device: str = "auto", timeout_s: float = 600.0,

@@ -7,11 +7,10 @@ the world size, the device or the file system (the config dataclasses check plai
 themselves), one message per rule, and raises ``ValueError`` before anything starts.
 
 - Local spawn: the launching process resolves once and hands the layout to every rank.
-- torchrun / Slurm (``usp-train``): every task composed its own config and resolves it for
-  the launch's world before any process group (a layout that cannot fit the allocation is
-  refused in a second, the verdicts exchanged in the rendezvous store:
-  ``usp.launch.start_together``); once the group exists ``agree_run`` checks that every
-  task resolved the same layout.
+- torchrun / Slurm (``usp-train``): before any process group rank 0 resolves for the
+  launch's world and every other task checks its own config against that layout
+  (``check_task``), the verdicts exchanged in the rendezvous store
+  (``usp.launch.decide_together``): a layout that cannot fit is refused in a second.
 - A library caller inside an existing group: ``resolve_run_group`` lets rank 0 resolve
   (only it runs topology detection for ``auto`` degrees), broadcasts the layout, and every
   task checks what is its own (data files, run directory, kernel on its device).
@@ -22,7 +21,6 @@ placement or chunk fields of ``cfg.parallel`` again (``tests/unit/test_run_layou
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import os
 import sys
@@ -359,21 +357,6 @@ def use_scheduler_hosts(cfg: RunConfig, placement: str) -> str | None:
     dropped, cfg.parallel.ranks_per_node = cfg.parallel.ranks_per_node, None
     return (f"parallel.ranks_per_node={dropped} ignored under Slurm: the mesh uses the job's "
             f"hosts ({placement})")
-
-
-def agree_run(layout: RunLayout) -> RunLayout:
-    """Collective, for tasks that each resolved their own layout before the process group
-    (``resolve_run`` under torchrun/Slurm): every rank's must equal rank 0's (a task with
-    another config or environment is named); returns rank 0's, with its plan table."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    layouts: list = [None] * world
-    dist.all_gather_object(layouts, dataclasses.replace(layout, plan_table=""))
-    differ = [r for r, other in enumerate(layouts) if other != layouts[0]]
-    if differ:
-        raise ValueError(f"ranks {differ} resolved another layout than rank 0 ({layouts[differ[0]]} "
-                         f"vs {layouts[0]}): every task must get the same config and launch "
-                         f"environment")
-    return layout
 
 
 # ---- task rules --------------------------------------------------------------------------

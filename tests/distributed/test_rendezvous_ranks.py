@@ -1,9 +1,9 @@
 """The Slurm rendezvous (``usp.launch.init_from_env`` with a job identity): ranks of one job
 step form their group; a rank that reaches another job's rendezvous, or a rank 0 whose port
 is taken, fails at once with one line naming both sides and the fix. Before any process
-group the tasks exchange their own checks' verdicts there (``start_together``): one refusal,
-the same on every task. Under real Slurm (two
-jobs on the same nodes): ``tests/slurm``."""
+group rank 0 decides and every task checks and votes there (``decide_together``): one
+outcome, the same on every task. Under real Slurm (two jobs on the same nodes):
+``tests/slurm``."""
 
 import multiprocessing as mp
 import socket
@@ -37,12 +37,29 @@ def _info(job: int, rank: int, port: int, world: int = 2) -> dict:
 
 
 def _vote(info: dict, out, hold) -> None:
-    from usp.launch import rendezvous_store, start_together
+    """``decide_together`` with scripted outcomes: rank 0 decides {"layout": 1} unless
+    ``decide_fails``; a rank with ``refusal`` fails its own check. A refused rank 0 leaves
+    at once (it serves the store under Slurm): no other task may lose the verdict to that."""
+    from usp.launch import SharedRefusal, decide_together, rendezvous_store
+
+    def decide():
+        if info.get("decide_fails"):
+            raise ValueError("ulysses (3) x ring (1) = 3 does not divide world size 4")
+        return {"layout": 1}
+
+    def check(value):
+        assert value == {"layout": 1}
+        if info.get("refusal"):
+            raise FileNotFoundError(info["refusal"])
 
     store = rendezvous_store(info, timeout_s=20)
-    mine = info.get("refusal")
-    out.put((info["identity"], info["rank"], start_together(store, info, mine, timeout_s=20)))
-    hold.wait(timeout=60)
+    try:
+        got = decide_together(store, info, decide, check, timeout_s=20)
+    except SharedRefusal as e:
+        got = f"refused: {e}"
+    out.put((info["identity"], info["rank"], got))
+    if info["rank"] != 0 or not isinstance(got, str):  # (a starting rank 0 keeps its store)
+        hold.wait(timeout=60)
 
 
 def _run(infos: list[dict], timeout: float = 60, target=_join) -> dict:
@@ -93,19 +110,22 @@ def test_rank0_on_a_taken_port_says_so():
                            "(MASTER_PORT) on 127.0.0.1 is already taken"), line
 
 
-@pytest.mark.parametrize("refusing", [[], [2], [0, 1, 2, 3]])
+@pytest.mark.parametrize("refusing", [[], [2], "rank 0"])
 def test_every_task_gets_one_verdict(refusing):
     port = free_port()
     infos = [_info(11, r, port, world=4) for r in range(4)]
-    for r in refusing:  # rank r's own check failed (say, its node lacks a data file)
-        infos[r]["refusal"] = f"data.path: /scratch/tokens.bin missing (seen by rank {r})"
-    verdicts = set(_run(infos, target=_vote).values())
-    assert len(verdicts) == 1  # every task raises the same refusal, or none does
-    verdict = verdicts.pop()
+    if refusing == "rank 0":  # rank 0's layout cannot fit: no other task checks anything
+        infos[0]["decide_fails"] = True
+    else:
+        for r in refusing:  # rank r's own check failed (its node lacks a data file)
+            infos[r]["refusal"] = f"data.path: /scratch/tokens.bin missing (seen by rank {r})"
+    verdicts = [v for _, v in sorted(_run(infos, target=_vote).items())]
+    assert len(set(map(str, verdicts))) == 1  # every task the same outcome
     if not refusing:
-        assert verdict is None
+        assert verdicts[0] == {"layout": 1}  # rank 0's decision, on every task
     elif refusing == [2]:  # only rank 2 refused: it is named, with its own words
-        assert verdict == ("rank 2 (of 1 refusing: 2): data.path: /scratch/tokens.bin missing "
-                           "(seen by rank 2)")
-    else:  # all refused: rank 0's words
-        assert verdict == "data.path: /scratch/tokens.bin missing (seen by rank 0)"
+        assert verdicts[0] == ("refused: rank 2 (of 1 refusing: 2): data.path: "
+                               "/scratch/tokens.bin missing (seen by rank 2)")
+    else:
+        assert verdicts[0] == ("refused: ulysses (3) x ring (1) = 3 does not divide world "
+                               "size 4")

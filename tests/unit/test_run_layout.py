@@ -75,11 +75,12 @@ def test_auto_chunks_are_resolved_to_a_count():
 @pytest.mark.parametrize("rank,printed", [(0, True), (1, False)])
 def test_a_refusal_is_printed_by_the_first_task_only(monkeypatch, capsys, rank, printed):
     from usp import cli
+    from usp.launch import SharedRefusal
 
-    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("RANK", str(rank))  # torchrun (under Slurm: tests/unit/test_slurm.py)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(SystemExit) as e:
-        cli._refuse("usp-train", ValueError("sequence length 100 is not divisible by 8"))
+    with pytest.raises(SystemExit) as e:  # decided together before the group: every task has it
+        cli._refuse("usp-train", SharedRefusal("sequence length 100 is not divisible by 8"))
     assert e.value.code == 2  # every task exits with the refusal's status
     err = capsys.readouterr().err
     assert ("usp-train: error: sequence length 100" in err) is printed

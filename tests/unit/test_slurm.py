@@ -96,3 +96,55 @@ def test_scheduler_hosts_replace_a_recipes_simulated_nodes():
     assert line == ("parallel.ranks_per_node=2 ignored under Slurm: the mesh uses the job's "
                     "hosts (2 nodes x 2 tasks)")
     assert use_scheduler_hosts(cfg, "2 nodes x 2 tasks") is None  # nothing set: nothing said
+
+
+# ---- usp-train's last line in a launched task (usp.cli._refuse) ------------------------------
+
+
+def _task(monkeypatch, rank: int, submitit: bool = False) -> None:
+    import os
+
+    for key in list(os.environ):
+        if key.startswith(("SLURM_", "SUBMITIT_", "RANK", "WORLD_SIZE", "LOCAL_RANK")):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("SLURM_PROCID", str(rank))
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_JOB_ID", "5")
+    if submitit:
+        monkeypatch.setenv("SUBMITIT_FOLDER", "/tmp/submitit/%j")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_refusal_decided_together_is_printed_once_by_rank_0(monkeypatch, capsys, rank):
+    from usp.cli import _refuse
+    from usp.launch import SharedRefusal
+
+    _task(monkeypatch, rank)
+    with pytest.raises(SystemExit) as ex:
+        _refuse("usp-train", SharedRefusal("ulysses (3) x ring (1) = 3 does not divide 4"))
+    assert ex.value.code == 2
+    said = capsys.readouterr().err
+    assert said == ("usp-train: error: ulysses (3) x ring (1) = 3 does not divide 4 (all 4 "
+                    "tasks stop with this error)\n" if rank == 0 else "")
+
+
+def test_a_ranks_own_error_is_printed_by_that_rank(monkeypatch, capsys):
+    from usp.cli import _refuse
+
+    _task(monkeypatch, 3)  # e.g. a file missing on its node once training runs
+    with pytest.raises(SystemExit) as ex:
+        _refuse("usp-train", FileNotFoundError("/scratch/tokens.bin"))
+    assert ex.value.code == 2
+    assert capsys.readouterr().err == "usp-train: error: rank 3: /scratch/tokens.bin\n"
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_under_submitit_the_error_is_the_tasks_result(monkeypatch, capsys, rank):
+    from usp.cli import JobError, _refuse
+    from usp.launch import SharedRefusal
+
+    _task(monkeypatch, rank, submitit=True)
+    with pytest.raises(JobError, match=r"^usp-train: error: bad degrees \(all 4 tasks"):
+        _refuse("usp-train", SharedRefusal("bad degrees"))
+    with pytest.raises(JobError, match=rf"^usp-train: error: rank {rank}: lost a peer"):
+        _refuse("usp-train", RuntimeError("lost a peer"), status=1)

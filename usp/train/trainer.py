@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -203,7 +204,8 @@ def train(cfg: RunConfig, run: RunLayout | None = None, fault_hook: FaultHook | 
 
     Faults (``usp.train.faults``): a signal in ``trainer.preempt_signals`` on any rank makes
     every rank checkpoint at the next step boundary and raise ``Preempted`` (its
-    ``exit_code`` is the process's); a non-finite global loss or grad norm raises
+    ``exit_code`` is the process's; SIGTERM is ignored from then on, as the process is
+    ending); a non-finite global loss or grad norm raises
     ``NonFiniteError`` before the optimizer step (``trainer.on_nonfinite=stop``) or skips the
     step (``skip``). ``fault_hook(step, loss_sum) -> loss_sum`` (tests): called on every rank
     with the 1-based step and this rank's loss sum before backward; it may send a signal or
@@ -299,7 +301,11 @@ def train(cfg: RunConfig, run: RunLayout | None = None, fault_hook: FaultHook | 
             summary = _loop(cfg, run, (start, consumed), model, opt, sched, (data, val), mesh,
                             positions, device, logger, bar, guard, preemption, fault_hook,
                             memory_probe)
-    except BaseException:  # Preempted, NonFiniteError, a lost peer: flush what was logged
+    except BaseException as e:  # Preempted, NonFiniteError, a lost peer: flush what was logged
+        if isinstance(e, Preempted):
+            # the checkpoint is written and the process is ending: a second SIGTERM (the
+            # scheduler's own, a requeue ending the step) must not cut the close below
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if bar is not None:
             bar.close()
         logger.close()
