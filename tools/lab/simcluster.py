@@ -53,6 +53,18 @@ class SimClusterError(RuntimeError):
     """The host cannot run a simulated cluster (not root, tools missing), or set-up failed."""
 
 
+def remove_etc_dirs(dirs: list[Path]) -> None:
+    """Remove the ``/etc/netns/<ns>`` folders made for our namespaces (and empty ``dirs``),
+    then ``/etc/netns`` itself when nothing else is left in it."""
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+    dirs.clear()
+    try:
+        Path("/etc/netns").rmdir()  # only when empty: other users' entries stay
+    except OSError:
+        pass
+
+
 def preflight(euid: int | None = None, which: Callable[[str], str | None] = shutil.which) -> None:
     """Raise ``SimClusterError`` naming what is missing: root, or ``ip``/``tc``/``unshare``.
 
@@ -283,13 +295,7 @@ class SimCluster:
                     pass
             _sh("ip", "netns", "del", ns, check=False)
         self.namespaces.clear()
-        for d in self._etc_dirs:
-            shutil.rmtree(d, ignore_errors=True)
-        self._etc_dirs.clear()
-        try:
-            Path("/etc/netns").rmdir()  # only when empty: other users' entries stay
-        except OSError:
-            pass
+        remove_etc_dirs(self._etc_dirs)
 
     def _kill_all(self) -> None:
         with self._lock:

@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from tools.lab.simcluster import say
+from tools.lab.simcluster import remove_etc_dirs, say
 
 DAEMONS = ("slurmctld", "slurmd", "munged")
 CLIENTS = ("sbatch", "squeue", "scontrol", "scancel", "srun", "sinfo")
@@ -360,13 +360,7 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe
         for ns in reversed(self.namespaces):
             _sh("ip", "netns", "del", ns, check=False)
         self.namespaces.clear()
-        for d in self._etc_dirs:
-            shutil.rmtree(d, ignore_errors=True)
-        self._etc_dirs.clear()
-        try:
-            Path("/etc/netns").rmdir()  # only when empty: other users' entries stay
-        except OSError:
-            pass
+        remove_etc_dirs(self._etc_dirs)
         if self._own_workdir and self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None
