@@ -154,7 +154,11 @@ def test_accumulation_gives_the_same_losses_and_weights(runs, packing):
         assert one[s]["tokens_seen"] == 4 * s * L
     wa, wb = _weights(runs / f"b4k1_{packing}"), _weights(runs / f"b2k2_{packing}")
     for name in wa:
-        torch.testing.assert_close(wb[name], wa[name], rtol=1e-5, atol=1e-6, msg=name)
+        # within 1e-5: Adam turns a grad that differs in the last bits (another summation
+        # order) into an update that can differ by ~1e-6 where the grad is near zero
+        # (seen: 2.8e-6 on 1 of 2048 weights after 4 steps)
+        torch.testing.assert_close(wb[name], wa[name], rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
     assert one[4]["loss"] < one[1]["loss"]
 
 
