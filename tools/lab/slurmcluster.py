@@ -465,8 +465,11 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe
     def wait_running(self, jobid: int, timeout: float = 30.0) -> dict:
         info = self.wait(jobid, ("RUNNING", *ENDED), timeout)
         if info["JobState"] != "RUNNING":
+            out = Path(info.get("StdOut", ""))
+            tail = _tail(out) if out.is_file() else "(no output)"
             raise SlurmClusterError(f"job {jobid} ended ({info['JobState']}, exit "
-                                    f"{info.get('ExitCode')}) before it was seen running")
+                                    f"{info.get('ExitCode')}) before it was seen running; "
+                                    f"its output:\n{tail}\n{self.logs()}")
         return info
 
     def output(self, jobid: int) -> str:
@@ -476,7 +479,16 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe
     def release(self, jobid: int) -> None:
         """Let a pending job start now. A requeued job waits for a BeginTime about 120 s
         ahead (Slurm's guard against a stale credential); ``StartTime=now`` clears it and
-        the job starts at the next scheduling pass (~1 s). A held job is released too."""
+        the job starts at the next scheduling pass (~1 s). A held job is released too.
+        The hold guards against the job's own revoked credential: slurmd refuses a launch
+        whose credential was made in the same second as the requeue revoked the old one
+        ("Killing non-startable batch job", the job FAILED). So this waits for the next
+        second and for every node to finish completing (at most 30 s) first."""
+        time.sleep(1.1)
+        deadline = time.monotonic() + 30.0
+        while (any(state.startswith("comp") for state in self.node_states().values())
+               and time.monotonic() < deadline):
+            time.sleep(POLL_S)
         self._check(["scontrol", "update", f"JobId={jobid}", "StartTime=now"])
         if "Held" in self.job(jobid).get("Reason", ""):  # JobHeldUser / JobHeldAdmin
             self._check(["scontrol", "release", str(jobid)])
