@@ -20,11 +20,11 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from .config import DATA_KINDS, ModelConfig, PlanConfig, RunConfig
+from .data.dataset import AUTO, data_vocab
 
 # hydra-core 1.4 warns about version_base="1.3" at every start (three lines on every task of
 # a job); 1.3 semantics are what the configs are written for
 warnings.filterwarnings("ignore", message="The version_base parameter is deprecated")
-from .data.dataset import AUTO, build_validation, check_vocab, data_vocab
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 
@@ -196,9 +196,8 @@ def run_training(cfg: RunConfig) -> None:
     from .launch import decide_together, rendezvous_store
     from .run import check_task
 
+    # (resolve_run and check_task include the data checks: vocabulary, validation split)
     def decide():
-        check_vocab(cfg.data, cfg.model)
-        build_validation(cfg.data, cfg.model, cfg.trainer.eval_windows)
         _, device_type = choose_device(cfg.trainer.device, 1, torch.cuda.is_available(),
                                        torch.cuda.device_count())
         return resolve_run(cfg, info["world"], device_type), cfg.trainer.run_dir
@@ -206,7 +205,6 @@ def run_training(cfg: RunConfig) -> None:
     def check(decided):
         # every rank composed its own config; rank 0's run directory is the run's
         cfg.trainer.run_dir = decided[1]
-        check_vocab(cfg.data, cfg.model)
         choose_device(cfg.trainer.device, 1, torch.cuda.is_available(),
                       torch.cuda.device_count())
         check_task(cfg, decided[0])
