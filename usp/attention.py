@@ -22,6 +22,7 @@ from .ulysses import (
     _Axis,
     _by_seq_chunk,
     check_a2a_chunks,
+    default_a2a_chunks,
     head_chunks,
 )
 from .validate import RING_IMPLS, check_kernel, check_ring_impl
@@ -82,7 +83,7 @@ def usp_attention(
     ring_impl: str = "usp",
     segment_ids: torch.Tensor | None = None,
     window: int | None = None,
-    a2a_chunks: int = 1,
+    a2a_chunks: int | None = None,
 ) -> torch.Tensor:
     """Exact attention over the whole sequence held across the SP group.
 
@@ -105,7 +106,11 @@ def usp_attention(
     ``a2a_chunks``: pipeline stages for the ulysses all-to-alls (``PipelinedAttention``);
     1 to at most the query heads of a ulysses rank (``ulysses.check_a2a_chunks``). Same
     bytes and results, ``a2a_chunks`` times as many messages; without a ulysses group
-    there is nothing to hide and it has no effect. Not with ``ring_impl="ring_flash_attn"``.
+    there is nothing to hide and it has no effect. None (default): the mesh's setting
+    (``SPMesh.build(a2a_chunks=...)``, ``"auto"`` unless given: 1 inside a host, pipelined
+    when a ulysses group crosses hosts; ``ulysses.default_a2a_chunks``). Not with
+    ``ring_impl="ring_flash_attn"`` (its default is 1). The mesh also says whether the
+    messages travel in pieces (``SPMesh.a2a_piece_bytes``).
 
     Every query sees at least its own key, so no output row is undefined. Blocks a mask
     leaves empty are skipped. The ``torch`` and ``reference`` kernels take both masks,
@@ -119,6 +124,9 @@ def usp_attention(
         check_kernel(kernel, dev, dtype, d, ring_impl, causal, layout.balance)
     else:  # a Kernel object answers for itself; the ring engine is still checked
         check_ring_impl(ring_impl, dev, dtype, d, causal, layout.balance)
+    if a2a_chunks is None:
+        a2a_chunks = 1 if ring_impl == "ring_flash_attn" else default_a2a_chunks(
+            mesh.a2a_chunks, mesh.ulysses_crosses_hosts, q.shape[2], k.shape[2], mesh.ulysses)
     check_a2a_chunks(a2a_chunks, q.shape[2], k.shape[2], mesh.ulysses)
     if a2a_chunks > 1 and ring_impl == "ring_flash_attn":
         raise ValueError(f"a2a_chunks={a2a_chunks} pipelines the usp ring only; use "
@@ -136,7 +144,8 @@ def usp_attention(
     u = mesh.ulysses
     axis = None
     if u > 1:
-        axis = _Axis(u, mesh.group("ulysses"), mesh.to_group_rank("ulysses"), mesh.comm)
+        axis = _Axis(u, mesh.group("ulysses"), mesh.to_group_rank("ulysses"), mesh.comm,
+                     mesh.a2a_piece_bytes)
     comm = None
     if mesh.ring > 1 and ring_impl == "usp":
         # the ring's own group: P2P on the world group would queue behind (and on
@@ -186,6 +195,7 @@ class PipelinedAttention(torch.autograd.Function):
         u, me = axis.size, axis.rank
         b, n, hq, d = q.shape
         split = head_split(q.shape[2], k.shape[2], u)
+        axis.split = split
         stages = head_chunks(split, chunks)  # [rank][stage]
         mine: tuple[HeadChunk, ...] = stages[me]
 

@@ -210,31 +210,37 @@ def check_agreement(what: str, value, group: dist.ProcessGroup | None = None) ->
 
 
 class InFlight:
-    """An all-to-all posted with ``async_op=True``: ``wait()`` blocks until it lands (timed as
-    exposed on ``stats``), then returns ``finish(received)``.
+    """An all-to-all posted with ``async_op=True`` (one work, or one per piece): ``wait()``
+    blocks until every piece has landed (timed as exposed on ``stats``), then returns
+    ``finish(received)``.
 
-    On the host clock, a callback on the work's future notes when the transfer completed,
-    so ``wait`` can add the time it travelled unobserved to ``stats.hidden_s``.
+    On the host clock, callbacks on the works' futures note when the last piece landed, so
+    ``wait`` can add the time the exchange travelled unobserved to ``stats.hidden_s``.
     """
 
-    def __init__(self, work, send: torch.Tensor, received: torch.Tensor, stats: CommStats,
+    def __init__(self, works, send, received: torch.Tensor, stats: CommStats,
                  axis: str, group, finish: Callable[[torch.Tensor], torch.Tensor]):
-        self._work, self._received, self._finish = work, received, finish
+        self._works = works if isinstance(works, list) else [works]
+        self._received, self._finish = received, finish
         self._send = send  # alive until the transfer has read it
         self._stats, self._axis, self._group = stats, axis, group
-        self._posted, self._done = time.perf_counter(), None
+        self._posted, self._done, self._left = time.perf_counter(), None, len(self._works)
         self._host = clock_for(received.device) == "host"
         if self._host:
-            work.get_future().add_done_callback(self._landed)
+            for work in self._works:
+                work.get_future().add_done_callback(self._landed)
 
     def _landed(self, _future) -> None:
-        self._done = time.perf_counter()
+        self._left -= 1
+        if self._left == 0:
+            self._done = time.perf_counter()
 
     def wait(self) -> torch.Tensor:
         waited = time.perf_counter()
         with self._stats.timed(self._axis, self._received.device), \
                 naming_collectives(self._axis, self._group):
-            self._work.wait()
+            for work in self._works:
+                work.wait()
         self._send = None
         if self._host:  # in flight while the caller did something else
             landed = waited if self._done is None else min(waited, self._done)
@@ -242,18 +248,75 @@ class InFlight:
         return self._finish(self._received)
 
 
+# The largest piece of a ulysses message to one peer when a ulysses group crosses hosts over
+# gloo (``SPMesh.build``'s ``a2a_piece_bytes="auto"``). On the simulated cluster's 300 mbit
+# link a two-way exchange ran at 26 ms per MiB in 0.25 MiB messages and at 48-52 ms per MiB
+# in 1.5-3 MiB ones (docs/measurements.md).
+GLOO_PIECE_BYTES = 256 * 1024
+
+
+def piece_count(block_bytes: int, piece_bytes: int | None) -> int:
+    """Pieces of at most ``piece_bytes`` that a message of ``block_bytes`` to one peer is
+    cut into (1: sent whole; ``piece_bytes`` None or 0: never cut)."""
+    if not piece_bytes or block_bytes <= piece_bytes:
+        return 1
+    return -(-block_bytes // piece_bytes)
+
+
+def _cuts(n: int, pieces: int) -> list[int]:
+    """``n`` elements cut into ``pieces`` near-equal runs (the larger first): their sizes."""
+    return [n // pieces + (i < n % pieces) for i in range(pieces)]
+
+
 def post_all_to_all(send: torch.Tensor, received: torch.Tensor, group, stats: CommStats,
                     axis: str, nbytes: int, finish: Callable[[torch.Tensor], torch.Tensor],
                     recv_sizes: list[int] | None = None,
-                    send_sizes: list[int] | None = None) -> InFlight:
+                    send_sizes: list[int] | None = None, pieces: int = 1) -> InFlight:
     """Post ``all_to_all_single(received, send, recv_sizes, send_sizes)`` on ``group`` without
     waiting, recording ``nbytes`` sent to other ranks on ``axis``; ``finish`` maps the
-    received buffer to the result ``wait()`` returns."""
+    received buffer to the result ``wait()`` returns.
+
+    ``pieces > 1`` cuts every peer's block into that many runs and posts one all-to-all per
+    run, back to back (``calls`` counts each; the bytes are the same): on gloo over a slow
+    TCP link, a two-way exchange of a large message runs well under the link rate, and the
+    same bytes in messages of a few hundred KiB run near it (docs/performance.md). Every
+    rank of the group must pass the same ``pieces``.
+    """
+    if pieces == 1:
+        with naming_collectives(axis, group):
+            work = dist.all_to_all_single(received, send, recv_sizes, send_sizes, group=group,
+                                          async_op=True)
+        stats.record(axis, nbytes)
+        return InFlight(work, send, received, stats, axis, group, finish)
+    n = dist.get_world_size(group)
+    if send_sizes is None:  # equal blocks: [n, F] rows, one column run per piece
+        sends = [run.contiguous() for run in send.reshape(n, -1).tensor_split(pieces, dim=1)]
+        recvs = [torch.empty_like(s) for s in sends]
+
+        def gather(out: torch.Tensor) -> torch.Tensor:  # [n, F] from the pieces' columns
+            torch.cat(recvs, dim=1, out=out.view(n, -1))
+            return out
+        sizes = [(None, None)] * pieces
+    else:  # 1-D with per-peer sizes: run i of every peer's block goes in piece i
+        send_cuts = [_cuts(m, pieces) for m in send_sizes]  # [peer][piece]
+        recv_cuts = [_cuts(m, pieces) for m in recv_sizes]
+        by_peer = [block.split(cuts) for block, cuts in zip(send.split(send_sizes), send_cuts)]
+        sends = [torch.cat([runs[i] for runs in by_peer]) for i in range(pieces)]
+        sizes = [([c[i] for c in recv_cuts], [c[i] for c in send_cuts]) for i in range(pieces)]
+        recvs = [send.new_empty(sum(r)) for r, _ in sizes]
+
+        def gather(out: torch.Tensor) -> torch.Tensor:  # peer blocks from their runs
+            runs = [r.split(rs) for r, (rs, _) in zip(recvs, sizes)]  # [piece][peer]
+            for j, block in enumerate(out.split(recv_sizes)):
+                torch.cat([runs[i][j] for i in range(pieces)], out=block)
+            return out
+    works = []
     with naming_collectives(axis, group):
-        work = dist.all_to_all_single(received, send, recv_sizes, send_sizes, group=group,
-                                      async_op=True)
-    stats.record(axis, nbytes)
-    return InFlight(work, send, received, stats, axis, group, finish)
+        for s, r, (rs, ss) in zip(sends, recvs, sizes):
+            works.append(dist.all_to_all_single(r, s, rs, ss, group=group, async_op=True))
+    for i, m in enumerate(_cuts(nbytes, pieces)):  # the same bytes, one call per piece
+        stats.record(axis, m)
+    return InFlight(works, sends, received, stats, axis, group, lambda out: finish(gather(out)))
 
 
 def all_to_all_start(
@@ -262,13 +325,15 @@ def all_to_all_start(
     to_group_rank: list[int] | None,
     stats: CommStats,
     axis: str = "ulysses",
+    piece_bytes: int | None = None,
 ) -> InFlight:
     """Post the exchange of chunk ``c`` of dim 0 with the rank at axis coordinate ``c``.
 
     ``x``: [n, ...] where n is the group size (n > 1); chunk c is sent to coordinate c.
     ``wait()`` returns [n, ...] where chunk c came from coordinate c. ``to_group_rank[c]``
     maps a mesh coordinate to the group's rank when they differ (process groups order
-    members by global rank; the mesh may not), else None.
+    members by global rank; the mesh may not), else None. ``piece_bytes``: send each
+    chunk in pieces of at most that many bytes (``post_all_to_all``); None: whole.
     """
     n, device = x.shape[0], x.device
     perm = None
@@ -282,8 +347,9 @@ def all_to_all_start(
         # [n(group rank), ...] -> [n(coordinate), ...]
         return out if perm is None else out.index_select(0, perm[1])
 
+    pieces = piece_count(_nbytes(wire) // n, piece_bytes)
     return post_all_to_all(wire, torch.empty_like(wire), group, stats, axis,
-                           _nbytes(wire) * (n - 1) // n, finish)
+                           _nbytes(wire) * (n - 1) // n, finish, pieces=pieces)
 
 
 def all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None,

@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .comm import CommStats, check_agreement
+from .comm import GLOO_PIECE_BYTES, CommStats, check_agreement
 from .compat import flatten_mesh, process_group_alive, release_device_mesh
-from .validate import check_degrees, check_placement, check_ranks_per_node
+from .validate import check_a2a_setting, check_degrees, check_placement, check_ranks_per_node
 
 AXES = ("dp", "ring", "ulysses")
 
@@ -62,6 +62,11 @@ class SPMesh:
     ``ulysses_rank``/``ring_rank``/``dp_rank`` are this rank's mesh coordinates; the
     sequence-parallel rank is ``sp_rank = ring_rank * ulysses + ulysses_rank``.
 
+    The mesh also carries how its ulysses all-to-alls travel, which ``usp_attention`` uses
+    when the call does not say: ``a2a_chunks`` (pipeline stages: an int, or ``"auto"``,
+    see ``usp.ulysses.default_a2a_chunks``) and ``a2a_piece_bytes`` (the largest message
+    piece, or None for whole messages; see ``build``).
+
     ``mesh.close()`` (or a ``with SPMesh.build(...) as mesh:`` block) before
     ``dist.destroy_process_group()`` frees its groups at once; a mesh left open is released
     when the interpreter exits, before its shutdown starts (see ``close`` for why).
@@ -76,6 +81,8 @@ class SPMesh:
     device_mesh: DeviceMesh | None = None
     flat_meshes: dict[str, DeviceMesh] = field(default_factory=dict)  # sp, dp_sp
     comm: CommStats = field(default_factory=CommStats)
+    a2a_chunks: int | str = "auto"
+    a2a_piece_bytes: int | None = None
     _cache: dict = field(default_factory=dict, repr=False)
     _closed: bool = field(default=False, repr=False)
     _owned: _Owned | None = field(default=None, repr=False, compare=False)
@@ -95,11 +102,19 @@ class SPMesh:
         ranks_per_node: int | None = None,
         hosts: list[str] | None = None,
         device_type: str | None = None,
+        a2a_chunks: int | str = "auto",
+        a2a_piece_bytes: int | str | None = "auto",
     ) -> "SPMesh":
         """Discover hosts, lay ranks out and create the DeviceMesh (collective: all ranks call).
 
         Simulation, for tests and CPU runs: ``ranks_per_node`` makes nodes of that many
         consecutive ranks; ``hosts`` gives the host name of every rank explicitly.
+        ``a2a_chunks``: the attention calls' default pipeline depth (an int, or ``"auto"``:
+        1 while every ulysses group stays inside a host, else pipelined; usp-train passes
+        the planner's count). ``a2a_piece_bytes``: ``"auto"`` cuts ulysses messages into
+        pieces of ``comm.GLOO_PIECE_BYTES`` when a ulysses group crosses hosts over gloo
+        (large two-way TCP exchanges run under the link rate), else sends them whole;
+        an int sets the piece size, None never cuts.
         Invalid degrees raise ``ValueError`` before any collective runs.
         """
         if not dist.is_initialized():
@@ -108,11 +123,19 @@ class SPMesh:
         dp = check_degrees(world, ulysses, ring, dp)
         check_placement(placement)
         check_ranks_per_node(world, ranks_per_node)
+        check_a2a_setting(a2a_chunks)
+        if a2a_piece_bytes not in (None, "auto") and (
+                isinstance(a2a_piece_bytes, bool) or not isinstance(a2a_piece_bytes, int)
+                or a2a_piece_bytes < 1):
+            raise ValueError(f"a2a_piece_bytes={a2a_piece_bytes!r} must be a positive number "
+                             f"of bytes, auto or None (messages whole)")
         if hosts is not None and len(hosts) != world:
             raise ValueError(f"hosts lists {len(hosts)} ranks but the world size is {world}")
         # different degrees per rank would build mismatched groups and hang: agree first
-        check_agreement("SPMesh.build(ulysses, ring, dp, placement, ranks_per_node, hosts)",
-                        (ulysses, ring, dp, placement, ranks_per_node, hosts))
+        check_agreement("SPMesh.build(ulysses, ring, dp, placement, ranks_per_node, hosts, "
+                        "a2a_chunks, a2a_piece_bytes)", (ulysses, ring, dp, placement,
+                                                         ranks_per_node, hosts, a2a_chunks,
+                                                         a2a_piece_bytes))
         hosts = list(hosts) if hosts is not None else cls._discover_hosts(world, ranks_per_node)
         ranks = mesh_ranks(hosts, dp, ring, ulysses, placement)
         if device_type is None:
@@ -120,7 +143,11 @@ class SPMesh:
         dm = DeviceMesh(device_type, ranks, mesh_dim_names=AXES)
         flat = {"sp": flatten_mesh(dm[("ring", "ulysses")], "sp"),
                 "dp_sp": flatten_mesh(dm, "dp_sp")}
-        mesh = cls(ulysses, ring, dp, placement, ranks, hosts, dm, flat)
+        mesh = cls(ulysses, ring, dp, placement, ranks, hosts, dm, flat, a2a_chunks=a2a_chunks,
+                   a2a_piece_bytes=None if a2a_piece_bytes == "auto" else a2a_piece_bytes)
+        if a2a_piece_bytes == "auto" and mesh.ulysses_crosses_hosts and \
+                dist.get_backend() == "gloo":
+            mesh.a2a_piece_bytes = GLOO_PIECE_BYTES
         mesh._warn_if_ulysses_spans_nodes()
         return mesh
 
@@ -131,6 +158,14 @@ class SPMesh:
         hosts: list[str] = [""] * world
         dist.all_gather_object(hosts, socket.gethostname())
         return hosts
+
+    @property
+    def ulysses_crosses_hosts(self) -> bool:
+        """Whether some ulysses group of the mesh spans several hosts (real or simulated)."""
+        if "crosses" not in self._cache:  # asked on every attention call: computed once
+            self._cache["crosses"] = bool(spanning_groups(self.ranks, self.hosts,
+                                                          AXES.index("ulysses")))
+        return self._cache["crosses"]
 
     def _warn_if_ulysses_spans_nodes(self) -> None:
         group = self.axis_ranks("ulysses")

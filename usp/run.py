@@ -106,7 +106,8 @@ class RunLayout:
     def build_mesh(self) -> SPMesh:
         """This layout's ``SPMesh`` (collective: every rank of the default group calls it)."""
         return SPMesh.build(ulysses=self.ulysses, ring=self.ring, dp=self.dp,
-                            placement=self.placement, ranks_per_node=self.ranks_per_node)
+                            placement=self.placement, ranks_per_node=self.ranks_per_node,
+                            a2a_chunks=self.a2a_chunks)
 
     def attention_options(self) -> dict:
         """``usp_attention``'s keywords that the run decides (mesh and layout aside)."""
@@ -217,10 +218,11 @@ def decide_degrees(cfg: RunConfig, world: int, env=None) -> tuple[int, int, int,
     return u, r, dp, table
 
 
-def _a2a_chunks(cfg: RunConfig, world: int, ulysses: int, ring: int, dp: int) -> int:
+def _a2a_chunks(cfg: RunConfig, world: int, ulysses: int, ring: int, dp: int,
+                env=None) -> int:
     """``parallel.a2a_chunks`` as an int, by the planner's rule (``choose_a2a_chunks``: an
-    int checked against the heads, ``auto`` priced on the config's cluster spec); usp's
-    own ring only."""
+    int checked against the heads; ``auto``: 1 when the ulysses group stays inside a node
+    of the cluster the launcher reports, else priced on that spec); usp's own ring only."""
     pc, m = cfg.parallel, cfg.model
     if pc.ring_impl != "usp":
         if pc.a2a_chunks == "auto":
@@ -228,7 +230,7 @@ def _a2a_chunks(cfg: RunConfig, world: int, ulysses: int, ring: int, dp: int) ->
         if pc.a2a_chunks > 1:
             raise ValueError(f"parallel.a2a_chunks={pc.a2a_chunks} pipelines usp's own ring; "
                              f"use parallel.ring_impl=usp or parallel.a2a_chunks=1")
-    spec = _simulated_nodes(cfg.cluster, pc.ranks_per_node, world)
+    spec = _cluster(cfg, world, env)[0] if pc.a2a_chunks == "auto" else cfg.cluster
     return choose_a2a_chunks(pc.a2a_chunks, spec, cfg.data.seq_len, m.n_heads, m.n_kv_heads,
                              m.head_dim, ulysses, ring, dp=dp,
                              dtype_bytes=cfg.trainer.compute_dtype.itemsize,
@@ -276,7 +278,7 @@ def resolve_run(cfg: RunConfig, world: int, device_type: str | None = None,
     check_ranks_per_node(world, pc.ranks_per_node, "parallel.ranks_per_node")
     check_placement(pc.placement)
     check_heads(cfg.model.n_heads, cfg.model.n_kv_heads, u)
-    chunks = _a2a_chunks(cfg, world, u, r, dp)  # check_task below checks the sequence
+    chunks = _a2a_chunks(cfg, world, u, r, dp, env)  # check_task below checks the sequence
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     accum = grad_accum_steps(cfg.trainer, cfg.data.seq_len, cfg.data.batch_per_dp_rank, dp)

@@ -26,7 +26,7 @@ from math import prod
 import torch
 import torch.distributed as dist
 
-from .comm import CommStats, InFlight, all_to_all_start, on_wire, post_all_to_all
+from .comm import CommStats, InFlight, all_to_all_start, on_wire, piece_count, post_all_to_all
 
 
 # ---- the head split: which heads each ulysses rank computes ---------------------------
@@ -209,6 +209,25 @@ def check_a2a_chunks(chunks, num_q_heads: int, num_kv_heads: int, ulysses: int) 
     return chunks
 
 
+# Stages of ``a2a_chunks="auto"`` when a ulysses group crosses hosts and no planner count is
+# given: the planner's choice for every layout measured across the simulated 300 mbit link
+# (docs/measurements.md), capped by the heads a rank holds.
+AUTO_STAGES_ACROSS_HOSTS = 4
+
+
+def default_a2a_chunks(setting, crosses_hosts: bool, num_q_heads: int, num_kv_heads: int,
+                       ulysses: int) -> int:
+    """The pipeline depth a mesh's ``a2a_chunks`` setting means for these heads: an int is
+    checked (``check_a2a_chunks``); ``"auto"`` is 1 when every ulysses group stays inside a
+    host, else ``AUTO_STAGES_ACROSS_HOSTS`` or the most query heads a rank holds if fewer."""
+    if setting != "auto":
+        return check_a2a_chunks(setting, num_q_heads, num_kv_heads, ulysses)
+    if not crosses_hosts or ulysses == 1:
+        return 1
+    most = max(head_split(num_q_heads, num_kv_heads, ulysses).q_counts)
+    return min(AUTO_STAGES_ACROSS_HOSTS, most)
+
+
 @lru_cache(maxsize=64)
 def head_chunks(split: HeadSplit, chunks: int) -> tuple[tuple[HeadChunk, ...], ...]:
     """Each ulysses rank's heads cut into ``chunks`` pipeline stages: [rank][stage].
@@ -244,11 +263,14 @@ def head_chunks(split: HeadSplit, chunks: int) -> tuple[tuple[HeadChunk, ...], .
 
 def all_to_all_v_start(send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int],
                        group: dist.ProcessGroup | None, to_group_rank: list[int] | None,
-                       stats: CommStats, axis: str = "ulysses") -> InFlight:
+                       stats: CommStats, axis: str = "ulysses",
+                       piece_bytes: int | None = None) -> InFlight:
     """Post an exchange of chunks of different sizes: ``send`` is 1-D, its chunk c
     (``send_sizes[c]`` elements, in coordinate order) goes to coordinate c. ``wait()``
     returns 1-D [sum recv_sizes], chunk c (``recv_sizes[c]`` elements) from coordinate c.
     ``to_group_rank`` as in ``comm.all_to_all``. Records the bytes sent to other ranks.
+    ``piece_bytes``: cut the exchange into pieces so that no chunk's piece exceeds it
+    (``comm.post_all_to_all``); every rank must then have the same largest chunk.
     """
     device = send.device
     if to_group_rank is not None:  # chunks in coordinate order -> in group-rank order
@@ -267,21 +289,32 @@ def all_to_all_v_start(send: torch.Tensor, send_sizes: list[int], recv_sizes: li
             out = torch.cat([chunks[g] for g in to_group_rank])
         return out
 
+    largest = max(*send_sizes, *recv_sizes) * wire.element_size()
     return post_all_to_all(wire, wire.new_empty(sum(recv_sizes)), group, stats, axis,
                            (wire.numel() - own) * wire.element_size(), finish,
-                           recv_sizes, send_sizes)
+                           recv_sizes, send_sizes, pieces=piece_count(largest, piece_bytes))
 
 
 class _Axis:
     """The ulysses group as the all-to-all needs it, for one attention call.
 
-    ``split`` is the call's ``head_split``: ``SeqToHead`` sets it from the q/k head counts
-    and ``HeadToSeq`` reads it (one ``_Axis`` per call).
+    ``split`` is the call's ``head_split``: ``SeqToHead`` (or ``PipelinedAttention``) sets
+    it from the q/k head counts and ``HeadToSeq`` reads it (one ``_Axis`` per call).
+    ``piece_bytes``: the largest piece of one message to one peer (``comm.post_all_to_all``;
+    the mesh's ``a2a_piece_bytes``), used when the split is even, so that every rank cuts
+    its messages alike; None: messages go whole.
     """
 
-    def __init__(self, size, group, to_group_rank, stats: CommStats):
+    def __init__(self, size, group, to_group_rank, stats: CommStats,
+                 piece_bytes: int | None = None):
         self.size, self.group, self.to_group_rank, self.stats = size, group, to_group_rank, stats
+        self.piece_bytes = piece_bytes
         self.split: HeadSplit | None = None
+
+    @property
+    def _pieces(self) -> int | None:
+        """``piece_bytes`` when every rank's blocks are alike (an even split), else None."""
+        return self.piece_bytes if self.split is not None and self.split.even else None
 
     @property
     def rank(self) -> int:
@@ -310,8 +343,8 @@ class _Axis:
                 buf[:, off : off + n].view(p.shape).copy_(p)
                 off += n
             # [u(src), ...] back: per source, its [q | k | v] block
-            return _Exchange(all_to_all_start(buf, self.group, self.to_group_rank, self.stats),
-                             recv, None)
+            return _Exchange(all_to_all_start(buf, self.group, self.to_group_rank, self.stats,
+                                              piece_bytes=self._pieces), recv, None)
         send_sizes = [sum(p[j].numel() for p in send) for j in range(u)]
         buf = send[0][0].new_empty(sum(send_sizes))  # [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]
         off = 0
@@ -321,7 +354,8 @@ class _Axis:
                 off += p[j].numel()
         recv_sizes = [sum(prod(shapes[i]) for shapes in recv) for i in range(u)]
         return _Exchange(all_to_all_v_start(buf, send_sizes, recv_sizes, self.group,
-                                            self.to_group_rank, self.stats), recv, recv_sizes)
+                                            self.to_group_rank, self.stats,
+                                            piece_bytes=self._pieces), recv, recv_sizes)
 
 
 class _Exchange:
@@ -376,10 +410,10 @@ class SeqToHead(torch.autograd.Function):
             k, v = k.index_select(2, index), v.index_select(2, index)
         qc, kc = split.q_counts, split.kv_counts
         recv = [_shapes(q, n, [qc[me]] * u), _shapes(k, n, [kc[me]] * u)]
+        axis.split = split
         parts = axis.exchange([_by_heads(q, qc), _by_heads(k, kc), _by_heads(v, kc)],
                               recv + recv[1:])
         ctx.axis, ctx.split, ctx.kv_index = axis, split, index
-        axis.split = split
         # per source i: [B, L/P, heads, d] -> [B, L/r, heads, d] (source i holds chunk i)
         return tuple(torch.cat(p, dim=1) for p in parts)
 

@@ -77,6 +77,16 @@ def check_ranks_per_node(world_size: int, ranks_per_node: int | None,
                          f"whole nodes; use a divisor of {world_size} or null")
 
 
+def check_a2a_setting(chunks, who: str = "a2a_chunks") -> None:
+    """``chunks`` is a pipeline depth for the ulysses all-to-alls: an int >= 1 or "auto"
+    (the heads' own limit is ``ulysses.check_a2a_chunks``)."""
+    if chunks != "auto" and (isinstance(chunks, bool) or not isinstance(chunks, int)
+                             or chunks < 1):
+        raise ValueError(f"{who}={chunks!r} must be an integer >= 1 or auto; use {who}=auto "
+                         f"(1 inside a host, pipelined across a slower link) or {who}=1 "
+                         f"(blocking all-to-alls)")
+
+
 def check_placement(placement: str) -> None:
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")

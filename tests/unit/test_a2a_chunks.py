@@ -99,3 +99,21 @@ def test_ring_bytes_grow_only_with_shared_kv_heads():
     fwd, bwd = attention_bytes(1, 64, 8, 4, 8, 2, 2, 2, a2a_chunks=4)  # 2 stages per KV head
     assert fwd["ulysses"] == one[0]["ulysses"] and bwd["ulysses"] == one[1]["ulysses"]
     assert fwd["ring"] == 2 * one[0]["ring"] and bwd["ring"] == 2 * one[1]["ring"]
+
+
+def test_default_chunks_follow_the_hosts():
+    from usp.ulysses import AUTO_STAGES_ACROSS_HOSTS, default_a2a_chunks
+    from usp.validate import check_a2a_setting
+
+    assert AUTO_STAGES_ACROSS_HOSTS == 4
+    assert default_a2a_chunks("auto", False, 8, 2, 2) == 1  # inside a host: one stage
+    assert default_a2a_chunks("auto", True, 8, 2, 2) == 4  # across: pipelined
+    assert default_a2a_chunks("auto", True, 8, 2, 4) == 2  # no deeper than the heads
+    assert default_a2a_chunks("auto", True, 6, 6, 4) == 2  # uneven: the busiest rank's 2
+    assert default_a2a_chunks("auto", True, 8, 8, 1) == 1  # no ulysses group
+    assert default_a2a_chunks(3, False, 8, 2, 2) == 3  # a count is a count
+    with pytest.raises(ValueError, match="a2a_chunks=5 > 4 query heads"):
+        default_a2a_chunks(5, True, 8, 2, 2)
+    for bad in (0, True, 2.0, "four"):
+        with pytest.raises(ValueError, match="must be an integer >= 1 or auto"):
+            check_a2a_setting(bad)

@@ -42,7 +42,7 @@ def test_results_and_report_from_measured_rows():
     assert ratios["paired_median"] == pytest.approx(1.2)  # per round: 0.45, 1.2, 1.2
     text = format_report(res)
     assert "usp u=1 r=4" in text and "3.00e-06" in text and "2.000" in text
-    assert "usp(u=4, a2a_chunks=1) / deepspeed(u=4) = 0.950 (mean); 0.600 (median); 0.900 (min); 1.200 (median of" in text
+    assert "usp(u=4, c1) / deepspeed(u=4) = 0.950 (mean); 0.600 (median); 0.900 (min); 1.200 (median of" in text
     alone = results(bench, [pure, ring], "not asked for")
     assert alone["usp_over_peer"] is None and alone["rows"][0]["ratio_to_peer"] is None
     assert "no peer row (not asked for); no ratio" in format_report(alone)

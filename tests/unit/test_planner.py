@@ -527,11 +527,13 @@ def test_shared_kv_heads_cost_ring_traffic(h100):
 
 def test_best_a2a_chunks(h100):
     args = (32, 8, 128, 8, 1)
-    assert best_a2a_chunks(h100, 1 << 18, *args) == 4  # compute-bound: the most stages
-    slow_start = h100.replace(intra_latency_s=1e-3)  # every message costs a millisecond
+    assert best_a2a_chunks(h100, 1 << 18, *args) == 1  # the ulysses group inside a node
+    across = h100.replace(ranks_per_node=4, nodes=2)  # u=8 spans two nodes of 4
+    assert best_a2a_chunks(across, 1 << 18, *args) == 4  # compute-bound: the most stages
+    slow_start = across.replace(inter_latency_s=1e-3)  # every message costs a millisecond
     assert best_a2a_chunks(slow_start, 1 << 12, *args) == 1
     assert best_a2a_chunks(h100, 1 << 18, 32, 8, 128, 1, 8) == 1  # no ulysses group
-    assert best_a2a_chunks(h100, 1 << 18, *args, max_chunks=2) == 2
+    assert best_a2a_chunks(across, 1 << 18, *args, max_chunks=2) == 2
     with pytest.raises(ValueError, match="a2a_chunks=8 > 4 query heads"):
         attention_cost(h100, 1 << 18, *args, a2a_chunks=8)
 

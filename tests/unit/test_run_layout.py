@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from usp.config import ModelConfig, ParallelConfig, RecallData, RunConfig, TrainerConfig
+from usp.planner.cost import best_a2a_chunks
 from usp.run import RunLayout, resolve_run
 
 PACKAGE = Path(__file__).resolve().parents[2] / "usp"
@@ -67,9 +68,22 @@ def test_layout_refuses_degrees_that_do_not_make_its_world():
         dataclasses.replace(run, ranks_per_node=3)
 
 
-def test_auto_chunks_are_resolved_to_a_count():
-    run = resolve_run(_cfg(a2a_chunks="auto"), 4, "cpu")
-    assert isinstance(run.a2a_chunks, int) and run.a2a_chunks >= 1
+def test_auto_chunks_are_one_inside_a_node_and_the_planners_count_across():
+    assert ParallelConfig().a2a_chunks == "auto"  # the default
+    inside = _cfg(ulysses_degree=2, ring_degree=2, ranks_per_node=2)  # u=2 inside a node
+    assert resolve_run(inside, 4, "cpu").a2a_chunks == 1
+    long = RecallData(seq_len=1 << 16, batch_per_dp_rank=1)  # long enough to pipeline
+    across = dataclasses.replace(_cfg(ulysses_degree=2, ring_degree=2, ranks_per_node=1),
+                                 data=long)  # u=2 over two nodes
+    m = across.model
+    assert resolve_run(across, 4, "cpu").a2a_chunks == best_a2a_chunks(
+        across.cluster.replace(ranks_per_node=1, nodes=4), 1 << 16, m.n_heads, m.n_kv_heads,
+        m.head_dim, 2, 2, dp=1, dtype_bytes=2, placement="ulysses_inner") == 2
+    # without parallel.ranks_per_node the launcher's topology decides (torchrun's variables)
+    torchrun = dataclasses.replace(_cfg(ulysses_degree=2, ring_degree=2), data=long)
+    for per_node, want in (("4", 1), ("1", 2)):
+        env = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": per_node, "RANK": "0", "LOCAL_RANK": "0"}
+        assert resolve_run(torchrun, 4, "cpu", env=env).a2a_chunks == want, per_node
 
 
 @pytest.mark.parametrize("rank,printed", [(0, True), (1, False)])

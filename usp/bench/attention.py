@@ -60,6 +60,7 @@ from ..attention import usp_attention
 from ..launch import init_from_env, launcher_env, spawn_local
 from ..layout import SequenceLayout
 from ..mesh import SPMesh
+from ..ulysses import default_a2a_chunks
 from .attention_report import format_report, results
 from .attention_setup import DTYPES, QUICK, AttentionBench, Row, parse_layouts  # noqa: F401
 from .timing import mean_over_ranks, round_robin
@@ -67,24 +68,31 @@ from .timing import mean_over_ranks, round_robin
 # ---- one rank -----------------------------------------------------------------------------
 
 
-def make_usp(bench: AttentionBench, mesh: SPMesh, chunks: int = 1):
+def make_usp(bench: AttentionBench, mesh: SPMesh, chunks: int | str = 1, pieces: str = "auto"):
     """(row, shard, call, gather, comm stats) of ``usp_attention`` on ``mesh`` with
-    ``a2a_chunks=chunks``."""
+    ``a2a_chunks=chunks`` (``"auto"``: no count given, the mesh's default); ``pieces``
+    names how ``mesh`` sends its messages ("auto" or "whole")."""
     layout = SequenceLayout(mesh, seq_len=bench.seq_len, balance=bench.balance)
+    used = default_a2a_chunks(mesh.a2a_chunks if chunks == "auto" else chunks,
+                              mesh.ulysses_crosses_hosts, bench.heads, bench.kv_heads,
+                              mesh.ulysses)
 
     def shard(x):  # [B, L, H, d] -> this rank's [B, L/P, H, d]
         return layout.shard(x, dim=1).detach().clone().requires_grad_(True)
 
     def call(ql, kl, vl):
         return usp_attention(ql, kl, vl, mesh=mesh, layout=layout, causal=bench.causal,
-                             kernel="torch", a2a_chunks=chunks)
+                             kernel="torch", a2a_chunks=None if chunks == "auto" else chunks)
 
     def gather(out):  # [B, L/P, H, d] -> [B, L, H, d]
         return layout.gather(out, dim=1)
 
     u, r = mesh.ulysses, mesh.ring
-    name = f"usp u={u} r={r}" + (f" c{chunks}" if chunks > 1 else "")
-    return Row(name, "usp", u, r, a2a_chunks=chunks), shard, call, gather, mesh.comm
+    variant = (f"auto(c{used})" if chunks == "auto" else f"c{chunks}") + (
+        " whole" if pieces == "whole" else "")
+    name = f"usp u={u} r={r}" + ("" if variant == "c1" else f" {variant}")
+    return (Row(name, "usp", u, r, a2a_chunks=used, variant=variant), shard, call, gather,
+            mesh.comm)
 
 
 def _peer_config(bench: AttentionBench):
@@ -117,9 +125,10 @@ def run_rank(bench: AttentionBench, result_path: str | None = None) -> dict | No
     dout = torch.randn(shape_q, generator=g).to(dtype)
 
     with ExitStack() as meshes:  # closed before the caller tears the group down
-        built = {(u, r): meshes.enter_context(SPMesh.build(ulysses=u, ring=r))
-                 for u, r in bench.layouts}
-        configs = [make_usp(bench, built[u, r], c) for u, r, c in bench.usp_rows()]
+        built = {(u, r, pc): meshes.enter_context(SPMesh.build(
+                     ulysses=u, ring=r, a2a_piece_bytes=None if pc == "whole" else "auto"))
+                 for u, r, _, pc in bench.usp_rows()}
+        configs = [make_usp(bench, built[u, r, pc], c, pc) for u, r, c, pc in bench.usp_rows()]
         peer, skip, version = _peer_config(bench)
         if peer is not None:
             configs.insert(0, peer)
@@ -252,7 +261,12 @@ def parse_args(argv=None, peer=None) -> tuple[AttentionBench, Path | None]:
         p.add_argument("--no-peer", action="store_true", help="usp rows only")
     p.add_argument("--a2a-chunks", default="1",
                    help="pipeline stages of the ulysses all-to-alls, comma-separated: a usp "
-                        "row per count for each layout with ulysses > 1 (default 1)")
+                        "row per count for each layout with ulysses > 1 (default 1); auto: "
+                        "no count given (usp_attention's default from the mesh)")
+    p.add_argument("--pieces", default="auto",
+                   help="how ulysses messages travel, comma-separated, a row each: auto (the "
+                        "mesh's default: pieces when a ulysses group crosses hosts over gloo) "
+                        "and/or whole (never cut)")
     p.add_argument("--quick", action="store_true",
                    help=f"smoke-test size: L={QUICK['seq_len']}, warmup {QUICK['warmup']}, "
                         f"iters {QUICK['iters']} (explicit flags still win)")
@@ -263,16 +277,17 @@ def parse_args(argv=None, peer=None) -> tuple[AttentionBench, Path | None]:
              for key, val in preset.items()}
     try:  # refuse before any process starts
         try:
-            chunks = tuple(int(c) for c in args.a2a_chunks.split(","))
+            chunks = tuple(c if c == "auto" else int(c) for c in args.a2a_chunks.split(","))
         except ValueError:
-            raise ValueError(f"bad --a2a-chunks {args.a2a_chunks!r}: write counts like 1,2,4") \
-                from None
+            raise ValueError(f"bad --a2a-chunks {args.a2a_chunks!r}: write counts like 1,2,4 "
+                             f"or auto") from None
         bench = AttentionBench(
             nprocs=launched_world() or args.nprocs, batch=args.batch, heads=args.heads,
             kv_heads=args.kv_heads, head_dim=args.head_dim, causal=args.causal,
             dtype=args.dtype, balance=args.balance, threads=args.threads,
             layouts=parse_layouts(args.layouts) if args.layouts else None,
-            peer=None if peer is None or args.no_peer else peer, a2a_chunks=chunks, **sizes)
+            peer=None if peer is None or args.no_peer else peer, a2a_chunks=chunks,
+            pieces=tuple(args.pieces.split(",")), **sizes)
     except ValueError as e:
         p.error(str(e))
     return bench, args.json

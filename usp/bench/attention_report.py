@@ -33,10 +33,10 @@ def results(bench: AttentionBench, rows: list[Row], skip: str | None,
     for pure in (r for r in rows if r.kind == "usp" and r.ulysses == n and r.ring == 1):
         if ds is None:
             break
-        by_chunks[pure.a2a_chunks] = dict(time_ratios(pure.times_ms, ds.times_ms),
-                                          a2a_exposed_share=pure.stats()["a2a_exposed_share"])
+        by_chunks[pure.variant] = dict(time_ratios(pure.times_ms, ds.times_ms),
+                                       a2a_exposed_share=pure.stats()["a2a_exposed_share"])
     return dict(args=args, env=env, rows=out_rows, peer_skipped=skip,
-                usp_over_peer=by_chunks.get(min(by_chunks, default=1)),
+                usp_over_peer=next(iter(by_chunks.values()), None),
                 usp_over_peer_by_chunks=by_chunks or None)
 
 
@@ -48,7 +48,7 @@ def format_report(result: dict) -> str:
                  f"dtype={a['dtype']} balance={a['balance']} nprocs={a['nprocs']} "
                  f"threads/proc={a['threads']} iters={a['iters']} "
                  f"(max over ranks per iteration)"]
-    head = (f"{'config':<21} {'mean ms':>10} {'std ms':>9} {'min ms':>10} {'median ms':>10} "
+    head = (f"{'config':<26} {'mean ms':>10} {'std ms':>9} {'min ms':>10} {'median ms':>10} "
             f"{'vs peer':>7} {'max|diff|':>10} {'a2a exp':>8} {'a2a hid':>8} {'exp %':>6} "
             f"{'cpu ms':>7}")
     lines += [head, "-" * len(head)]
@@ -59,7 +59,7 @@ def format_report(result: dict) -> str:
                f"{100 * r['a2a_exposed_share']:6.1f}" if r.get("a2a_exposed_share") is not None
                else f" {'-':>8} {'-':>8} {'-':>6}")
         cpu = r.get("cpu_mean_ms")
-        lines.append(f"{r['name']:<21} {r['mean_ms']:10.1f} {r['std_ms']:9.1f} "
+        lines.append(f"{r['name']:<26} {r['mean_ms']:10.1f} {r['std_ms']:9.1f} "
                      f"{r['min_ms']:10.1f} {r['median_ms']:10.1f} {rtxt} "
                      f"{r['max_abs_diff']:10.2e}{a2a} "
                      + (f"{cpu:7.1f}" if cpu is not None else f"{'-':>7}"))
@@ -68,7 +68,7 @@ def format_report(result: dict) -> str:
     if by_chunks:
         lines.append("")
         for c, ratios in by_chunks.items():
-            lines.append(f"usp(u={n}, a2a_chunks={c}) / {peer}(u={n}) = {ratios['mean']:.3f} "
+            lines.append(f"usp(u={n}, {c}) / {peer}(u={n}) = {ratios['mean']:.3f} "
                          f"(mean); {ratios['median']:.3f} (median); {ratios['min']:.3f} (min); "
                          f"{ratios['paired_median']:.3f} (median of per-round ratios)")
     elif result["peer_skipped"] is not None:

@@ -71,7 +71,12 @@ class AttentionBench:
     # peer(bench) -> (row config or None, skip reason or None, version or None), run by
     # every rank (collective): another implementation's row, first in the table
     peer: Callable | None = None
-    a2a_chunks: tuple[int, ...] = (1,)  # a usp row per count for layouts with ulysses > 1
+    # a usp row per count for layouts with ulysses > 1; "auto": no count given, the mesh's
+    # default (usp_attention's default path)
+    a2a_chunks: tuple[int | str, ...] = (1,)
+    # how messages travel, a row each: "auto" (the mesh's default: pieces across hosts over
+    # gloo) and/or "whole" (SPMesh.build(a2a_piece_bytes=None))
+    pieces: tuple[str, ...] = ("auto",)
 
     def __post_init__(self) -> None:
         at_least("bench", 1, nprocs=self.nprocs, batch=self.batch, heads=self.heads,
@@ -94,14 +99,18 @@ class AttentionBench:
             check_heads(self.heads, self.kv_heads, u)
             check_seq_len(self.seq_len, u, r, self.balance)
             for c in self.a2a_chunks if u > 1 else ():
-                check_a2a_chunks(c, self.heads, self.kv_heads, u)
+                if c != "auto":
+                    check_a2a_chunks(c, self.heads, self.kv_heads, u)
         if not self.a2a_chunks:
             raise ValueError("bench.a2a_chunks is empty; pass at least one count, e.g. 1")
+        if not self.pieces or set(self.pieces) - {"auto", "whole"}:
+            raise ValueError(f"bench.pieces={self.pieces!r}: give auto and/or whole")
 
-    def usp_rows(self) -> list[tuple[int, int, int]]:
-        """(ulysses, ring, a2a_chunks) per usp row; ulysses 1 layouts: one row."""
-        return [(u, r, c) for u, r in self.layouts
-                for c in (self.a2a_chunks if u > 1 else self.a2a_chunks[:1])]
+    def usp_rows(self) -> list[tuple[int, int, int | str, str]]:
+        """(ulysses, ring, a2a_chunks, pieces) per usp row; ulysses 1 layouts: one row."""
+        return [(u, r, c, pc) for u, r in self.layouts
+                for c in (self.a2a_chunks if u > 1 else self.a2a_chunks[:1])
+                for pc in (self.pieces if u > 1 else self.pieces[:1])]
 
 
 @dataclass
@@ -112,7 +121,8 @@ class Row:
     ring: int
     times_ms: list[float] = field(default_factory=list)
     max_abs_diff: float = float("nan")  # out, dq, dk, dv vs the first row's
-    a2a_chunks: int = 1
+    a2a_chunks: int = 1  # the stages the row's calls ran
+    variant: str = "c1"  # a2a_chunks as asked ("c2", "auto(c4)"), and " whole" for whole messages
     a2a_exposed_ms: list[float] = field(default_factory=list)  # per timed round
     a2a_hidden_ms: list[float] = field(default_factory=list)
     cpu_ms: list[float] = field(default_factory=list)  # process CPU per call, all its threads

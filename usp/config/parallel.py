@@ -21,19 +21,16 @@ class ParallelConfig:
     ring_impl: str = "usp"
     ranks_per_node: Optional[int] = None  # CPU runs: pretend nodes of N ranks
     # pipeline stages of the ulysses all-to-alls (usp_attention's a2a_chunks): an int >= 1
-    # (1: blocking) or "auto" (usp.planner.cost.best_a2a_chunks)
-    a2a_chunks: Any = 1
+    # (1: blocking) or "auto": 1 when each ulysses group stays inside a node, else the
+    # planner's count (usp.planner.cost.best_a2a_chunks)
+    a2a_chunks: Any = "auto"
 
     def __post_init__(self) -> None:
-        from ..validate import BALANCES, PLACEMENTS, RING_IMPLS
+        from ..validate import BALANCES, PLACEMENTS, RING_IMPLS, check_a2a_setting
 
         one_of("parallel.placement", self.placement, PLACEMENTS)
         one_of("parallel.balance", self.balance, BALANCES)
         one_of("parallel.ring_impl", self.ring_impl, RING_IMPLS)
-        if self.a2a_chunks != "auto" and (isinstance(self.a2a_chunks, bool)
-                                           or not isinstance(self.a2a_chunks, int)
-                                           or self.a2a_chunks < 1):
-            raise ValueError(f"parallel.a2a_chunks={self.a2a_chunks!r} must be an integer >= 1 "
-                             f"or auto; use parallel.a2a_chunks=1 (blocking all-to-alls)")
+        check_a2a_setting(self.a2a_chunks, "parallel.a2a_chunks")
         if self.ranks_per_node is not None:
             at_least("parallel", 1, ranks_per_node=self.ranks_per_node)

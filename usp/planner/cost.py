@@ -256,8 +256,14 @@ def best_a2a_chunks(cluster: ClusterSpec, seq_len: int, hq: int, hkv: int, head_
                     ulysses: int, ring: int, *, max_chunks: int = 8, **kw) -> int:
     """The ``a2a_chunks`` (1 .. ``max_chunks``, within ``check_a2a_chunks``) whose
     ``attention_cost`` total is least, the fewest stages on a tie; 1 without a ulysses
-    group. ``kw`` goes to ``attention_cost`` (dp, dtype_bytes, causal, balance, ...)."""
+    group and when the ulysses group stays inside a node (there, ranks that share a host's
+    cores gain nothing from hiding a fast transfer and pay for the extra messages).
+    ``kw`` goes to ``attention_cost`` (dp, dtype_bytes, causal, balance, ...)."""
     if ulysses == 1:
+        return 1
+    span = group_span(kw.get("dp", 1), ring, ulysses, cluster.ranks_per_node, "ulysses",
+                      kw.get("placement", "ulysses_inner"))
+    if not span.remote_peers:
         return 1
     most = min(max_chunks, max(head_split(hq, hkv, ulysses).q_counts))
     totals = {c: attention_cost(cluster, seq_len, hq, hkv, head_dim, ulysses, ring,
