@@ -14,6 +14,8 @@ benchmark to OUT.
     python -m tools.bench_cluster --rate 300mbit --intra-rate 2700mbit --queue-ms 30 \\
         --a2a-chunks 1,2,auto --only-chunks --out runs/bench_cluster/chunks
     python -m tools.bench_cluster --report-only --out runs/bench_cluster/r300m
+    python -m tools.bench_cluster --rate 300mbit --intra-rate 2700mbit --queue-ms 30 \
+        --only-ring --ring-seq-len 2048,4096 --ring-iters 21 --out runs/bench_cluster/ring
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import argparse
 import signal
 import sys
 
-from tools.lab.cluster import ClusterBench, placement_sweep, report_saved, run
+from tools.lab.cluster import ClusterBench, placement_sweep, report_saved, ring_only, run
 from tools.lab.simcluster import SimClusterError, interrupt_on_signal, preflight
 
 
@@ -58,6 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "count")
     ap.add_argument("--only-chunks", action="store_true",
                     help="run (f) alone; without --a2a-chunks its attention part only")
+    ap.add_argument("--only-ring", action="store_true",
+                    help="run (c) alone: the ring at P=2 on 2 nodes x 1 rank, at --ring-seq-len")
     ap.add_argument("--placement-sweep", default=None,
                     help="only (a) attention, once per INTER:INTRA rate pair, e.g. "
                          "'1gbit:9gbit,200mbit:1800mbit' (INTRA empty: loopback)")
@@ -89,6 +93,8 @@ def main(argv=None) -> int:
         if args.placement_sweep:
             pairs = [p.partition(":") for p in args.placement_sweep.split(",")]
             lines = placement_sweep(cfg, [(inter, intra or None) for inter, _, intra in pairs])
+        elif args.only_ring:
+            lines = ring_only(cfg)
         else:
             lines = run(cfg, only_chunks=args.only_chunks)[1]
     except ValueError as e:  # a bad rate in --placement-sweep
@@ -98,7 +104,8 @@ def main(argv=None) -> int:
         print(e, file=sys.stderr)
         return 1
     print("\n".join(lines))
-    written = "placement_sweep.txt" if args.placement_sweep else "results.json, tables.txt"
+    written = ("placement_sweep.txt" if args.placement_sweep else
+               "ring.json, ring.txt" if args.only_ring else "results.json, tables.txt")
     print(f"\nwrote {cfg.out}: {written} and *.png")
     return 0
 

@@ -249,7 +249,7 @@ class InFlight:
 
 
 # The largest piece of a ulysses message to one peer when a ulysses group crosses hosts over
-# gloo (``SPMesh.build``'s ``a2a_piece_bytes="auto"``). On the simulated cluster's 300 mbit
+# gloo (``SPMesh.build``'s ``piece_bytes="auto"``). On the simulated cluster's 300 mbit
 # link a two-way exchange ran at 26 ms per MiB in 0.25 MiB messages and at 48-52 ms per MiB
 # in 1.5-3 MiB ones (docs/measurements.md).
 GLOO_PIECE_BYTES = 256 * 1024
@@ -367,24 +367,39 @@ class RingComm:
 
     Peers are global ranks (``P2POp`` maps them into ``group``); ``group`` is the ring's
     own process group, so ring traffic does not queue behind other collectives.
+
+    ``piece_bytes``: a message larger than that travels as an exchange on ``group`` in
+    pieces of at most that size (``post_all_to_all``, every other peer's block empty), so
+    that at most the pieces gloo has in flight queue on the link at once; every rank of the
+    ring must pass the same value. None: one send and one receive.
     """
 
     def __init__(self, ranks: list[int], index: int, group, stats: CommStats,
-                 axis: str = "ring"):
+                 axis: str = "ring", piece_bytes: int | None = None):
         self.ranks, self.index, self.group = list(ranks), index, group
-        self.stats, self.axis = stats, axis
+        self.stats, self.axis, self.piece_bytes = stats, axis, piece_bytes
 
-    def start(self, send: torch.Tensor, tag: int = 0, shift: int = 1) -> "_Pending":
+    def start(self, send: torch.Tensor, tag: int = 0, shift: int = 1):
         """Post the send of ``send`` to the rank ``shift`` places on and the receive of an
-        equally shaped block from the rank ``shift`` places back; returns a handle."""
+        equally shaped block from the rank ``shift`` places back; returns a handle whose
+        ``wait()`` gives the received block."""
         device = send.device
         send = on_wire(send.contiguous(), self.group)
-        recv = torch.empty_like(send)
         n = len(self.ranks)
-        ops = [
-            dist.P2POp(dist.isend, send, self.ranks[(self.index + shift) % n], self.group, tag),
-            dist.P2POp(dist.irecv, recv, self.ranks[(self.index - shift) % n], self.group, tag),
-        ]
+        to, frm = self.ranks[(self.index + shift) % n], self.ranks[(self.index - shift) % n]
+        pieces = piece_count(_nbytes(send), self.piece_bytes)
+        if pieces > 1:  # [numel] to ``to`` only, [numel] from ``frm`` only, in pieces
+            send_sizes, recv_sizes = [0] * n, [0] * n
+            send_sizes[dist.get_group_rank(self.group, to)] = send.numel()
+            recv_sizes[dist.get_group_rank(self.group, frm)] = send.numel()
+            shape = send.shape
+            return post_all_to_all(send.reshape(-1), torch.empty_like(send).reshape(-1),
+                                   self.group, self.stats, self.axis, _nbytes(send),
+                                   lambda out: out.view(shape).to(device), recv_sizes,
+                                   send_sizes, pieces=pieces)
+        recv = torch.empty_like(send)
+        ops = [dist.P2POp(dist.isend, send, to, self.group, tag),
+               dist.P2POp(dist.irecv, recv, frm, self.group, tag)]
         reqs = dist.batch_isend_irecv(ops)
         self.stats.record(self.axis, _nbytes(send))
         return _Pending(reqs, send, recv, device, self)

@@ -64,8 +64,9 @@ class SPMesh:
 
     The mesh also carries how its ulysses all-to-alls travel, which ``usp_attention`` uses
     when the call does not say: ``a2a_chunks`` (pipeline stages: an int, or ``"auto"``,
-    see ``usp.ulysses.default_a2a_chunks``) and ``a2a_piece_bytes`` (the largest message
-    piece, or None for whole messages; see ``build``).
+    see ``usp.ulysses.default_a2a_chunks``), and how messages of each axis travel:
+    ``piece_bytes_for(axis)``, the largest message piece, or None for whole messages (see
+    ``build``).
 
     ``mesh.close()`` (or a ``with SPMesh.build(...) as mesh:`` block) before
     ``dist.destroy_process_group()`` frees its groups at once; a mesh left open is released
@@ -82,7 +83,7 @@ class SPMesh:
     flat_meshes: dict[str, DeviceMesh] = field(default_factory=dict)  # sp, dp_sp
     comm: CommStats = field(default_factory=CommStats)
     a2a_chunks: int | str = "auto"
-    a2a_piece_bytes: int | None = None
+    piece_bytes: int | str | None = "auto"
     _cache: dict = field(default_factory=dict, repr=False)
     _closed: bool = field(default=False, repr=False)
     _owned: _Owned | None = field(default=None, repr=False, compare=False)
@@ -103,7 +104,7 @@ class SPMesh:
         hosts: list[str] | None = None,
         device_type: str | None = None,
         a2a_chunks: int | str = "auto",
-        a2a_piece_bytes: int | str | None = "auto",
+        piece_bytes: int | str | None = "auto",
     ) -> "SPMesh":
         """Discover hosts, lay ranks out and create the DeviceMesh (collective: all ranks call).
 
@@ -111,10 +112,10 @@ class SPMesh:
         consecutive ranks; ``hosts`` gives the host name of every rank explicitly.
         ``a2a_chunks``: the attention calls' default pipeline depth (an int, or ``"auto"``:
         1 while every ulysses group stays inside a host, else pipelined; usp-train passes
-        the planner's count). ``a2a_piece_bytes``: ``"auto"`` cuts ulysses messages into
-        pieces of ``comm.GLOO_PIECE_BYTES`` when a ulysses group crosses hosts over gloo
-        (large two-way TCP exchanges run under the link rate), else sends them whole;
-        an int sets the piece size, None never cuts.
+        the planner's count). ``piece_bytes``: ``"auto"`` cuts the ulysses and ring
+        messages of an axis whose groups cross hosts over gloo into pieces of
+        ``comm.GLOO_PIECE_BYTES`` (large two-way TCP exchanges run under the link rate),
+        and sends the others whole; an int sets the piece size everywhere, None never cuts.
         Invalid degrees raise ``ValueError`` before any collective runs.
         """
         if not dist.is_initialized():
@@ -124,18 +125,18 @@ class SPMesh:
         check_placement(placement)
         check_ranks_per_node(world, ranks_per_node)
         check_a2a_setting(a2a_chunks)
-        if a2a_piece_bytes not in (None, "auto") and (
-                isinstance(a2a_piece_bytes, bool) or not isinstance(a2a_piece_bytes, int)
-                or a2a_piece_bytes < 1):
-            raise ValueError(f"a2a_piece_bytes={a2a_piece_bytes!r} must be a positive number "
-                             f"of bytes, auto or None (messages whole)")
+        if piece_bytes not in (None, "auto") and (
+                isinstance(piece_bytes, bool) or not isinstance(piece_bytes, int)
+                or piece_bytes < 1):
+            raise ValueError(f"piece_bytes={piece_bytes!r} must be a positive number of bytes, "
+                             f"auto or None (messages whole)")
         if hosts is not None and len(hosts) != world:
             raise ValueError(f"hosts lists {len(hosts)} ranks but the world size is {world}")
         # different degrees per rank would build mismatched groups and hang: agree first
         check_agreement("SPMesh.build(ulysses, ring, dp, placement, ranks_per_node, hosts, "
-                        "a2a_chunks, a2a_piece_bytes)", (ulysses, ring, dp, placement,
-                                                         ranks_per_node, hosts, a2a_chunks,
-                                                         a2a_piece_bytes))
+                        "a2a_chunks, piece_bytes)", (ulysses, ring, dp, placement,
+                                                     ranks_per_node, hosts, a2a_chunks,
+                                                     piece_bytes))
         hosts = list(hosts) if hosts is not None else cls._discover_hosts(world, ranks_per_node)
         ranks = mesh_ranks(hosts, dp, ring, ulysses, placement)
         if device_type is None:
@@ -144,10 +145,7 @@ class SPMesh:
         flat = {"sp": flatten_mesh(dm[("ring", "ulysses")], "sp"),
                 "dp_sp": flatten_mesh(dm, "dp_sp")}
         mesh = cls(ulysses, ring, dp, placement, ranks, hosts, dm, flat, a2a_chunks=a2a_chunks,
-                   a2a_piece_bytes=None if a2a_piece_bytes == "auto" else a2a_piece_bytes)
-        if a2a_piece_bytes == "auto" and mesh.ulysses_crosses_hosts and \
-                dist.get_backend() == "gloo":
-            mesh.a2a_piece_bytes = GLOO_PIECE_BYTES
+                   piece_bytes=piece_bytes)
         mesh._warn_if_ulysses_spans_nodes()
         return mesh
 
@@ -159,13 +157,28 @@ class SPMesh:
         dist.all_gather_object(hosts, socket.gethostname())
         return hosts
 
+    def crosses_hosts(self, axis: str) -> bool:
+        """Whether some group of ``axis`` (dp, ring, ulysses) spans several hosts (real or
+        simulated)."""
+        key = ("crosses", axis)
+        if key not in self._cache:  # asked on every attention call: computed once
+            self._cache[key] = bool(spanning_groups(self.ranks, self.hosts, AXES.index(axis)))
+        return self._cache[key]
+
     @property
     def ulysses_crosses_hosts(self) -> bool:
-        """Whether some ulysses group of the mesh spans several hosts (real or simulated)."""
-        if "crosses" not in self._cache:  # asked on every attention call: computed once
-            self._cache["crosses"] = bool(spanning_groups(self.ranks, self.hosts,
-                                                          AXES.index("ulysses")))
-        return self._cache["crosses"]
+        """Whether some ulysses group of the mesh spans several hosts."""
+        return self.crosses_hosts("ulysses")
+
+    def piece_bytes_for(self, axis: str) -> int | None:
+        """The largest piece of one message to one peer on ``axis`` (ulysses or ring), or
+        None when messages go whole: ``piece_bytes`` when it is a number; for ``"auto"``,
+        ``comm.GLOO_PIECE_BYTES`` when the axis's groups cross hosts over gloo."""
+        if self.piece_bytes != "auto":
+            return self.piece_bytes
+        if not self.crosses_hosts(axis):
+            return None
+        return GLOO_PIECE_BYTES if dist.get_backend(self.group(axis)) == "gloo" else None
 
     def _warn_if_ulysses_spans_nodes(self) -> None:
         group = self.axis_ranks("ulysses")

@@ -301,7 +301,7 @@ class _Axis:
     ``split`` is the call's ``head_split``: ``SeqToHead`` (or ``PipelinedAttention``) sets
     it from the q/k head counts and ``HeadToSeq`` reads it (one ``_Axis`` per call).
     ``piece_bytes``: the largest piece of one message to one peer (``comm.post_all_to_all``;
-    the mesh's ``a2a_piece_bytes``), used when the split is even, so that every rank cuts
+    the mesh's ``piece_bytes_for("ulysses")``), used when the split is even, so that every rank cuts
     its messages alike; None: messages go whole.
     """
 

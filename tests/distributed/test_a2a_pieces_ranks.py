@@ -1,7 +1,8 @@
-"""Ulysses messages cut into pieces (``a2a_piece_bytes``) and the crossing defaults, on gloo
-ranks: pieced exchanges return exactly what whole ones do (even and uneven blocks), with
-the same bytes in more calls; ``usp_attention``'s default on a mesh whose ulysses group
-crosses hosts pipelines and cuts messages, and stays bit-identical to the explicit call."""
+"""Messages cut into pieces (``SPMesh.build(piece_bytes=...)``) and the crossing defaults,
+on gloo ranks: pieced exchanges return exactly what whole ones do (even and uneven blocks,
+ulysses and ring), with the same bytes in more calls; ``usp_attention``'s default on a
+mesh whose ulysses group crosses hosts pipelines and cuts messages, and stays
+bit-identical to the explicit call."""
 
 import torch
 import torch.distributed as dist
@@ -49,9 +50,10 @@ def _attention(mesh, lay, q, k, v, dout, **kw):
 def _defaults_and_pieces():
     inside = SPMesh.build(ulysses=2, ring=1, ranks_per_node=2)
     across = SPMesh.build(ulysses=2, ring=1, ranks_per_node=1)  # u=2 spans two "hosts"
-    tiny = SPMesh.build(ulysses=2, ring=1, ranks_per_node=1, a2a_piece_bytes=512)
-    assert (inside.a2a_chunks, inside.a2a_piece_bytes) == ("auto", None)
-    assert (across.ulysses_crosses_hosts, across.a2a_piece_bytes) == (True, GLOO_PIECE_BYTES)
+    tiny = SPMesh.build(ulysses=2, ring=1, ranks_per_node=1, piece_bytes=512)
+    assert (inside.a2a_chunks, inside.piece_bytes_for("ulysses")) == ("auto", None)
+    assert across.ulysses_crosses_hosts and not across.crosses_hosts("ring")
+    assert across.piece_bytes_for("ulysses") == GLOO_PIECE_BYTES
     g = torch.Generator().manual_seed(3)
     L, d = 64, 16
     for hq, hkv in ((8, 8), (8, 2), (6, 6)):  # 6/6 over u=2: 3 heads a rank, 3 stages
@@ -76,11 +78,48 @@ def _defaults_and_pieces():
         mesh.close()
 
 
+def _ring_pieces(ring: int, window):
+    """Ring messages in pieces (an exchange on the ring group) against whole P2P messages:
+    the same bits, bytes and kernel calls, more ring calls; ``window`` makes the
+    accumulators jump home over several ranks."""
+    whole = SPMesh.build(ulysses=1, ring=ring, ranks_per_node=1, piece_bytes=None)
+    cut = SPMesh.build(ulysses=1, ring=ring, ranks_per_node=1, piece_bytes=300)
+    auto = SPMesh.build(ulysses=1, ring=ring, ranks_per_node=1)
+    assert auto.piece_bytes_for("ring") == GLOO_PIECE_BYTES  # the ring crosses hosts
+    assert auto.piece_bytes_for("ulysses") is None  # no ulysses group to cross
+    g = torch.Generator().manual_seed(5)
+    L = 16 * ring
+    q, dout = (torch.randn(2, L, 4, 8, generator=g) for _ in range(2))
+    k, v = (torch.randn(2, L, 2, 8, generator=g) for _ in range(2))
+    for balance in ("zigzag", "contiguous"):
+        a, a_bytes, _ = _attention(whole, SequenceLayout(whole, L, balance), q, k, v, dout,
+                                   window=window)
+        a_calls = whole.comm.calls["ring"]
+        b, b_bytes, _ = _attention(cut, SequenceLayout(cut, L, balance), q, k, v, dout,
+                                   window=window)
+        assert b_bytes == a_bytes and cut.comm.calls["ring"] > a_calls
+        assert cut.comm.kernel_calls == whole.comm.kernel_calls
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    for mesh in (whole, cut, auto):
+        mesh.close()
+
+
 def _world2():
     _exchanges()
     _defaults_and_pieces()
+    _ring_pieces(2, None)
+    dist.barrier()
+
+
+def _world4():
+    _ring_pieces(4, 20)  # contiguous: 2 hops of 3, the accumulator goes home 2 ranks back
     dist.barrier()
 
 
 def test_pieces_and_crossing_defaults():
     spawn_local(_world2, 2)
+
+
+def test_ring_pieces_world_4():
+    spawn_local(_world4, 4)

@@ -46,7 +46,7 @@ def _placement_worker():
         dict(ranks_per_node=2, placement="ring_inner"),
         dict(hosts=["b", "a", "a", "b"]),
         dict(hosts=["b", "a", "a", "b"], placement="ring_inner"),
-        dict(hosts=["b", "a", "a", "b"], placement="ring_inner", a2a_piece_bytes=100),
+        dict(hosts=["b", "a", "a", "b"], placement="ring_inner", piece_bytes=100),
     ):
         mesh = SPMesh.build(ulysses=2, ring=2, **kw)
         for kernel in ("torch", "reference"):

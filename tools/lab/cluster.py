@@ -33,7 +33,7 @@ from pathlib import Path
 
 from .cluster_bench import CHUNK_LAYOUTS, NODES, PER_NODE, TRAIN_CASES, ClusterBench
 from .cluster_report import (chunk_picks, medians, placement_ratio, placement_report,
-                             report)
+                             report, ring_efficiency)
 from .cluster_worker import result_file
 from .simcluster import SimCluster, say
 
@@ -167,6 +167,23 @@ def run(cfg: ClusterBench, log: Callable[[str], None] = say, only_chunks: bool =
     (out / "results.json").write_text(json.dumps(dict(worker=w, summary=summary), indent=2,
                                                   default=str))
     return summary, lines
+
+
+def ring_only(cfg: ClusterBench, log: Callable[[str], None] = say) -> list[str]:
+    """(c) alone, on 2 nodes x 1 rank (needs root): writes ``ring.json`` and the table into
+    ``cfg.out`` and returns the table's lines."""
+    out = Path(cfg.out).resolve()
+    cfg = cfg.replace(out=str(out))
+    with SimCluster(NODES, 1, rate=cfg.rate, ratio=cfg.ratio, intra_rate=cfg.intra_rate,
+                    queue_ms=cfg.queue_ms, log=log) as cluster:
+        w = {"ring": run_phase(cluster, cfg, "ring")}
+        rate = cluster.rate
+    lines = [f"simulated cluster: {NODES} nodes x 1 rank, inter-node rate {rate}, queue "
+             f"{cfg.queue_ms:g} ms"]
+    eff = ring_efficiency(cfg, w, None, out, lines)
+    (out / "ring.json").write_text(json.dumps(dict(worker=w, efficiency=eff), indent=2))
+    (out / "ring.txt").write_text("\n".join(lines) + "\n")
+    return lines
 
 
 def report_saved(cfg: ClusterBench) -> tuple[dict, list[str]]:

@@ -48,6 +48,7 @@ class Case:
     placement: str = "ulysses_inner"
     balance: str = "zigzag"
     a2a_chunks: int = 1
+    pieces: str = "auto"  # "whole": SPMesh.build(piece_bytes=None), messages never cut
 
 
 DENSE = Case("dense P=1")
@@ -55,6 +56,9 @@ RING_CASES = (Case("ring P=2 zigzag", 1, 2),  # at world 4, dp 2: rings 0-2 and 
               Case("ring P=2 contiguous", 1, 2, balance="contiguous"), DENSE)
 MAIN_CASES = (Case("(2,2) ulysses_inner", 2, 2), Case("(2,2) ring_inner", 2, 2, "ring_inner"),
               Case("(4,1)", 4, 1), Case("(1,4)", 1, 4), *RING_CASES)
+# the ring phase (2 nodes x 1 rank) also runs zigzag with whole messages, against the pieces
+# its ring messages travel in by default across hosts
+SOLO_RING_CASES = (*RING_CASES, Case("ring P=2 zigzag whole", 1, 2, pieces="whole"))
 PLACEMENT_CASES = MAIN_CASES[:2]
 
 
@@ -81,8 +85,9 @@ def attention_calls(cfg: ClusterBench, seq_len: int, cases, stack: ExitStack,
             ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
             attn, grad = partial(local_attention, causal=True, kernel="torch"), dout
         else:
-            mesh = stack.enter_context(SPMesh.build(ulysses=c.ulysses, ring=c.ring,
-                                                    placement=c.placement))
+            mesh = stack.enter_context(SPMesh.build(
+                ulysses=c.ulysses, ring=c.ring, placement=c.placement,
+                piece_bytes=None if c.pieces == "whole" else "auto"))
             lay = SequenceLayout(mesh, seq_len=seq_len, balance=c.balance)
             # [1, L, H, d] -> [1, L/P, H, d]: this rank's tokens
             ins = [lay.shard(t, dim=1).clone().requires_grad_(True) for t in (q, k, v)]
@@ -249,7 +254,7 @@ def measure(cfg: ClusterBench, phase: str) -> dict:
         if phase == "ring":
             res = {}
             for n_tok in cfg.ring_seq_lens:
-                res[n_tok] = time_cases(attention_calls(cfg, n_tok, RING_CASES, stack),
+                res[n_tok] = time_cases(attention_calls(cfg, n_tok, SOLO_RING_CASES, stack),
                                         cfg.ring_iters, cfg.warmup)
                 _log(f"ring P=2, L={n_tok}: done")
             return res

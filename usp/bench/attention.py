@@ -126,7 +126,7 @@ def run_rank(bench: AttentionBench, result_path: str | None = None) -> dict | No
 
     with ExitStack() as meshes:  # closed before the caller tears the group down
         built = {(u, r, pc): meshes.enter_context(SPMesh.build(
-                     ulysses=u, ring=r, a2a_piece_bytes=None if pc == "whole" else "auto"))
+                     ulysses=u, ring=r, piece_bytes=None if pc == "whole" else "auto"))
                  for u, r, _, pc in bench.usp_rows()}
         configs = [make_usp(bench, built[u, r, pc], c, pc) for u, r, c, pc in bench.usp_rows()]
         peer, skip, version = _peer_config(bench)
@@ -264,9 +264,9 @@ def parse_args(argv=None, peer=None) -> tuple[AttentionBench, Path | None]:
                         "row per count for each layout with ulysses > 1 (default 1); auto: "
                         "no count given (usp_attention's default from the mesh)")
     p.add_argument("--pieces", default="auto",
-                   help="how ulysses messages travel, comma-separated, a row each: auto (the "
-                        "mesh's default: pieces when a ulysses group crosses hosts over gloo) "
-                        "and/or whole (never cut)")
+                   help="how ulysses and ring messages travel, comma-separated, a row each: "
+                        "auto (the mesh's default: pieces where an axis's groups cross hosts "
+                        "over gloo) and/or whole (never cut)")
     p.add_argument("--quick", action="store_true",
                    help=f"smoke-test size: L={QUICK['seq_len']}, warmup {QUICK['warmup']}, "
                         f"iters {QUICK['iters']} (explicit flags still win)")

@@ -74,8 +74,9 @@ class AttentionBench:
     # a usp row per count for layouts with ulysses > 1; "auto": no count given, the mesh's
     # default (usp_attention's default path)
     a2a_chunks: tuple[int | str, ...] = (1,)
-    # how messages travel, a row each: "auto" (the mesh's default: pieces across hosts over
-    # gloo) and/or "whole" (SPMesh.build(a2a_piece_bytes=None))
+    # how messages travel, a row each: "auto" (the mesh's default: ulysses and ring messages
+    # in pieces where their groups cross hosts over gloo) and/or "whole"
+    # (SPMesh.build(piece_bytes=None))
     pieces: tuple[str, ...] = ("auto",)
 
     def __post_init__(self) -> None:
@@ -107,10 +108,11 @@ class AttentionBench:
             raise ValueError(f"bench.pieces={self.pieces!r}: give auto and/or whole")
 
     def usp_rows(self) -> list[tuple[int, int, int | str, str]]:
-        """(ulysses, ring, a2a_chunks, pieces) per usp row; ulysses 1 layouts: one row."""
+        """(ulysses, ring, a2a_chunks, pieces) per usp row; ulysses 1 layouts: one row per
+        ``pieces``."""
         return [(u, r, c, pc) for u, r in self.layouts
                 for c in (self.a2a_chunks if u > 1 else self.a2a_chunks[:1])
-                for pc in (self.pieces if u > 1 else self.pieces[:1])]
+                for pc in self.pieces]
 
 
 @dataclass
