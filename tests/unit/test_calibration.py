@@ -327,3 +327,29 @@ def test_overlap_times_sees_a_transfer_hide(one_rank, blocking):
     assert min(kernel_s) >= 0.03 and min(comm_s) >= 0.02
     share = overlap_share(kernel_s, comm_s, both_s)
     assert (share < 0.4) if blocking else (share > 0.6), share
+
+
+def test_fit_a2a_overlap_recovers_the_share_that_made_a_gain():
+    from usp.planner.calibration import fit_a2a_overlap
+    from usp.planner.cost import attention_cost
+
+    spec = load_cluster("cpu_local").replace(ranks_per_node=1, nodes=2, inter_bw=37e6,
+                                             overlap=0.9)
+    args = (2048, 8, 2, 64, 2, 1)
+
+    def gain(share, c=2):
+        t = [attention_cost(spec, *args, a2a_chunks=k, dtype_bytes=4, a2a_overlap=share).total_s
+             for k in (1, c)]
+        return t[0] / t[1]
+
+    assert gain(0.3) < gain(0.6) < gain(0.9)  # a share the ring's overlap does not decide
+    for share in (0.0, 0.35, 0.8):
+        assert fit_a2a_overlap(spec, gain(share), 2, *args, dtype_bytes=4) == \
+            pytest.approx(share, abs=1e-6)
+    assert fit_a2a_overlap(spec, 0.5, 2, *args, dtype_bytes=4) == 0.0  # slower: none hidden
+    assert fit_a2a_overlap(spec, 9.0, 2, *args, dtype_bytes=4) == 1.0  # beyond the model
+    with pytest.raises(ValueError, match="chunks >= 2"):
+        fit_a2a_overlap(spec, 1.2, 1, *args)
+    with pytest.raises(ValueError, match="a2a_overlap must be in"):
+        spec.replace(a2a_overlap=1.5)
+    assert spec.replace(a2a_overlap=0.4).a2a_overlap == 0.4

@@ -9,7 +9,8 @@ import statistics
 import pytest
 
 from tools.lab.cluster import ClusterBench, chunk_train_counts
-from tools.lab.cluster_report import chunk_lines, chunk_picks, chunk_verdict, report
+from tools.lab.cluster_report import (chunk_lines, chunk_picks, chunk_spec, chunk_verdict,
+                                      report)
 from usp.config.cluster import load_cluster
 from usp.planner.cost import attention_cost, best_a2a_chunks
 
@@ -46,9 +47,14 @@ def test_table_marks_the_choice_and_states_each_verdict():
     rows = [ln.split() for ln in lines if ln.lstrip().startswith("(")]
     assert rows[1][:6] == ["(4,1)", "2", "400.000", "1.50x", "1.25x", "<-"]
     assert rows[0][-1] == "1.00x"  # no mark on the count the planner did not choose
-    assert lines[-2] == "(4,1): planner a2a_chunks=2, measured best 2: +0.0% (within 5%: yes)"
+    assert lines[-2] == ("(4,1): planner a2a_chunks=2, measured best 2: +0.0% (within 5%: "
+                         "yes); predicted gains off by at most 16.7% (within 10%: no)")  # 1.25/1.5
     assert lines[-1] == ("(2,2) ring_inner: planner a2a_chunks=4, measured best 1: +20.0% "
-                         "(within 5%: no)")
+                         "(within 5%: no); predicted gains off by at most 50.0% (within 10%: "
+                         "no)")  # 1.25 predicted, 0.83 measured
+    close = chunk_verdict(m41, {1: 0.5, 2: 0.35}, 2)  # 1.43 predicted, 1.5 measured
+    assert close["prediction_off"] == pytest.approx(1 - (0.5 / 0.35) / 1.5)
+    assert close["prediction_holds"]
 
 
 def test_best_a2a_chunks_is_the_cost_models_argmin():
@@ -126,8 +132,10 @@ def test_report_adds_the_one_rank_per_node_cluster_and_the_steps_comm_share(tmp_
 def test_measured_latency_reaches_the_planners_choice(tmp_path):
     ms = {f"{n} c={c}": 500.0 for n, u in (("(4,1)", 4), ("(2,2) ring_inner", 2))
           for c in CFG.legal_chunks(u)}
-    w = worker_chunks({**ms, "dense P=1": 1076.0})
+    # (4,1) gains 1.46x at 2 stages: the fitted a2a_overlap is all of it (chunk_spec)
+    w = worker_chunks({**ms, "(4,1) c=1": 700.0, "(4,1) c=2": 480.0, "dense P=1": 1076.0})
     w["overlap"]["share"] = 1.0
+    assert chunk_spec(CFG, w)[0].a2a_overlap == 1.0
     assert chunk_picks(CFG, w)["(2,2) ring_inner"]["attention"] == 4  # cpu_local's 0.4-0.6 ms
     # every stage pays a message's latency: at 20 ms a message, fewer stages pay off
     slow = {**w, "latency": {"intra": 0.02, "inter": 0.02}}

@@ -13,6 +13,7 @@ from pathlib import Path
 from usp.config import ModelConfig
 from usp.planner import plan
 from usp.config.cluster import ClusterSpec, load_cluster
+from usp.planner.calibration import fit_a2a_overlap
 from usp.planner.cost import attention_cost, best_a2a_chunks, estimate
 from .cluster_bench import NODES, PER_NODE, WORLD, ClusterBench, chunk_layouts
 from .plots import bar_png, grouped_bar_png
@@ -186,6 +187,22 @@ def _degrees(cfg: ClusterBench, w: dict, ms: dict, train: dict, out: Path,
 
 
 CHUNK_TOL = 0.05  # the planner's count is "right" within 5% of the measured best
+GAIN_TOL = 0.10  # a predicted gain "holds" within 10% of the measured one
+
+
+def chunk_spec(cfg: ClusterBench, w: dict, per_node: int = PER_NODE
+               ) -> tuple[ClusterSpec, str]:
+    """(``planner_spec`` with ``a2a_overlap`` fitted, where it came from): the share at
+    which the planner predicts the measured attention gain of the cluster's first (f)
+    layout at 2 stages (``fit_a2a_overlap``); the other layouts and counts are predictions."""
+    spec = planner_spec(cfg, w, medians(w["attention_ms"]), per_node)
+    name, u, r, pl, _ = chunk_layouts(per_node)[0]
+    t = [w["attention_ms"][f"{name} c={c}"] for c in (1, 2)]
+    gain = statistics.median(a / b for a, b in zip(*t, strict=True))
+    share = fit_a2a_overlap(spec, gain, 2, cfg.seq_len, cfg.heads, cfg.kv_heads, cfg.head_dim,
+                            u, r, dtype_bytes=4, placement=pl)
+    return (spec.replace(a2a_overlap=share),
+            f"a2a_overlap {share:.2f}, fitted to {name} at 2 stages (measured gain {gain:.2f}x)")
 
 
 def chunk_verdict(measured: dict, predicted: dict, choice: int) -> dict:
@@ -198,8 +215,10 @@ def chunk_verdict(measured: dict, predicted: dict, choice: int) -> dict:
             for c, t in measured.items()}
     best = max(gain, key=lambda c: (gain[c], -c))
     gap = gain[best] / gain[choice] - 1
-    return dict(gain=gain, predicted_gain={c: predicted[1] / t for c, t in predicted.items()},
-                choice=choice, best=best, gap=gap, within=gap <= CHUNK_TOL)
+    pred = {c: predicted[1] / t for c, t in predicted.items()}
+    off = max(abs(pred[c] / gain[c] - 1) for c in gain)
+    return dict(gain=gain, predicted_gain=pred, choice=choice, best=best, gap=gap,
+                within=gap <= CHUNK_TOL, prediction_off=off, prediction_holds=off <= GAIN_TOL)
 
 
 SPLIT_COLUMNS = ["a2a exposed ms", "a2a hidden ms", "ring exposed ms"]
@@ -224,15 +243,17 @@ def chunk_lines(title: str, unit: str, by_layout: dict,
                         + (extra[1][name][c] if extra else []))
         verdicts.append(f"{name}: planner a2a_chunks={v['choice']}, measured best "
                         f"{v['best']}: {v['gap'] * 100:+.1f}% (within {CHUNK_TOL:.0%}: "
-                        f"{'yes' if v['within'] else 'no'})")
+                        f"{'yes' if v['within'] else 'no'}); predicted gains off by at most "
+                        f"{v['prediction_off']:.1%} (within {GAIN_TOL:.0%}: "
+                        f"{'yes' if v['prediction_holds'] else 'no'})")
     return table(title, head, rows) + verdicts
 
 
 def chunk_picks(cfg: ClusterBench, w: dict, per_node: int = PER_NODE) -> dict:
     """{layout: {"attention": c, "train": c}} for the layouts of the cluster with
     ``per_node`` ranks per node: ``best_a2a_chunks`` on the spec of ``w``'s measurements
-    (``planner_spec``) for the attention benchmark and for the usp-train runs."""
-    spec = planner_spec(cfg, w, medians(w["attention_ms"]), per_node)
+    (``chunk_spec``) for the attention benchmark and for the usp-train runs."""
+    spec = chunk_spec(cfg, w, per_node)[0]
     heads = (cfg.heads, cfg.kv_heads, cfg.head_dim)
     return {name: {k: best_a2a_chunks(spec, L, *heads, u, r, dtype_bytes=4, placement=pl)
                    for k, L in (("attention", cfg.seq_len), ("train", cfg.train_seq_len))}
@@ -249,12 +270,13 @@ def _chunks(cfg: ClusterBench, w: dict, out: Path, lines: list[str]) -> dict:
     for part, per_node in ((w, PER_NODE), (w.get("solo"), 1)):
         if part is None:
             continue
-        spec = planner_spec(cfg, part, medians(part["attention_ms"]), per_node)
+        spec, fitted = chunk_spec(cfg, part, per_node)
         if per_node == PER_NODE:
             _spec_lines(spec, part, lines)
         else:
             lines.append(f"2 x 1 cluster (one rank per core): {spec.peak_flops / 1e9:.1f} "
                          f"GFLOP/s per rank; links, latency and overlap as above")
+        lines.append(f"{NODES} x {per_node} cluster: {fitted}")
         picks = chunk_picks(cfg, part, per_node)
         for name, u, r, pl, _ in chunk_layouts(per_node):
             t = {c: [x / 1e3 for x in part["attention_ms"][f"{name} c={c}"]]

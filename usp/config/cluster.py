@@ -42,12 +42,15 @@ class ClusterSpec:
     mfu: float = 0.4  # achievable fraction of peak_flops for attention and matmuls
     hbm_bw: float = 1.0e12  # device memory bytes/s (memory-bound work: ring out/LSE merges)
     overlap: float = 1.0  # share of a ring transfer that can hide behind block compute
+    # share of a pipelined all-to-all stage's transfer that the neighbouring stage's compute
+    # hides (usp_attention's a2a_chunks); None: ``overlap``
+    a2a_overlap: float | None = None
     gpus_per_nic: int = 1  # GPUs sharing one inter-node NIC (1: rail-optimised)
     gpus_per_intra_link: int = 1  # GPUs sharing one intra-node link (1: NVSwitch, own lanes)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            if f.name in ("name", "overlap"):
+            if f.name in ("name", "overlap", "a2a_overlap"):
                 continue
             val = getattr(self, f.name)
             if not isinstance(val, (int, float)) or isinstance(val, bool) or val <= 0:
@@ -60,10 +63,11 @@ class ClusterSpec:
                     f"cluster {self.name!r}: {name} must be a whole number, "
                     f"got {getattr(self, name)!r}"
                 )
-        if not 0 <= self.overlap <= 1:
-            raise ValueError(
-                f"cluster {self.name!r}: overlap must be in [0, 1], got {self.overlap}"
-            )
+        for name in ("overlap", "a2a_overlap"):
+            val = getattr(self, name)
+            if (val is not None or name == "overlap") and not (
+                    isinstance(val, (int, float)) and 0 <= val <= 1):
+                raise ValueError(f"cluster {self.name!r}: {name} must be in [0, 1], got {val!r}")
         if not 0 < self.mfu <= 1:
             raise ValueError(f"cluster {self.name!r}: mfu must be in (0, 1], got {self.mfu}")
 
@@ -91,9 +95,13 @@ def cluster_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "configs" / "cluster"
 
 
+OPTIONAL_KEYS = {"a2a_overlap"}  # measured only where pipelined all-to-alls were timed
+
+
 def load_cluster(name_or_path: str | Path, search_dir: str | Path | None = None) -> ClusterSpec:
     """Read a cluster YAML: a path, or a name looked up in ``search_dir`` (default
-    ``configs/cluster``). Unknown or missing keys raise ``ValueError``."""
+    ``configs/cluster``). Unknown or missing keys raise ``ValueError``; only the keys in
+    ``OPTIONAL_KEYS`` may be left out."""
     path = Path(name_or_path)
     if path.suffix not in (".yaml", ".yml"):
         path = Path(search_dir or cluster_dir()) / f"{name_or_path}.yaml"
@@ -103,13 +111,14 @@ def load_cluster(name_or_path: str | Path, search_dir: str | Path | None = None)
     raw = yaml.safe_load(path.read_text()) or {}
     fields = {f.name: f for f in dataclasses.fields(ClusterSpec)}
     unknown = sorted(set(raw) - set(fields))
-    missing = sorted(set(fields) - set(raw))
+    missing = sorted(set(fields) - set(raw) - OPTIONAL_KEYS)
     if unknown or missing:
         raise ValueError(
             f"cluster config {path}: unknown keys {unknown}, missing keys {missing}; "
             f"keys must be the ClusterSpec fields {list(fields)}"
         )
-    kinds = {"str": str, "int": int, "float": float}
+    kinds = {"str": str, "int": int, "float": float,
+             "float | None": lambda v: None if v is None else float(v)}
     try:  # YAML 1.1 reads '450e9' as a string: coerce to the field's type
         vals = {k: kinds[fields[k].type](v) for k, v in raw.items()}
     except (TypeError, ValueError) as e:

@@ -116,6 +116,34 @@ def causal_tile_from_rates(n: int, causal_rate: float, full_rate: float) -> floa
     return max(0.0, n * (full_rate / causal_rate - 1))
 
 
+def fit_a2a_overlap(spec: ClusterSpec, gain: float, chunks: int, seq_len: int, hq: int,
+                    hkv: int, head_dim: int, ulysses: int, ring: int, **kw) -> float:
+    """The ``a2a_overlap`` in [0, 1] at which ``attention_cost`` predicts the pipelined
+    all-to-all's measured ``gain`` (time at 1 stage / time at ``chunks`` stages) for this
+    layout; the nearest end of [0, 1] when no value reaches it. ``kw`` goes to
+    ``attention_cost`` (dtype_bytes, placement, balance, dp ...).
+
+    The predicted gain grows with the share, so bisection finds it. Fit it on one layout
+    and count, then check the others against it (``tools.bench_cluster`` (f))."""
+    if chunks < 2:
+        raise ValueError(f"fit_a2a_overlap needs a pipelined count (chunks >= 2), got {chunks}")
+
+    def predicted(share: float) -> float:
+        t = [attention_cost(spec, seq_len, hq, hkv, head_dim, ulysses, ring, a2a_chunks=c,
+                            a2a_overlap=share, **kw).total_s for c in (1, chunks)]
+        return t[0] / t[1]
+
+    lo, hi = 0.0, 1.0
+    if predicted(lo) >= gain:
+        return lo
+    if predicted(hi) <= gain:
+        return hi
+    for _ in range(40):  # to ~1e-12
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if predicted(mid) < gain else (lo, mid)
+    return (lo + hi) / 2
+
+
 def fit_link(small_bytes: float, small_s: float, large_bytes: float,
              large_s: float) -> tuple[float, float]:
     """(bytes/s, latency s) of ``t = latency + bytes / bw`` through two measured points.
@@ -144,6 +172,8 @@ def yaml_lines(spec: ClusterSpec) -> str:
     """The ClusterSpec as ``configs/cluster/*.yaml`` lines (field order of the dataclass)."""
     out = []
     for key, val in asdict(spec).items():
+        if val is None:  # an optional figure not measured: left out (load_cluster's default)
+            continue
         if key == "mem_bytes" or not isinstance(val, float):
             val = int(val) if key == "mem_bytes" else val
         elif key == "mfu":

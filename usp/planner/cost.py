@@ -174,7 +174,7 @@ def attention_cost(cluster: ClusterSpec, seq_len: int, hq: int, hkv: int, head_d
                    causal: bool = True, balance: str = "zigzag",
                    placement: str = "ulysses_inner", n_fwd: int = 1,
                    overlap: float | None = None, causal_tile: float = 0.0,
-                   a2a_chunks: int = 1) -> AttentionCost:
+                   a2a_chunks: int = 1, a2a_overlap: float | None = None) -> AttentionCost:
     """The attention part of ``estimate``: ``[1, L, hq|hkv, head_dim]`` over ``ulysses x
     ring`` ranks (``dp`` replicas placed by ``placement``).
 
@@ -185,8 +185,12 @@ def attention_cost(cluster: ClusterSpec, seq_len: int, hq: int, hkv: int, head_d
     the ulysses all-to-alls (``usp_attention``'s); the ring runs once per stage, each with
     ``1/a2a_chunks`` of the compute and of the K/V heads sent
     (``traffic.ring_kv_heads``), so its messages also pay their latency more often.
+    ``a2a_overlap``: share of a pipelined stage's all-to-all that the neighbouring stage's
+    compute hides (default ``cluster.a2a_overlap``, else ``overlap``).
     """
     overlap = cluster.overlap if overlap is None else overlap
+    if a2a_overlap is None:
+        a2a_overlap = overlap if cluster.a2a_overlap is None else cluster.a2a_overlap
     if balance not in BALANCES or n_fwd < 1 or not 0 <= overlap <= 1 or causal_tile < 0:
         raise ValueError(f"attention_cost needs balance in {BALANCES}, n_fwd >= 1, overlap in "
                          f"[0, 1] and causal_tile >= 0; got balance={balance!r}, "
@@ -243,8 +247,8 @@ def attention_cost(cluster: ClusterSpec, seq_len: int, hq: int, hkv: int, head_d
     a2a_s = a2a_comm = 0.0
     if u > 1:  # fwd (x recompute) and the bwd mirror: output grads in, dq/dk/dv out
         stage = attn_fwd / c  # one stage's forward kernel time
-        a2a_s = (n_fwd * a2a_pass(c, t_in, t_out, stage, overlap)
-                 + a2a_pass(c, t_out, t_in, FLASH_BWD * stage, overlap))
+        a2a_s = (n_fwd * a2a_pass(c, t_in, t_out, stage, a2a_overlap)
+                 + a2a_pass(c, t_out, t_in, FLASH_BWD * stage, a2a_overlap))
         a2a_comm = (n_fwd + 1) * c * (t_in + t_out)
     return AttentionCost(compute_s=(n_fwd + FLASH_BWD) * attn_fwd, merge_s=merge, a2a_s=a2a_s,
                          ring_comm_s=comm, ring_exposed_s=exposed, ring_tail_s=tail,
