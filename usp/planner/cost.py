@@ -335,10 +335,11 @@ def estimate(
     per_seq = nl * (lin_s + att.compute_s + att.a2a_s + att.ring_exposed_s + att.merge_s) + head_s
     compute_s = seqs * (nl * (lin_s + att.compute_s) + head_s)
 
-    # gradients over all dp x sp ranks: the slowest link the collective touches
+    # gradients over all dp x sp ranks: the slowest link the collective touches, shared by
+    # the node's ranks, which all take part at once
     n_params = model.num_params()
     spans_nodes = world > cluster.ranks_per_node
-    gbw = cluster.inter_bw if spans_nodes else cluster.intra_bw
+    gbw = cluster.link_bw(spans_nodes, min(world, cluster.ranks_per_node))
     glat = cluster.inter_latency_s if spans_nodes else cluster.intra_latency_s
     frac = (world - 1) / world
     if world == 1:
