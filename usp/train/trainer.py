@@ -95,6 +95,14 @@ def forward(model, batch: Batch, positions: torch.Tensor) -> torch.Tensor:
     return model(batch.tokens, rope, batch.segment_ids)
 
 
+def step_loss(loss_sum: torch.Tensor, n_shard: int, count: torch.Tensor | float) -> torch.Tensor:
+    """What a rank back-propagates for ``loss_sum``, its summed loss over its labelled
+    tokens: ``loss_sum * n_shard / count`` with ``count`` the labelled tokens of the whole
+    step over dp x sp. FSDP averages gradients over the ``n_shard`` ranks, which undoes
+    the scale, so the step's gradient is that of sum over ranks of loss_sum / count."""
+    return loss_sum * (n_shard / count)
+
+
 def loss_and_predictions(model, batch: Batch, positions: torch.Tensor):
     """(loss_sum, predictions) of this rank's ``batch``: the summed cross-entropy of its
     labelled tokens (0-dim fp32) and each token's argmax [B, L/P] long. The built-in
@@ -379,9 +387,8 @@ def _loop(cfg: RunConfig, run: RunLayout, position: tuple[int, int], model, opt,
                 loss_sum, predictions = loss_and_predictions(model, b, positions)
                 if fault_hook is not None and k == 0:
                     loss_sum = fault_hook(step + 1, loss_sum)
-                # grad of sum_r(loss_sum_r) / N: FSDP's mean over the n_shard ranks undoes
-                # the scale; the micro-batches' gradients add up to the step's
-                (loss_sum * (n_shard / counts[0])).backward()
+                # the micro-batches' gradients add up to the step's
+                step_loss(loss_sum, n_shard, counts[0]).backward()
                 loss_total += loss_sum.detach().double()
                 with torch.no_grad():
                     c, a = data.answer_accuracy(predictions, b.labels)
