@@ -8,7 +8,7 @@ on the same batch are checked to agree before anything is timed. Logic:
 ``tools.lab.train_table``; the table goes to stdout and ``OUT/table.txt``, everything to
 ``OUT/results.json``.
 
-    python -m tools.train_table                               # 300mbit / 2700mbit, L=2048
+    python -m tools.train_table                               # 300mbit / 2700mbit, L=4096
     python -m tools.train_table --seq-len 256 --layers 1 --warmup 1 --rounds 2 --out /tmp/tt
 """
 

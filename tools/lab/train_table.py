@@ -65,9 +65,9 @@ class TrainTable:
     n_heads: int = 8
     n_kv_heads: int = 2
     n_layers: int = 2
-    ffn_dim: int = 1536
+    ffn_dim: int = 512
     vocab_size: int = 320
-    seq_len: int = 2048
+    seq_len: int = 4096
     batch: int = 1
     warmup: int = 2
     rounds: int = 8
