@@ -329,27 +329,34 @@ def test_overlap_times_sees_a_transfer_hide(one_rank, blocking):
     assert (share < 0.4) if blocking else (share > 0.6), share
 
 
-def test_fit_a2a_overlap_recovers_the_share_that_made_a_gain():
+def test_fit_a2a_overlap_recovers_the_share_that_made_the_gains():
     from usp.planner.calibration import fit_a2a_overlap
     from usp.planner.cost import attention_cost
 
     spec = load_cluster("cpu_local").replace(ranks_per_node=1, nodes=2, inter_bw=37e6,
                                              overlap=0.9)
-    args = (2048, 8, 2, 64, 2, 1)
+    shape = dict(seq_len=2048, hq=8, hkv=2, head_dim=64, ulysses=2, ring=1, dtype_bytes=4)
 
-    def gain(share, c=2):
-        t = [attention_cost(spec, *args, a2a_chunks=k, dtype_bytes=4, a2a_overlap=share).total_s
+    def gain(share, c):
+        t = [attention_cost(spec, **shape, a2a_chunks=k, a2a_overlap=share).total_s
              for k in (1, c)]
         return t[0] / t[1]
 
-    assert gain(0.3) < gain(0.6) < gain(0.9)  # a share the ring's overlap does not decide
+    assert gain(0.3, 2) < gain(0.6, 2) < gain(0.9, 2)  # a share the ring's overlap leaves
     for share in (0.0, 0.35, 0.8):
-        assert fit_a2a_overlap(spec, gain(share), 2, *args, dtype_bytes=4) == \
-            pytest.approx(share, abs=1e-6)
-    assert fit_a2a_overlap(spec, 0.5, 2, *args, dtype_bytes=4) == 0.0  # slower: none hidden
-    assert fit_a2a_overlap(spec, 9.0, 2, *args, dtype_bytes=4) == 1.0  # beyond the model
-    with pytest.raises(ValueError, match="chunks >= 2"):
-        fit_a2a_overlap(spec, 1.2, 1, *args)
+        cases = [(gain(share, c), dict(shape, a2a_chunks=c)) for c in (2, 4)]
+        assert fit_a2a_overlap(spec, cases) == pytest.approx(share, abs=0.005)
+    # two counts pulling apart: the share that misses both by the least
+    pulled = [(gain(0.2, 2), dict(shape, a2a_chunks=2)), (gain(0.6, 4), dict(shape, a2a_chunks=4))]
+    fit = fit_a2a_overlap(spec, pulled)
+    assert 0.2 < fit < 0.6
+    off = max(abs(gain(fit, kw["a2a_chunks"]) / g - 1) for g, kw in pulled)
+    assert off <= min(max(abs(gain(x, kw["a2a_chunks"]) / g - 1) for g, kw in pulled)
+                      for x in (0.2, 0.4, 0.6))
+    assert fit_a2a_overlap(spec, [(0.5, dict(shape, a2a_chunks=2))]) == 0.0  # nothing hides
+    assert fit_a2a_overlap(spec, [(9.0, dict(shape, a2a_chunks=2))]) == 1.0  # beyond the model
+    with pytest.raises(ValueError, match="a2a_chunks >= 2"):
+        fit_a2a_overlap(spec, [(1.2, dict(shape, a2a_chunks=1))])
     with pytest.raises(ValueError, match="a2a_overlap must be in"):
         spec.replace(a2a_overlap=1.5)
     assert spec.replace(a2a_overlap=0.4).a2a_overlap == 0.4

@@ -130,10 +130,10 @@ def test_report_adds_the_one_rank_per_node_cluster_and_the_steps_comm_share(tmp_
 
 
 def test_measured_latency_reaches_the_planners_choice(tmp_path):
-    ms = {f"{n} c={c}": 500.0 for n, u in (("(4,1)", 4), ("(2,2) ring_inner", 2))
-          for c in CFG.legal_chunks(u)}
-    # (4,1) gains 1.46x at 2 stages: the fitted a2a_overlap is all of it (chunk_spec)
-    w = worker_chunks({**ms, "(4,1) c=1": 700.0, "(4,1) c=2": 480.0, "dense P=1": 1076.0})
+    # every count gains 1.75x, beyond what any share predicts: the fit takes all of it
+    ms = {f"{n} c={c}": 700.0 if c == 1 else 400.0
+          for n, u in (("(4,1)", 4), ("(2,2) ring_inner", 2)) for c in CFG.legal_chunks(u)}
+    w = worker_chunks({**ms, "dense P=1": 1076.0})
     w["overlap"]["share"] = 1.0
     assert chunk_spec(CFG, w)[0].a2a_overlap == 1.0
     assert chunk_picks(CFG, w)["(2,2) ring_inner"]["attention"] == 4  # cpu_local's 0.4-0.6 ms

@@ -192,18 +192,23 @@ GAIN_TOL = 0.10  # a predicted gain "holds" within 10% of the measured one
 
 def chunk_spec(cfg: ClusterBench, w: dict, per_node: int = PER_NODE
                ) -> tuple[ClusterSpec, str]:
-    """(``planner_spec`` with ``a2a_overlap`` fitted, where it came from): the share at
-    which the planner predicts the measured attention gain of the cluster's first (f)
-    layout at 2 stages (``fit_a2a_overlap``); the other layouts and counts are predictions."""
+    """(``planner_spec`` with ``a2a_overlap`` fitted, how): the share whose predicted
+    attention gains miss the measured ones of every (f) layout and count of the cluster
+    by the least (``fit_a2a_overlap``)."""
     spec = planner_spec(cfg, w, medians(w["attention_ms"]), per_node)
-    name, u, r, pl, _ = chunk_layouts(per_node)[0]
-    t = [w["attention_ms"][f"{name} c={c}"] for c in (1, 2)]
-    gain = statistics.median(a / b for a, b in zip(*t, strict=True))
-    share = fit_a2a_overlap(spec, gain, 2, cfg.seq_len, cfg.heads, cfg.kv_heads, cfg.head_dim,
-                            u, r, dtype_bytes=4, placement=pl)
+    cases = []
+    for name, u, r, pl, _ in chunk_layouts(per_node):
+        one = w["attention_ms"][f"{name} c=1"]
+        for c in cfg.legal_chunks(u)[1:]:
+            gain = statistics.median(a / b for a, b in zip(
+                one, w["attention_ms"][f"{name} c={c}"], strict=True))
+            cases.append((gain, dict(seq_len=cfg.seq_len, hq=cfg.heads, hkv=cfg.kv_heads,
+                                     head_dim=cfg.head_dim, ulysses=u, ring=r, dtype_bytes=4,
+                                     placement=pl, a2a_chunks=c)))
+    share = fit_a2a_overlap(spec, cases)
     return (spec.replace(a2a_overlap=share),
-            f"a2a_overlap {share:.2f}, fitted to {name} at 2 stages (measured gain {gain:.2f}x)")
-
+            f"a2a_overlap {share:.3f}, fitted to the {len(cases)} measured gains below "
+            f"(the least worst error)")
 
 def chunk_verdict(measured: dict, predicted: dict, choice: int) -> dict:
     """Pipelined all-to-all of one layout: ``measured`` {a2a_chunks: [s per round]} (every

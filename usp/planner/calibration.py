@@ -116,32 +116,26 @@ def causal_tile_from_rates(n: int, causal_rate: float, full_rate: float) -> floa
     return max(0.0, n * (full_rate / causal_rate - 1))
 
 
-def fit_a2a_overlap(spec: ClusterSpec, gain: float, chunks: int, seq_len: int, hq: int,
-                    hkv: int, head_dim: int, ulysses: int, ring: int, **kw) -> float:
-    """The ``a2a_overlap`` in [0, 1] at which ``attention_cost`` predicts the pipelined
-    all-to-all's measured ``gain`` (time at 1 stage / time at ``chunks`` stages) for this
-    layout; the nearest end of [0, 1] when no value reaches it. ``kw`` goes to
-    ``attention_cost`` (dtype_bytes, placement, balance, dp ...).
+def fit_a2a_overlap(spec: ClusterSpec, cases: Sequence[tuple[float, dict]]) -> float:
+    """The ``a2a_overlap`` in [0, 1] whose predicted gains of the pipelined all-to-all come
+    closest to the measured ones: the least worst relative error over ``cases``, each
+    (measured gain = time at 1 stage / time at ``kw["a2a_chunks"]`` stages, ``kw``:
+    ``attention_cost``'s arguments by name, layout and shape included). A grid of 0.005
+    steps; the smaller share on a tie."""
+    if not cases or any(kw.get("a2a_chunks", 1) < 2 for _, kw in cases):
+        raise ValueError("fit_a2a_overlap needs measured gains at pipelined counts "
+                         "(a2a_chunks >= 2)")
 
-    The predicted gain grows with the share, so bisection finds it. Fit it on one layout
-    and count, then check the others against it (``tools.bench_cluster`` (f))."""
-    if chunks < 2:
-        raise ValueError(f"fit_a2a_overlap needs a pipelined count (chunks >= 2), got {chunks}")
+    def worst(share: float) -> float:
+        off = 0.0
+        for gain, kw in cases:
+            t = [attention_cost(spec, **{**kw, "a2a_chunks": c}, a2a_overlap=share).total_s
+                 for c in (1, kw["a2a_chunks"])]
+            off = max(off, abs(t[0] / t[1] / gain - 1))
+        return off
 
-    def predicted(share: float) -> float:
-        t = [attention_cost(spec, seq_len, hq, hkv, head_dim, ulysses, ring, a2a_chunks=c,
-                            a2a_overlap=share, **kw).total_s for c in (1, chunks)]
-        return t[0] / t[1]
-
-    lo, hi = 0.0, 1.0
-    if predicted(lo) >= gain:
-        return lo
-    if predicted(hi) <= gain:
-        return hi
-    for _ in range(40):  # to ~1e-12
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if predicted(mid) < gain else (lo, mid)
-    return (lo + hi) / 2
+    grid = [i / 200 for i in range(201)]
+    return min(grid, key=lambda share: (worst(share), share))
 
 
 def fit_link(small_bytes: float, small_s: float, large_bytes: float,
