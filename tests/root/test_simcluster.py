@@ -2,32 +2,19 @@
 veth links, and a failing command's code, with no namespace left behind. Its checks
 without root: ``unit/test_simcluster_checks.py``, ``e2e/test_simcluster_refusals.py``."""
 
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from _root import namespaces, needs_root
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ["-m", "tools.simcluster"]  # run from the repository root
 
-needs_root = pytest.mark.skipif(
-    os.name != "posix" or os.geteuid() != 0 or shutil.which("ip") is None
-    or shutil.which("tc") is None or shutil.which("unshare") is None,
-    reason="simcluster needs root and ip/tc/unshare (network namespaces, veth, tc tbf)",
-)
-
-
-def _namespaces() -> set[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return {line.split()[0] for line in out.splitlines() if line.strip()}
-
 
 @needs_root
 def test_two_node_training_through_simcluster(tmp_path):
-    before = _namespaces()
+    before = namespaces()
     cmd = [sys.executable, *TOOL, "--nodes", "2", "--nproc-per-node", "2",
            "--rate", "1gbit", "--timeout", "120", "--",
            "-m", "usp.cli", "trainer.steps=3", "data.seq_len=256", "logging=none",
@@ -40,17 +27,17 @@ def test_two_node_training_through_simcluster(tmp_path):
     # the mesh found two hosts by all-gathering host names (UTS namespace per node)
     node_lines = [ln for ln in out.splitlines() if "-node0: r0(" in ln or "-node1: r2(" in ln]
     assert len(node_lines) == 2, out[-4000:]
-    leftover = {ns for ns in _namespaces() - before if ns.startswith("usp-")}
+    leftover = {ns for ns in namespaces() - before if ns.startswith("usp-")}
     assert not leftover, f"namespaces left behind: {leftover}"
     assert not any(Path("/etc/netns").glob("usp-*"))
 
 
 @needs_root
 def test_failing_command_returns_its_code_and_cleans_up(tmp_path):
-    before = _namespaces()
+    before = namespaces()
     script = tmp_path / "fail.py"
     script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '3' else 0)\n")
     p = subprocess.run([sys.executable, *TOOL, "--rate", "1gbit", "--timeout", "60", "--",
                         str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode != 0, p.stdout + p.stderr
-    assert not {ns for ns in _namespaces() - before if ns.startswith("usp-")}
+    assert not {ns for ns in namespaces() - before if ns.startswith("usp-")}

@@ -4,32 +4,20 @@ with tokens/s and the same loss, no namespace left behind. Its parts without roo
 ``unit/test_train_table.py``."""
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _root import namespaces, needs_root
 
 ROOT = Path(__file__).resolve().parents[2]
-
-needs_root = pytest.mark.skipif(
-    os.name != "posix" or os.geteuid() != 0 or shutil.which("ip") is None
-    or shutil.which("tc") is None or shutil.which("unshare") is None,
-    reason="simcluster needs root and ip/tc/unshare (network namespaces, veth, tc tbf)",
-)
-
-
-def _namespaces() -> set[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return {line.split()[0] for line in out.splitlines() if line.strip()}
 
 
 @needs_root
 def test_tiny_table_has_three_rows_that_agree(tmp_path):
     pytest.importorskip("deepspeed")
-    before = _namespaces()
+    before = namespaces()
     out = tmp_path / "table"
     cmd = [sys.executable, "-m", "tools.train_table", "--seq-len", "256", "--layers", "1",
            "--dim", "256", "--ffn-dim", "768", "--warmup", "1", "--rounds", "2",
@@ -50,4 +38,4 @@ def test_tiny_table_has_three_rows_that_agree(tmp_path):
                if ln.lstrip().startswith(("planner's choice", "all-ulysses", "ring-only"))]
     assert len(printed) == 3, p.stdout[-3000:]
     assert (out / "table.txt").read_text().count("(2,2)") >= 1
-    assert not {ns for ns in _namespaces() - before if ns.startswith("usp-")}
+    assert not {ns for ns in namespaces() - before if ns.startswith("usp-")}

@@ -16,13 +16,11 @@ Rank 0 writes ``result_file(phase)`` into ``out``.
 
 from __future__ import annotations
 
-import json
 import socket
 import statistics
 import sys
 from contextlib import ExitStack
 from dataclasses import dataclass
-from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
@@ -33,7 +31,7 @@ from usp.attention import local_attention
 from usp.layout import SequenceLayout
 from usp.mesh import SPMesh
 from .cluster_bench import PER_NODE, ClusterBench, chunk_layouts
-from .simcluster import p2p_rate
+from .simcluster import gloo_main, p2p_rate
 from usp.bench.timing import mean_over_ranks
 
 
@@ -301,16 +299,7 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"usage: python -m tools.lab.cluster_worker BENCH.json "
                          f"{{{'|'.join(PHASES)}}}")
     cfg = ClusterBench.load(Path(argv[0]))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
-    try:
-        res = measure(cfg, argv[1])
-        if dist.get_rank() == 0:
-            Path(cfg.out, result_file(argv[1])).write_text(json.dumps(res, indent=2))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    return 0
+    return gloo_main(partial(measure, cfg, argv[1]), Path(cfg.out, result_file(argv[1])), 600)
 
 
 if __name__ == "__main__":

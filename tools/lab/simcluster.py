@@ -115,6 +115,29 @@ def p2p_rate(nbytes: int, src: int, dst: int, rounds: int = 3) -> float:
     return nbytes / best
 
 
+def gloo_main(measure: Callable[[], dict], result: str | Path, timeout_s: float) -> int:
+    """One rank of a lab worker that torchrun started on a simulated node: one intra-op
+    thread (the ranks share the host's cores), a gloo group with ``timeout_s``,
+    ``measure()`` on every rank, its result written as JSON to ``result`` by rank 0; the
+    ranks leave together. Returns the exit code."""
+    import json
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    try:
+        res = measure()
+        if dist.get_rank() == 0:
+            Path(result).write_text(json.dumps(res, indent=2))
+        dist.barrier()  # leave together: a rank tearing gloo down early can abort its peers
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
 def _loopback_probe(nbytes: int, rounds: int, result: str) -> None:
     rate = p2p_rate(nbytes, 0, 1, rounds)
     import torch.distributed as dist

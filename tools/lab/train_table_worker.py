@@ -19,7 +19,6 @@ import sys
 import warnings
 from contextlib import ExitStack
 from dataclasses import dataclass
-from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
@@ -38,7 +37,7 @@ from usp.train.trainer import loss_and_predictions, shard_model, step_loss
 
 from .cluster_bench import PER_NODE
 from .deepspeed_ulysses import deepspeed_calls, import_deepspeed
-from .simcluster import p2p_rate
+from .simcluster import gloo_main, p2p_rate
 from .train_table import Row, TrainTable, data_config, rel_diff
 
 LINK_BYTES = 8 * 2**20
@@ -208,17 +207,12 @@ def main(argv: list[str]) -> int:
     plan = json.loads(Path(argv[0]).read_text())
     cfg = TrainTable(**plan["table"])
     table_rows = [Row(**r) for r in plan["rows"]]
-    torch.set_num_threads(1)  # 4 ranks on the host's cores
-    dist.init_process_group("gloo", timeout=timedelta(seconds=cfg.timeout))
-    try:
+
+    def measured() -> dict:
         with ExitStack() as stack:  # meshes close (collectively) before the group goes
-            res = measure(cfg, table_rows, stack)
-        if dist.get_rank() == 0:
-            Path(argv[1]).write_text(json.dumps(res, indent=2))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    return 0
+            return measure(cfg, table_rows, stack)
+
+    return gloo_main(measured, argv[1], cfg.timeout)
 
 
 if __name__ == "__main__":
