@@ -1,10 +1,12 @@
 """The two communication mechanisms of usp, with byte and time accounting.
 
 - ``all_to_all`` / ``post_all_to_all``: the ulysses seq <-> head exchange (one
-  ``all_to_all_single``), blocking or in flight (``InFlight``) while the caller computes.
+  ``all_to_all_single``, or one per piece when messages are cut), blocking or in flight
+  (``InFlight``) while the caller computes.
 - ``RingComm``: send to the next ring rank, receive from the previous one (or any fixed
-  distance round the ring), via ``batch_isend_irecv`` on the ring's own group, so the
-  transfer runs while the caller computes.
+  distance round the ring), via ``batch_isend_irecv`` on the ring's own group (or, for a
+  message cut into pieces, an exchange per piece on that group), so the transfer runs
+  while the caller computes.
 
 Every call records the bytes this rank *sends to other ranks* in ``CommStats``, per axis,
 and the seconds it spent blocked (``exposed_s``), so tests can assert volumes and the
@@ -45,7 +47,8 @@ class CommStats:
     and the ring's local kernel calls per (``"forward"``/``"backward"``, ring step).
 
     ``seconds`` (= ``exposed_s``) is the time the caller was blocked on an axis;
-    ``hidden_s`` the time all-to-alls left in flight (``InFlight``) travelled while the
+    ``hidden_s`` the time exchanges left in flight (``InFlight``: the ulysses all-to-alls,
+    and ring messages cut into pieces; not the ring's plain P2P) travelled while the
     caller computed: from the post to the earlier of its completion and the caller's wait.
     Hidden time is measured on the host clock only (CPU tensors; on CUDA it stays 0).
 
@@ -218,22 +221,21 @@ class InFlight:
     ``wait`` can add the time the exchange travelled unobserved to ``stats.hidden_s``.
     """
 
-    def __init__(self, works, send, received: torch.Tensor, stats: CommStats,
-                 axis: str, group, finish: Callable[[torch.Tensor], torch.Tensor]):
+    def __init__(self, works, send: torch.Tensor | list[torch.Tensor], received: torch.Tensor,
+                 stats: CommStats, axis: str, group,
+                 finish: Callable[[torch.Tensor], torch.Tensor]):
         self._works = works if isinstance(works, list) else [works]
         self._received, self._finish = received, finish
         self._send = send  # alive until the transfer has read it
         self._stats, self._axis, self._group = stats, axis, group
-        self._posted, self._done, self._left = time.perf_counter(), None, len(self._works)
+        self._posted, self._landings = time.perf_counter(), []
         self._host = clock_for(received.device) == "host"
         if self._host:
             for work in self._works:
                 work.get_future().add_done_callback(self._landed)
 
-    def _landed(self, _future) -> None:
-        self._left -= 1
-        if self._left == 0:
-            self._done = time.perf_counter()
+    def _landed(self, _future) -> None:  # on a gloo thread: list.append is atomic
+        self._landings.append(time.perf_counter())
 
     def wait(self) -> torch.Tensor:
         waited = time.perf_counter()
@@ -243,13 +245,14 @@ class InFlight:
                 work.wait()
         self._send = None
         if self._host:  # in flight while the caller did something else
-            landed = waited if self._done is None else min(waited, self._done)
+            done = max(self._landings) if len(self._landings) == len(self._works) else None
+            landed = waited if done is None else min(waited, done)
             self._stats.hidden_s[self._axis] += max(0.0, landed - self._posted)
         return self._finish(self._received)
 
 
-# The largest piece of a ulysses message to one peer when a ulysses group crosses hosts over
-# gloo (``SPMesh.build``'s ``piece_bytes="auto"``). On the simulated cluster's 300 mbit
+# The largest piece of a ulysses or ring message to one peer where the axis's groups cross
+# hosts over gloo (``SPMesh.build``'s ``piece_bytes="auto"``). On the simulated cluster's 300 mbit
 # link a two-way exchange ran at 26 ms per MiB in 0.25 MiB messages and at 48-52 ms per MiB
 # in 1.5-3 MiB ones (docs/measurements.md).
 GLOO_PIECE_BYTES = 256 * 1024
@@ -314,7 +317,7 @@ def post_all_to_all(send: torch.Tensor, received: torch.Tensor, group, stats: Co
     with naming_collectives(axis, group):
         for s, r, (rs, ss) in zip(sends, recvs, sizes):
             works.append(dist.all_to_all_single(r, s, rs, ss, group=group, async_op=True))
-    for i, m in enumerate(_cuts(nbytes, pieces)):  # the same bytes, one call per piece
+    for m in _cuts(nbytes, pieces):  # the same bytes, one call per piece
         stats.record(axis, m)
     return InFlight(works, sends, received, stats, axis, group, lambda out: finish(gather(out)))
 

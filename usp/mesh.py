@@ -25,7 +25,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .comm import GLOO_PIECE_BYTES, CommStats, check_agreement
 from .compat import flatten_mesh, process_group_alive, release_device_mesh
-from .validate import check_a2a_setting, check_degrees, check_placement, check_ranks_per_node
+from .validate import (check_a2a_setting, check_degrees, check_piece_bytes, check_placement,
+                       check_ranks_per_node)
 
 AXES = ("dp", "ring", "ulysses")
 
@@ -125,11 +126,7 @@ class SPMesh:
         check_placement(placement)
         check_ranks_per_node(world, ranks_per_node)
         check_a2a_setting(a2a_chunks)
-        if piece_bytes not in (None, "auto") and (
-                isinstance(piece_bytes, bool) or not isinstance(piece_bytes, int)
-                or piece_bytes < 1):
-            raise ValueError(f"piece_bytes={piece_bytes!r} must be a positive number of bytes, "
-                             f"auto or None (messages whole)")
+        check_piece_bytes(piece_bytes)
         if hosts is not None and len(hosts) != world:
             raise ValueError(f"hosts lists {len(hosts)} ranks but the world size is {world}")
         # different degrees per rank would build mismatched groups and hang: agree first
@@ -160,6 +157,8 @@ class SPMesh:
     def crosses_hosts(self, axis: str) -> bool:
         """Whether some group of ``axis`` (dp, ring, ulysses) spans several hosts (real or
         simulated)."""
+        if axis not in AXES:
+            raise ValueError(f"crosses_hosts takes an axis of {AXES}, got {axis!r}")
         key = ("crosses", axis)
         if key not in self._cache:  # asked on every attention call: computed once
             self._cache[key] = bool(spanning_groups(self.ranks, self.hosts, AXES.index(axis)))

@@ -221,8 +221,10 @@ def decide_degrees(cfg: RunConfig, world: int, env=None) -> tuple[int, int, int,
 def _a2a_chunks(cfg: RunConfig, world: int, ulysses: int, ring: int, dp: int,
                 env=None) -> int:
     """``parallel.a2a_chunks`` as an int, by the planner's rule (``choose_a2a_chunks``: an
-    int checked against the heads; ``auto``: 1 when the ulysses group stays inside a node
-    of the cluster the launcher reports, else priced on that spec); usp's own ring only."""
+    int checked against the heads; ``auto``: 1 when the ulysses group stays inside a node,
+    else priced on the spec). The nodes: ``parallel.ranks_per_node`` (simulated), else what
+    the launcher or the hardware reports; when nothing reports nodes, the ranks are this
+    launch's processes on one host, as ``SPMesh`` will find them. usp's own ring only."""
     pc, m = cfg.parallel, cfg.model
     if pc.ring_impl != "usp":
         if pc.a2a_chunks == "auto":
@@ -230,7 +232,11 @@ def _a2a_chunks(cfg: RunConfig, world: int, ulysses: int, ring: int, dp: int,
         if pc.a2a_chunks > 1:
             raise ValueError(f"parallel.a2a_chunks={pc.a2a_chunks} pipelines usp's own ring; "
                              f"use parallel.ring_impl=usp or parallel.a2a_chunks=1")
-    spec = _cluster(cfg, world, env)[0] if pc.a2a_chunks == "auto" else cfg.cluster
+    spec = cfg.cluster
+    if pc.a2a_chunks == "auto":
+        spec, report = _cluster(cfg, world, env)
+        if not pc.ranks_per_node and "ranks_per_node" not in report.detected:
+            spec = spec.replace(ranks_per_node=world, nodes=1)  # local processes, one host
     return choose_a2a_chunks(pc.a2a_chunks, spec, cfg.data.seq_len, m.n_heads, m.n_kv_heads,
                              m.head_dim, ulysses, ring, dp=dp,
                              dtype_bytes=cfg.trainer.compute_dtype.itemsize,
@@ -272,7 +278,7 @@ def resolve_run(cfg: RunConfig, world: int, device_type: str | None = None,
     None: cuda when this process sees a GPU), after every rule; raises ``ValueError``.
 
     ``env``: the launcher's variables for topology detection (default ``os.environ``),
-    read only when a degree is ``auto``."""
+    read when a degree or ``parallel.a2a_chunks`` is ``auto`` (the latter by default)."""
     pc = cfg.parallel
     u, r, dp, table = decide_degrees(cfg, world, env)
     check_ranks_per_node(world, pc.ranks_per_node, "parallel.ranks_per_node")

@@ -210,8 +210,8 @@ def check_a2a_chunks(chunks, num_q_heads: int, num_kv_heads: int, ulysses: int) 
 
 
 # Stages of ``a2a_chunks="auto"`` when a ulysses group crosses hosts and no planner count is
-# given: the planner's choice for every layout measured across the simulated 300 mbit link
-# (docs/measurements.md), capped by the heads a rank holds.
+# given, capped by the heads a rank holds: the measured best with one rank per core (the
+# stand-in for one GPU per rank) across the simulated 300 mbit link (docs/measurements.md).
 AUTO_STAGES_ACROSS_HOSTS = 4
 
 

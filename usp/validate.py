@@ -87,6 +87,15 @@ def check_a2a_setting(chunks, who: str = "a2a_chunks") -> None:
                          f"(blocking all-to-alls)")
 
 
+def check_piece_bytes(piece_bytes) -> None:
+    """``piece_bytes`` is a message piece size: a positive int, ``"auto"`` or None (whole)."""
+    if piece_bytes not in (None, "auto") and (isinstance(piece_bytes, bool)
+                                               or not isinstance(piece_bytes, int)
+                                               or piece_bytes < 1):
+        raise ValueError(f"piece_bytes={piece_bytes!r} must be a positive number of bytes, "
+                         f"auto or None (messages whole)")
+
+
 def check_placement(placement: str) -> None:
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")

@@ -48,10 +48,11 @@ def test_table_marks_the_choice_and_states_each_verdict():
     assert rows[1][:6] == ["(4,1)", "2", "400.000", "1.50x", "1.25x", "<-"]
     assert rows[0][-1] == "1.00x"  # no mark on the count the planner did not choose
     assert lines[-2] == ("(4,1): planner a2a_chunks=2, measured best 2: +0.0% (within 5%: "
-                         "yes); predicted gains off by at most 16.7% (within 10%: no)")  # 1.25/1.5
+                         "yes); predicted gains off by at most 16.7% (a2a_overlap fitted to these gains; "
+                         "within 10%: no)")  # 1.25/1.5
     assert lines[-1] == ("(2,2) ring_inner: planner a2a_chunks=4, measured best 1: +20.0% "
-                         "(within 5%: no); predicted gains off by at most 50.0% (within 10%: "
-                         "no)")  # 1.25 predicted, 0.83 measured
+                         "(within 5%: no); predicted gains off by at most 50.0% (a2a_overlap "
+                         "fitted to these gains; within 10%: no)")  # 1.25 predicted, 0.83 measured
     close = chunk_verdict(m41, {1: 0.5, 2: 0.35}, 2)  # 1.43 predicted, 1.5 measured
     assert close["prediction_off"] == pytest.approx(1 - (0.5 / 0.35) / 1.5)
     assert close["prediction_holds"]

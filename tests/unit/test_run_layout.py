@@ -84,6 +84,9 @@ def test_auto_chunks_are_one_inside_a_node_and_the_planners_count_across():
     for per_node, want in (("4", 1), ("1", 2)):
         env = {"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": per_node, "RANK": "0", "LOCAL_RANK": "0"}
         assert resolve_run(torchrun, 4, "cpu", env=env).a2a_chunks == want, per_node
+    # a local launch that names no nodes: its processes share one host, as the mesh finds
+    assert torchrun.cluster.ranks_per_node < 4  # the config's cluster alone would split them
+    assert resolve_run(torchrun, 4, "cpu", env={}).a2a_chunks == 1
 
 
 @pytest.mark.parametrize("rank,printed", [(0, True), (1, False)])

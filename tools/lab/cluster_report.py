@@ -210,6 +210,7 @@ def chunk_spec(cfg: ClusterBench, w: dict, per_node: int = PER_NODE
             f"a2a_overlap {share:.3f}, fitted to the {len(cases)} measured gains below "
             f"(the least worst error)")
 
+
 def chunk_verdict(measured: dict, predicted: dict, choice: int) -> dict:
     """Pipelined all-to-all of one layout: ``measured`` {a2a_chunks: [s per round]} (every
     count timed in the same rounds), ``predicted`` {a2a_chunks: s}, the planner's
@@ -249,7 +250,8 @@ def chunk_lines(title: str, unit: str, by_layout: dict,
         verdicts.append(f"{name}: planner a2a_chunks={v['choice']}, measured best "
                         f"{v['best']}: {v['gap'] * 100:+.1f}% (within {CHUNK_TOL:.0%}: "
                         f"{'yes' if v['within'] else 'no'}); predicted gains off by at most "
-                        f"{v['prediction_off']:.1%} (within {GAIN_TOL:.0%}: "
+                        f"{v['prediction_off']:.1%} (a2a_overlap fitted to these gains; within "
+                        f"{GAIN_TOL:.0%}: "
                         f"{'yes' if v['prediction_holds'] else 'no'})")
     return table(title, head, rows) + verdicts
 

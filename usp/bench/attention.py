@@ -109,7 +109,10 @@ def run_rank(bench: AttentionBench, result_path: str | None = None) -> dict | No
     ``args``, ``env``, ``rows`` (name, kind, degrees, ``times_ms``, ``max_abs_diff``, the
     stats and ``ratio_to_peer``), ``peer_skipped`` (the reason, or None) and
     ``usp_over_peer``: usp(u=N) / peer(u=N) by ``mean``, ``median``, ``min`` and
-    ``paired_median`` (the median of per-round ratios), or None. None on other ranks.
+    ``paired_median`` (the median of per-round ratios) for the first pure-ulysses row (the
+    first ``--a2a-chunks`` and ``--pieces`` given), or None; ``usp_over_peer_by_chunks``
+    the same for every pure-ulysses row, by its variant ("c1", "auto(c4)", "c2 whole").
+    None on other ranks.
     """
     rank = dist.get_rank()
     say = print if rank == 0 else (lambda *a, **k: None)
@@ -125,9 +128,9 @@ def run_rank(bench: AttentionBench, result_path: str | None = None) -> dict | No
     dout = torch.randn(shape_q, generator=g).to(dtype)
 
     with ExitStack() as meshes:  # closed before the caller tears the group down
-        built = {(u, r, pc): meshes.enter_context(SPMesh.build(
-                     ulysses=u, ring=r, piece_bytes=None if pc == "whole" else "auto"))
-                 for u, r, _, pc in bench.usp_rows()}
+        built = {key: meshes.enter_context(SPMesh.build(  # one mesh per layout and pieces
+                     ulysses=key[0], ring=key[1], piece_bytes=None if key[2] == "whole" else "auto"))
+                 for key in dict.fromkeys((u, r, pc) for u, r, _, pc in bench.usp_rows())}
         configs = [make_usp(bench, built[u, r, pc], c, pc) for u, r, c, pc in bench.usp_rows()]
         peer, skip, version = _peer_config(bench)
         if peer is not None:

@@ -89,7 +89,7 @@ class UspAttention:
     windows: tuple[int | None, ...]  # per layer, from the config
     kernel: str = "torch"
     ring_impl: str = "usp"
-    a2a_chunks: int = 1  # pipeline stages of the ulysses all-to-alls (usp_attention)
+    a2a_chunks: int | None = None  # pipeline stages (usp_attention's; None: the mesh's)
 
     def window(self, module, given: int | None) -> int | None:
         layer = getattr(module, "layer_idx", None)
@@ -164,7 +164,7 @@ def _check_config(model, mesh: SPMesh, layout: SequenceLayout) -> tuple[int | No
 
 
 def patch(model, mesh: SPMesh, layout: SequenceLayout, *, kernel: str = "torch",
-          ring_impl: str = "usp", a2a_chunks: int = 1) -> str:
+          ring_impl: str = "usp", a2a_chunks: int | None = None) -> str:
     """Route ``model``'s attention through ``usp_attention`` on ``mesh`` / ``layout``.
 
     Registers ``UspAttention`` (and a mask function that builds no mask) under a name of
