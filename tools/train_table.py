@@ -19,7 +19,7 @@ import signal
 import sys
 
 from tools.lab.simcluster import SimClusterError, interrupt_on_signal, preflight
-from tools.lab.train_table import TrainTable, prepare, run
+from tools.lab.train_table import TrainTable, check_deepspeed, prepare, run
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -62,6 +62,7 @@ def main(argv=None) -> int:
     try:  # every refusal before a namespace exists
         plan = prepare(config(args))
         preflight()
+        check_deepspeed()
     except (SimClusterError, ValueError) as e:
         print(f"train_table: error: {e}", file=sys.stderr)
         return 2

@@ -58,14 +58,19 @@ def test_bad_settings_are_refused(change, message):
         tt.TrainTable(**change)
 
 
-def test_cli_refuses_before_any_namespace(monkeypatch, capsys):
+def test_cli_refuses_before_any_namespace(monkeypatch, capsys, tmp_path):
     made = []
     monkeypatch.setattr(tt, "SimCluster", lambda *a, **kw: made.append(a))
     assert main(["--seq-len", "100"]) == 2
     assert "train_table: error:" in capsys.readouterr().err
     monkeypatch.setattr(os, "geteuid", lambda: 1000)  # preflight's probe
-    assert main(["--seq-len", "256", "--out", "/tmp/helper_tt_unit"]) == 2
+    assert main(["--seq-len", "256", "--out", str(tmp_path)]) == 2
     assert "needs root" in capsys.readouterr().err
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(tt.importlib.util, "find_spec", lambda name: None)  # no DeepSpeed
+    monkeypatch.setattr("tools.train_table.preflight", lambda: None)
+    assert main(["--seq-len", "256", "--out", str(tmp_path)]) == 2
+    assert "needs deepspeed" in capsys.readouterr().err
     assert not made
 
 

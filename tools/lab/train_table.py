@@ -181,11 +181,17 @@ class Prepared:
     predicted_s: dict
 
 
-def prepare(cfg: TrainTable) -> Prepared:
-    """Every decision and check before a namespace exists (``ValueError`` on a refusal)."""
+def check_deepspeed() -> None:
+    """Refuse (``ValueError``) when this Python cannot import DeepSpeed, which the
+    DeepSpeed-Ulysses row runs on."""
     if importlib.util.find_spec("deepspeed") is None:
         raise ValueError("the DeepSpeed-Ulysses row needs deepspeed, which this Python cannot "
-                         "import; pip install deepspeed==0.19.8")
+                         "import; pip install deepspeed==0.19.8 (or -e '.[bench]')")
+
+
+def prepare(cfg: TrainTable) -> Prepared:
+    """Every decision and check of the settings before a namespace exists (``ValueError``
+    on a refusal); ``check_deepspeed`` checks the peer."""
     spec = nominal_spec(cfg)
     layout = resolve_run(run_config(cfg, spec), WORLD, "cpu", env={})
     table_rows = rows(layout)
