@@ -28,7 +28,8 @@ from .ulysses import (
 from .validate import RING_IMPLS, check_kernel, check_ring_impl
 from .ulysses import check_heads, head_split
 
-__all__ = ["RING_IMPLS", "PipelinedAttention", "check_inputs", "local_attention", "usp_attention"]
+__all__ = ["RING_IMPLS", "PipelinedAttention", "attention_stages", "check_inputs",
+           "local_attention", "usp_attention"]
 
 
 def local_attention(q, k, v, causal: bool = True, kernel: str | Kernel = "torch", scale=None,
@@ -68,6 +69,19 @@ def check_inputs(q, k, v, mesh: SPMesh, layout: SequenceLayout) -> None:
             f"layout.shard(x, dim=1)"
         )
     check_heads(q.shape[2], k.shape[2], mesh.ulysses)
+
+
+def attention_stages(mesh: SPMesh, num_q_heads: int, num_kv_heads: int,
+                     a2a_chunks: int | None = None, ring_impl: str = "usp") -> int:
+    """The pipeline stages a ``usp_attention`` call on ``mesh`` runs: ``a2a_chunks`` when
+    given, else the mesh's setting for these heads (``ulysses.default_a2a_chunks``), 1 with
+    ``ring_impl="ring_flash_attn"``. Raises ValueError when the heads cannot take them."""
+    if a2a_chunks is None:
+        if ring_impl == "ring_flash_attn":
+            return 1
+        return default_a2a_chunks(mesh.a2a_chunks, mesh.ulysses_crosses_hosts, num_q_heads,
+                                  num_kv_heads, mesh.ulysses)
+    return check_a2a_chunks(a2a_chunks, num_q_heads, num_kv_heads, mesh.ulysses)
 
 
 def usp_attention(
@@ -124,10 +138,7 @@ def usp_attention(
         check_kernel(kernel, dev, dtype, d, ring_impl, causal, layout.balance)
     else:  # a Kernel object answers for itself; the ring engine is still checked
         check_ring_impl(ring_impl, dev, dtype, d, causal, layout.balance)
-    if a2a_chunks is None:
-        a2a_chunks = 1 if ring_impl == "ring_flash_attn" else default_a2a_chunks(
-            mesh.a2a_chunks, mesh.ulysses_crosses_hosts, q.shape[2], k.shape[2], mesh.ulysses)
-    check_a2a_chunks(a2a_chunks, q.shape[2], k.shape[2], mesh.ulysses)
+    a2a_chunks = attention_stages(mesh, q.shape[2], k.shape[2], a2a_chunks, ring_impl)
     if a2a_chunks > 1 and ring_impl == "ring_flash_attn":
         raise ValueError(f"a2a_chunks={a2a_chunks} pipelines the usp ring only; use "
                          f"ring_impl='usp' or a2a_chunks=1 with ring_flash_attn")

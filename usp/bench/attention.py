@@ -56,11 +56,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..attention import usp_attention
+from ..attention import attention_stages, usp_attention
 from ..launch import init_from_env, launcher_env, spawn_local
 from ..layout import SequenceLayout
 from ..mesh import SPMesh
-from ..ulysses import default_a2a_chunks
 from .attention_report import format_report, results
 from .attention_setup import DTYPES, QUICK, AttentionBench, Row, parse_layouts  # noqa: F401
 from .timing import mean_over_ranks, round_robin
@@ -73,9 +72,8 @@ def make_usp(bench: AttentionBench, mesh: SPMesh, chunks: int | str = 1, pieces:
     ``a2a_chunks=chunks`` (``"auto"``: no count given, the mesh's default); ``pieces``
     names how ``mesh`` sends its messages ("auto" or "whole")."""
     layout = SequenceLayout(mesh, seq_len=bench.seq_len, balance=bench.balance)
-    used = default_a2a_chunks(mesh.a2a_chunks if chunks == "auto" else chunks,
-                              mesh.ulysses_crosses_hosts, bench.heads, bench.kv_heads,
-                              mesh.ulysses)
+    used = attention_stages(mesh, bench.heads, bench.kv_heads,
+                            None if chunks == "auto" else chunks)
 
     def shard(x):  # [B, L, H, d] -> this rank's [B, L/P, H, d]
         return layout.shard(x, dim=1).detach().clone().requires_grad_(True)
