@@ -25,6 +25,7 @@ import importlib.util
 import os
 import sys
 from dataclasses import dataclass
+from functools import cache, partial
 from pathlib import Path
 
 import torch
@@ -203,14 +204,16 @@ def _cluster(cfg: RunConfig, world: int, env=None):
     return spec, report
 
 
-def decide_degrees(cfg: RunConfig, world: int, env=None) -> tuple[int, int, int, str]:
+def decide_degrees(cfg: RunConfig, world: int, env=None,
+                   topology=None) -> tuple[int, int, int, str]:
     """(ulysses, ring, dp, plan table or ""): fixed degrees pass through; ``auto`` asks the
-    planner on the detected cluster."""
+    planner on the detected cluster (``topology()``: ``_cluster``'s answer, default
+    detected here from ``env``)."""
     pc = cfg.parallel
     u, r = _degree(pc.ulysses_degree, "ulysses_degree"), _degree(pc.ring_degree, "ring_degree")
     table = ""
     if u is None or r is None:
-        spec, report = _cluster(cfg, world, env)
+        spec, report = topology() if topology else _cluster(cfg, world, env)
         p = plan_run(cfg, spec, world)
         u, r = p.best.ulysses, p.best.ring
         table = f"{report.line()}\n{p.format_table(show_dropped=False)}"
@@ -219,12 +222,13 @@ def decide_degrees(cfg: RunConfig, world: int, env=None) -> tuple[int, int, int,
 
 
 def _a2a_chunks(cfg: RunConfig, world: int, ulysses: int, ring: int, dp: int,
-                env=None) -> int:
+                topology) -> int:
     """``parallel.a2a_chunks`` as an int, by the planner's rule (``choose_a2a_chunks``: an
     int checked against the heads; ``auto``: 1 when the ulysses group stays inside a node,
     else priced on the spec). The nodes: ``parallel.ranks_per_node`` (simulated), else what
     the launcher or the hardware reports; when nothing reports nodes, the ranks are this
-    launch's processes on one host, as ``SPMesh`` will find them. usp's own ring only."""
+    launch's processes on one host, as ``SPMesh`` will find them. usp's own ring only.
+    ``topology()``: ``_cluster``'s answer, asked only when ``auto`` needs it."""
     pc, m = cfg.parallel, cfg.model
     if pc.ring_impl != "usp":
         if pc.a2a_chunks == "auto":
@@ -232,9 +236,11 @@ def _a2a_chunks(cfg: RunConfig, world: int, ulysses: int, ring: int, dp: int,
         if pc.a2a_chunks > 1:
             raise ValueError(f"parallel.a2a_chunks={pc.a2a_chunks} pipelines usp's own ring; "
                              f"use parallel.ring_impl=usp or parallel.a2a_chunks=1")
+    if pc.a2a_chunks == "auto" and ulysses == 1:
+        return 1  # no all-to-all to pipeline: nothing to detect
     spec = cfg.cluster
     if pc.a2a_chunks == "auto":
-        spec, report = _cluster(cfg, world, env)
+        spec, report = topology()
         if not pc.ranks_per_node and "ranks_per_node" not in report.detected:
             spec = spec.replace(ranks_per_node=world, nodes=1)  # local processes, one host
     return choose_a2a_chunks(pc.a2a_chunks, spec, cfg.data.seq_len, m.n_heads, m.n_kv_heads,
@@ -280,11 +286,12 @@ def resolve_run(cfg: RunConfig, world: int, device_type: str | None = None,
     ``env``: the launcher's variables for topology detection (default ``os.environ``),
     read when a degree or ``parallel.a2a_chunks`` is ``auto`` (the latter by default)."""
     pc = cfg.parallel
-    u, r, dp, table = decide_degrees(cfg, world, env)
+    topology = cache(partial(_cluster, cfg, world, env))  # detected at most once, if asked
+    u, r, dp, table = decide_degrees(cfg, world, env, topology)
     check_ranks_per_node(world, pc.ranks_per_node, "parallel.ranks_per_node")
     check_placement(pc.placement)
     check_heads(cfg.model.n_heads, cfg.model.n_kv_heads, u)
-    chunks = _a2a_chunks(cfg, world, u, r, dp, env)  # check_task below checks the sequence
+    chunks = _a2a_chunks(cfg, world, u, r, dp, topology)  # check_task checks the sequence
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     accum = grad_accum_steps(cfg.trainer, cfg.data.seq_len, cfg.data.batch_per_dp_rank, dp)
