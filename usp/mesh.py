@@ -175,9 +175,11 @@ class SPMesh:
         ``comm.GLOO_PIECE_BYTES`` when the axis's groups cross hosts over gloo."""
         if self.piece_bytes != "auto":
             return self.piece_bytes
-        if not self.crosses_hosts(axis):
-            return None
-        return GLOO_PIECE_BYTES if dist.get_backend(self.group(axis)) == "gloo" else None
+        key = ("pieces", axis)
+        if key not in self._cache:  # asked on every attention call: decided once
+            gloo = self.crosses_hosts(axis) and dist.get_backend(self.group(axis)) == "gloo"
+            self._cache[key] = GLOO_PIECE_BYTES if gloo else None
+        return self._cache[key]
 
     def _warn_if_ulysses_spans_nodes(self) -> None:
         group = self.axis_ranks("ulysses")
