@@ -17,6 +17,8 @@ SMALL = ["parallel.ulysses_degree=2", "parallel.ring_degree=1", "trainer.nprocs=
          f"trainer.steps={STEPS}", "trainer.ckpt_every=0", "data.batch_per_dp_rank=2",
          "logging.wandb=offline"]
 AT = 3  # the signals strike once this step is logged
+# nothing of the run (ranks, wandb-core, wandb-symon) is alive this long after the launcher
+GRACE = 1.0
 
 
 def _wandb_core(pids: list[int]) -> list[int]:
@@ -47,7 +49,7 @@ def test_sigterm_to_every_process_with_wandb_still_checkpoints(tmp_path):
         killed.extend(core)
         return True
 
-    run, left = usp_train(run_dir, SMALL, scancel, timeout=120)
+    run, left = usp_train(run_dir, SMALL, scancel, timeout=120, grace=GRACE)
     out = run.out + run.err
     assert killed, "no wandb-core process was found under the launcher"
     assert run.rc == 75, out[-3000:]
@@ -57,9 +59,9 @@ def test_sigterm_to_every_process_with_wandb_still_checkpoints(tmp_path):
     warned = [ln for ln in out.splitlines() if "wandb failed" in ln]
     assert len(warned) == 1 and "metrics.jsonl keeps every metric" in warned[0], warned
     assert "Traceback" not in out, out[-3000:]
-    assert not left  # no rank (and no service) outlives the launcher
+    assert not left  # no rank, no service and no monitor outlives the launcher
 
-    again, left = usp_train(run_dir, SMALL, timeout=120)
+    again, left = usp_train(run_dir, SMALL, timeout=120, grace=GRACE)
     assert again.rc == 0, (again.out + again.err)[-3000:]
     assert "wandb failed" not in again.out + again.err  # a new service, logging again
     assert re.search(rf"resumed from \S+step_{stopped:06d} at step {stopped} ", again.out)

@@ -93,10 +93,11 @@ def last_step(run_dir: Path) -> int:
     return recs[-1]["step"] if recs else 0
 
 
-def usp_train(run_dir: Path, extra=(), act=None, timeout: float = 600) -> tuple[Run, list[int]]:
+def usp_train(run_dir: Path, extra=(), act=None, timeout: float = 600,
+              grace: float = 3.0) -> tuple[Run, list[int]]:
     """Run usp-train with ``BASE`` + ``extra`` into ``run_dir``; ``act(proc, ranks)`` is called
-    every 0.2 s while it runs (return True once it has acted). Returns the run and the rank
-    processes still alive 3 s after the launcher ended (should be none)."""
+    every 0.2 s while it runs (return True once it has acted). Returns the run and the
+    processes of its tree still alive ``grace`` s after the launcher ended (should be none)."""
     cmd = [sys.executable, "-m", "usp.cli", *BASE, *extra, f"trainer.run_dir={run_dir}",
            f"hydra.run.dir={run_dir}/hydra"]
     env = {k: v for k, v in os.environ.items()
@@ -116,8 +117,8 @@ def usp_train(run_dir: Path, extra=(), act=None, timeout: float = 600) -> tuple[
     if proc.poll() is None:
         proc.kill()
     out, err = proc.communicate()
-    grace = time.perf_counter() + 3.0  # ranks get 3 s to go after their launcher
-    while (left := _alive(sorted(seen))) and time.perf_counter() < grace:
+    until = time.perf_counter() + grace  # the tree gets `grace` s to go after its launcher
+    while (left := _alive(sorted(seen))) and time.perf_counter() < until:
         time.sleep(0.1)
     for p in left:  # leave nothing behind, even when the run did
         try:

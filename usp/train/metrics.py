@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..config import LoggingConfig
+from .wandb_procs import WandbHelpers
 
 # The longest one wandb call (log, summary, finish) may take. A live service answers in
 # milliseconds; a stopped or stuck one never does, and a dead one fails at once. An online
@@ -132,6 +133,7 @@ class MetricsLogger:
         self.cfg, self.run_dir, self.active = cfg, Path(run_dir), rank == 0
         self.jsonl_path = self.run_dir / "metrics.jsonl"
         self._wandb = None
+        self._helpers = WandbHelpers()
         if not self.active:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -141,6 +143,7 @@ class MetricsLogger:
             raise ValueError(f"logging.wandb must be offline, online or disabled, got {cfg.wandb!r}")
         if cfg.wandb != "disabled":
             os.environ.setdefault("WANDB_SILENT", "true")
+            error = None
             try:  # bounded by wandb itself (init_timeout), before any step
                 import wandb
 
@@ -149,7 +152,10 @@ class MetricsLogger:
                     config=run_config, resume="allow", id=self._wandb_id(),
                 )
             except Exception as e:
-                self._wandb_failed(f"{type(e).__name__}: {e}")
+                error = f"{type(e).__name__}: {e}"
+            self._helpers = WandbHelpers.started_by(os.getpid())  # a failed init may leave some too
+            if error is not None:
+                self._wandb_failed(error)
 
     def _wandb_call(self, fn: Callable[[object], object]) -> None:
         """``fn(run)`` on the wandb run, bounded; the first failure turns wandb off."""
@@ -166,6 +172,7 @@ class MetricsLogger:
               f"run; {kept}", file=sys.stderr, flush=True)
         run, self._wandb = self._wandb, None
         _bounded(lambda: _release_wandb(run), WANDB_RELEASE_S)
+        self._helpers.stop()  # the monitor outlives a dead service otherwise
 
     def _wandb_id(self) -> str:
         """A stable id per run directory, so a resumed run continues the same wandb run."""
@@ -238,10 +245,11 @@ class MetricsLogger:
         return path
 
     def close(self) -> None:
-        """Finish the wandb run and stop its service (each at most ``WANDB_WAIT_S``); the other
-        backends need nothing. Stopping the service now, not in wandb's exit hook, matters on
-        Slurm: a requeue or ``scancel`` kills it before this process exits, and the hook
-        would then print a ``ConnectionResetError`` traceback."""
+        """Finish the wandb run and stop its service (each at most ``WANDB_WAIT_S``), then end
+        whatever of wandb's helper processes is still alive; the other backends need nothing.
+        Stopping the service now, not in wandb's exit hook, matters on Slurm: a requeue or
+        ``scancel`` kills it before this process exits, and the hook would then print a
+        ``ConnectionResetError`` traceback."""
         if self._wandb is not None:
             self._wandb_call(lambda run: run.finish())
         if self._wandb is not None:
@@ -249,3 +257,4 @@ class MetricsLogger:
 
             self._wandb_call(lambda run: wandb.teardown())
             self._wandb = None
+        self._helpers.stop()
