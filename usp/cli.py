@@ -328,7 +328,7 @@ def _plan_main(dcfg) -> None:
 
 
 def _plan(cfg: PlanConfig) -> None:
-    from .run import plan_report
+    from .planner.report import plan_report
 
     text, drawing = plan_report(cfg)
     print(text)

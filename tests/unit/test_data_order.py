@@ -11,7 +11,8 @@ import torch
 
 from usp.data import MemmapTokens, TokenWriter
 from usp.data.order import WindowOrder, permute
-from usp.run import RunLayout, grad_accum_steps
+from usp.planner.batch import grad_accum_steps
+from usp.run import RunLayout
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 1000, 4097])

@@ -15,7 +15,8 @@ from usp.planner.cost import best_a2a_chunks
 from usp.run import RunLayout, resolve_run
 
 PACKAGE = Path(__file__).resolve().parents[2] / "usp"
-OWNERS = ("run.py", "config")  # the resolver, and the dataclasses that define the fields
+# the resolver, the dataclasses that define the fields, and the planner's ranking of a config
+OWNERS = ("run", "config", "planner/report.py")
 DEGREES = {"ulysses_degree", "ring_degree", "dp_degree"}
 
 
@@ -29,10 +30,10 @@ def test_only_the_resolver_reads_the_parallel_config():
     found = []
     for path in PACKAGE.rglob("*.py"):
         rel = path.relative_to(PACKAGE)
-        if rel.parts[0] in OWNERS:
+        if rel.parts[0] in OWNERS or rel.as_posix() in OWNERS:
             continue
         found += [f"usp/{rel} {hit}" for hit in config_reads(path.read_text())]
-    assert not found, "decided again outside usp/run.py:\n" + "\n".join(found)
+    assert not found, "decided again outside usp/run/:\n" + "\n".join(found)
 
 
 def test_the_read_check_can_fail():
