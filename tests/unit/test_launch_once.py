@@ -3,7 +3,7 @@ run's layout (``usp.run.RunLayout``) on rank 0 (torchrun/Slurm) or in the parent
 spawned ranks, with one call of the resolver per launch.
 
 NCCL cannot start here, so CUDA is faked in the launching process and what the launcher
-hands to its workers is captured (``usp.launch._run_once``) and replayed
+hands to its workers is captured (``usp.launch.local._run_once``) and replayed
 in-process with recording fakes for ``set_device`` and ``init_process_group``.
 The command refusing CUDA without a GPU: ``e2e/test_launch_once_commands.py``; ranks that
 take rank 0's degrees: ``distributed/test_launch_once_ranks.py``.
@@ -135,7 +135,7 @@ def local_launch(monkeypatch, fake_dist):
     for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID"):
         monkeypatch.delenv(k, raising=False)
     spawned = []
-    import usp.launch as launcher
+    import usp.launch.local as launcher
 
     def run_once(worker_args, nprocs, grace_s):  # what run_local would start, not started
         spawned.append((launcher._worker, worker_args, nprocs))
