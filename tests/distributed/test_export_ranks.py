@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from usp.config import RunConfig
 from usp.launch import spawn_local
-from usp.models.export import MODEL_CONFIG, main
+from usp.models.export import main
+from usp.models.run_records import MODEL_CONFIG
 from usp.train.trainer import train
 
 from _export_runs import RUNS, TEXT, corpus, memmap, run_cfg

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from usp.config import ModelConfig, RunConfig
-from usp.models.export import check_pretrained, export_checkpoint
+from usp.models.export import export_checkpoint
+from usp.models.hf_model import check_pretrained
 from usp.launch import spawn_local
 from usp.data.dataset import build_dataset
 from usp.run import resolve_run

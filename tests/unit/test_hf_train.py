@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 import usp.cli as cli
 from usp.config import ModelConfig
 from usp.data.synthetic import RecallTask
-from usp.models.export import build_model, hf_config
+from usp.models.hf_model import build_model, hf_config
 from usp.data.dataset import build_dataset
 from usp.run import resolve_run
 

@@ -12,7 +12,7 @@ import torch
 from ..config import ModelConfig, RunConfig
 from ..data.dataset import build_dataset, build_validation
 from ..masks import check_masks
-from ..models.export import check_pretrained
+from ..models.hf_model import check_pretrained
 from ..ulysses import check_heads
 from ..validate import check_kernel, check_seq_len
 from .layout import RunLayout
