@@ -65,7 +65,7 @@ def test_every_recipe_composes_and_is_feasible(recipe):
     world = cfg.cluster.nodes * cfg.cluster.ranks_per_node
     if recipe == "tiny_cpu":
         world = cfg.trainer.nprocs
-        run = resolve_run(cfg, world)
+        run = resolve_run(cfg, world, "cpu")
         assert (run.ulysses, run.ring) == (2, 2)
         return
     u, r = cfg.parallel.ulysses_degree, cfg.parallel.ring_degree

@@ -58,7 +58,7 @@ def test_model_config_refuses_what_transformers_cannot_build(kw, needle):
 def test_preflight_refuses_a_missing_pretrained_directory(tmp_path):
     cfg = small_cfg(tmp_path / "run", model=ModelConfig(hf="llama", pretrained=str(tmp_path)))
     with pytest.raises(ValueError, match="no config.json there"):
-        resolve_run(cfg, 4)
+        resolve_run(cfg, 4, "cpu")
 
 
 def _compose(name: str, overrides: list[str]):

@@ -1,9 +1,12 @@
 """Start ranks: N local processes (gloo on the CPU, or NCCL with one GPU each), or join
-the group torchrun/Slurm describes. The device is decided once, here, by ``choose_device``.
+the group torchrun/Slurm describes. The device is decided once, by ``choose_device``, and
+carried in the run's layout (``RunLayout.device``) to every rank.
 
-``run_local`` is the supervised local launch: it restarts all ranks after a fault, forwards
-preemption signals to them and never leaves a rank running (see its docstring)."""
-
+``device``: the device choice and each rank's GPU. ``local``: ``spawn_local`` and
+``run_local``, the supervised local launch (it restarts all ranks after a fault, forwards
+preemption signals to them and never leaves a rank running). ``scheduler``: rank, world and
+rendezvous from torchrun/Slurm variables. ``rendezvous``: the store a launched run meets in,
+the vote on rank 0's decision before any process group, and joining the group."""
 
 from .device import BACKENDS, DEVICE_SETTINGS, choose_device, cuda_index
 from .local import FORWARDED_SIGNALS, free_port, run_local, spawn_local

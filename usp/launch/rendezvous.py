@@ -10,7 +10,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .device import choose_device, cuda_index
+from .device import BACKENDS, cuda_index
 
 
 class RendezvousError(RuntimeError):
@@ -142,23 +142,25 @@ def decide_together(store: dist.Store, info: dict, decide, check, timeout_s: flo
     return value
 
 
-def init_from_env(info: dict, device: str = "auto", timeout_s: float = 600.0,
+def init_from_env(info: dict, device_type: str = "cpu", timeout_s: float = 600.0,
                   store: dist.Store | None = None) -> torch.device:
     """Join the process group described by ``launcher_env``; returns this rank's device.
 
-    ``device`` is ``trainer.device`` (see ``choose_device``); on CUDA the rank drives GPU
-    ``cuda_index(local_rank, visible GPUs)``. ``ValueError`` (e.g. cuda without a GPU) is
-    raised before joining. ``timeout_s`` (``trainer.timeout_s``): collective timeout. The
-    group meets in ``store`` (default: ``rendezvous_store(info)``).
+    ``device_type``: "cpu" (gloo) or "cuda" (NCCL), the run's device as the launcher
+    decided it (``choose_device``, carried in ``RunLayout.device``); on CUDA the rank drives
+    GPU ``cuda_index(local_rank, visible GPUs)``. ``ValueError`` (e.g. cuda without a GPU)
+    is raised before joining. ``timeout_s`` (``trainer.timeout_s``): collective timeout.
+    The group meets in ``store`` (default: ``rendezvous_store(info)``).
     """
-    visible = torch.cuda.device_count()
-    backend, device_type = choose_device(device, 1, torch.cuda.is_available(), visible)
+    if device_type not in BACKENDS:
+        raise ValueError(f"device_type must be one of {', '.join(BACKENDS)}, got "
+                         f"{device_type!r}; decide it with usp.launch.choose_device")
     index = None
     if device_type == "cuda":
-        index = cuda_index(info["local_rank"], visible)
+        index = cuda_index(info["local_rank"], torch.cuda.device_count())
         torch.cuda.set_device(index)  # before NCCL binds a device
     if store is None:
         store = rendezvous_store(info, timeout_s)
-    dist.init_process_group(backend, rank=info["rank"], world_size=info["world"],
+    dist.init_process_group(BACKENDS[device_type], rank=info["rank"], world_size=info["world"],
                             timeout=timedelta(seconds=timeout_s), store=store)
     return torch.device(device_type, index)

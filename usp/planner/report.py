@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..config import PlanConfig, RunConfig
 from .batch import grad_accum_steps
+from .detect import DetectReport
 from .draw import draw_mesh
 from .memory import CheckpointPolicy, size
 from .plan import Plan, plan
@@ -36,6 +37,12 @@ def plan_run(cfg: RunConfig | PlanConfig, spec, world: int) -> Plan:
                 dtype_bytes=cfg.trainer.compute_dtype.itemsize, a2a_chunks=pc.a2a_chunks,
                 checkpoint=CheckpointPolicy.from_trainer(cfg.trainer), kernel=pc.kernel,
                 device="cpu" if cfg.trainer.device == "cpu" else "cuda")
+
+
+def plan_table(detected: DetectReport, p: Plan) -> str:
+    """The planner's choice for an ``auto`` degree as usp-train prints it before training:
+    the topology it detected, then its ranking (the refused layouts left out)."""
+    return f"{detected.line()}\n{p.format_table(show_dropped=False)}"
 
 
 def plan_report(cfg: PlanConfig) -> tuple[str, str]:

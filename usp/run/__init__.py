@@ -6,6 +6,11 @@ all-to-all pipeline stages, device, dtype and per-rank batch. It runs every rule
 the world size, the device or the file system (the config dataclasses check plain values
 themselves), one message per rule, and raises ``ValueError`` before anything starts.
 
+One concept a file: ``layout`` (the ``RunLayout`` data), ``preflight`` (the input checks),
+``decide`` (degrees and all-to-all stages; the accumulation is ``usp.planner.batch``'s),
+``resolve`` (the resolver: checks, then decisions, then the layout). The planner's table of
+an ``auto`` choice is text of ``usp.planner.report``, said by the resolver, not held.
+
 - Local spawn: the launching process resolves once and hands the layout to every rank.
 - torchrun / Slurm (``usp-train``): before any process group rank 0 resolves for the
   launch's world and every other task checks its own config against that layout
@@ -19,12 +24,13 @@ The mesh, the model and the trainer take the layout; nothing downstream reads th
 placement or chunk fields of ``cfg.parallel`` again (``tests/unit/test_run_layout.py``).
 """
 
-
-from .decide import decide_degrees
+from .decide import decide_a2a_chunks, decide_degrees
 from .layout import RunLayout
-from .preflight import check_hf_model, check_recompute, check_run_dir, check_run_masks, check_task
-from .resolve import resolve_run, resolve_run_group, use_scheduler_hosts
+from .preflight import (check_degrees_fit, check_hf_model, check_inputs, check_recompute,
+                        check_run_dir, check_run_masks, check_task)
+from .resolve import resolve_run, resolve_run_group, scheduler_hosts_notice
 
-__all__ = ["RunLayout", "check_hf_model", "check_recompute", "check_run_dir", "check_run_masks",
-           "check_task", "decide_degrees", "resolve_run", "resolve_run_group",
-           "use_scheduler_hosts"]
+__all__ = ["RunLayout", "check_degrees_fit", "check_hf_model", "check_inputs",
+           "check_recompute", "check_run_dir", "check_run_masks", "check_task",
+           "decide_a2a_chunks", "decide_degrees", "resolve_run", "resolve_run_group",
+           "scheduler_hosts_notice"]

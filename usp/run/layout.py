@@ -10,11 +10,14 @@ from ..validate import check_degrees, check_placement, check_ranks_per_node
 
 @dataclass(frozen=True)
 class RunLayout:
-    """How one run is laid out on its ranks; the same object on every rank.
+    """How one run is laid out on its ranks; the same object on every rank: the parallel
+    dims, the batch, the dtype and the device, as plain data (no display text).
 
     ``world`` = ``dp * ring * ulysses`` ranks; ``a2a_chunks``: pipeline stages of the
-    ulysses all-to-alls; ``device``: "cpu" or "cuda"; ``dtype``: ``trainer.dtype``;
-    ``plan_table``: the planner's ranking when a degree was ``auto`` (else "").
+    ulysses all-to-alls; ``ranks_per_node``: simulated nodes (None: the hosts the ranks run
+    on place them); ``device``: "cpu" or "cuda", decided once by the launcher
+    (``usp.launch.choose_device``); ``dtype``: ``trainer.dtype``; ``grad_accum``:
+    micro-batches per optimizer step.
     """
 
     world: int
@@ -31,9 +34,7 @@ class RunLayout:
     dtype: str
     seq_len: int
     batch_per_dp_rank: int
-    plan_table: str = ""
     grad_accum: int = 1  # micro-batches per optimizer step
-
 
     def __post_init__(self) -> None:
         if check_degrees(self.world, self.ulysses, self.ring, self.dp) != self.dp:

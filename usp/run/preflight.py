@@ -18,12 +18,11 @@ from ..validate import check_kernel, check_seq_len
 from .layout import RunLayout
 
 
-def check_task(cfg: RunConfig, layout: RunLayout) -> None:
-    """The rules each task checks on its own config against the layout: its heads and
-    sequence on these degrees, its data files, its run directory, the kernel on its
-    device, its installed packages."""
-    check_heads(cfg.model.n_heads, cfg.model.n_kv_heads, layout.ulysses)
-    check_seq_len(cfg.data.seq_len, layout.ulysses, layout.ring, layout.balance)
+def check_inputs(cfg: RunConfig, device: str) -> None:
+    """The rules on a task's config, files and packages that no degree changes: its data
+    files, its run directory, the kernel and ring engine on ``device`` ("cpu" or "cuda"),
+    its masks, its transformers model, its recomputation settings."""
+    pc = cfg.parallel
     try:
         build_dataset(cfg.data, cfg.model)  # missing / corrupt data fails here
         build_validation(cfg.data, cfg.model, cfg.trainer.eval_windows)
@@ -32,20 +31,37 @@ def check_task(cfg: RunConfig, layout: RunLayout) -> None:
     check_run_dir(cfg.trainer.run_dir)
     # the kernel and ring engine on this device, dtype and head dim (attention is causal)
     try:
-        check_kernel(layout.kernel, layout.device, cfg.trainer.compute_dtype,
-                     cfg.model.head_dim, layout.ring_impl, causal=True, balance=layout.balance)
+        check_kernel(pc.kernel, device, cfg.trainer.compute_dtype, cfg.model.head_dim,
+                     pc.ring_impl, causal=True, balance=pc.balance)
     except ValueError as e:
-        raise ValueError(f"parallel.kernel={layout.kernel} parallel.ring_impl="
-                         f"{layout.ring_impl} trainer.dtype={cfg.trainer.dtype} on "
-                         f"{layout.device}: {e}") from None
+        raise ValueError(f"parallel.kernel={pc.kernel} parallel.ring_impl={pc.ring_impl} "
+                         f"trainer.dtype={cfg.trainer.dtype} on {device}: {e}") from None
     check_run_masks(cfg)
     check_hf_model(cfg.model)
-    check_recompute(cfg, layout.device)
-    if layout.ring_impl == "ring_flash_attn" and not _installed("ring_flash_attn"):
+    check_recompute(cfg, device)
+    if pc.ring_impl == "ring_flash_attn" and not _installed("ring_flash_attn"):
         raise ValueError("parallel.ring_impl=ring_flash_attn needs the ring-flash-attn package, "
                          "which this Python cannot import; pip install ring-flash-attn==0.1.8 "
                          "flash-attn, or use parallel.ring_impl=usp")
 
+
+def check_degrees_fit(cfg: RunConfig, ulysses: int, ring: int) -> None:
+    """The config's heads over ``ulysses`` ranks and its sequence over ``ring x ulysses``
+    (``parallel.balance``), each refused with its own message."""
+    check_heads(cfg.model.n_heads, cfg.model.n_kv_heads, ulysses)
+    check_seq_len(cfg.data.seq_len, ulysses, ring, cfg.parallel.balance)
+
+
+def check_task(cfg: RunConfig, layout: RunLayout) -> None:
+    """What a task other than the resolving one checks of its own config and machine
+    against the resolved ``layout``: it sees a GPU when the run computes on one, its
+    inputs (``check_inputs``) and its heads and sequence on these degrees."""
+    if layout.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"the run computes on cuda (trainer.device={cfg.trainer.device}) but "
+                         "this task sees 0 CUDA GPUs; run every task where a GPU is visible, "
+                         "or use trainer.device=cpu")
+    check_inputs(cfg, layout.device)
+    check_degrees_fit(cfg, layout.ulysses, layout.ring)
 
 
 def check_run_dir(path: str | None) -> None:
