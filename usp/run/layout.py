@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..data.indexing import sample_indices
 from ..mesh import SPMesh
 from ..validate import check_degrees, check_placement, check_ranks_per_node
 
@@ -62,9 +63,9 @@ class RunLayout:
         """Global sample ids of ``dp_rank``'s micro-batch ``micro`` of the optimizer step
         that starts after ``consumed`` samples: micro-batch k of the step takes its samples
         ``[k * micro_batch, (k + 1) * micro_batch)`` and each dp rank its own
-        ``batch_per_dp_rank`` of them. With one micro-batch this is ``sample_indices``."""
-        first = consumed + micro * self.micro_batch + dp_rank * self.batch_per_dp_rank
-        return range(first, first + self.batch_per_dp_rank)
+        ``batch_per_dp_rank`` of them (``usp.data.indexing.sample_indices``)."""
+        return sample_indices(consumed + micro * self.micro_batch, self.batch_per_dp_rank,
+                              dp_rank)
 
     @property
     def tokens_per_step(self) -> int:
