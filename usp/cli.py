@@ -12,7 +12,6 @@ import gc
 import sys
 import warnings
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +167,8 @@ def run_training(cfg: RunConfig) -> None:
     that cannot fit the allocation is refused at once, alike on every task). Every rank
     builds its mesh, model and trainer from that one object.
     """
+    from functools import partial
+
     import torch
 
     from .launch import choose_device, launcher_env, run_local
