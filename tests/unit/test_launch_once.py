@@ -121,6 +121,17 @@ def test_init_from_env_refuses_cuda_without_gpu_before_joining(monkeypatch, fake
     assert fake_dist == []  # never joined the group
 
 
+def test_a_task_without_a_gpu_refuses_rank_0s_cuda_layout(monkeypatch):
+    from usp.run import check_task
+
+    fake_gpus(monkeypatch, 8)
+    run = resolve_run(fixed_cfg("auto"), 2, "cuda")  # rank 0 saw GPUs: the run is on cuda
+    fake_gpus(monkeypatch, 0)  # this task sees none; alone, auto would have chosen the CPU
+    with pytest.raises(ValueError, match="the run computes on cuda .* this task sees 0 CUDA"):
+        check_task(fixed_cfg("auto"), run)
+    check_task(fixed_cfg("auto"), resolve_run(fixed_cfg("auto"), 2, "cpu"))
+
+
 # ---- local spawn: what the launcher hands to its ranks --------------------------------------
 
 
