@@ -167,28 +167,29 @@ def run_training(cfg: RunConfig) -> None:
     that cannot fit the allocation is refused at once, alike on every task). Every rank
     builds its mesh, model and trainer from that one object.
     """
+    from functools import partial
+
     import torch
 
     from .launch import choose_device, launcher_env, run_local
-    from .run import resolve_run, use_scheduler_hosts
+    from .run import resolve_run, scheduler_hosts_notice
 
     info = launcher_env()
+    say = partial(print, flush=True)
     if info is None:
         nprocs = cfg.trainer.nprocs
-        _, device_type = choose_device(cfg.trainer.device, nprocs, torch.cuda.is_available(),
-                                       torch.cuda.device_count())
-        run = resolve_run(cfg, nprocs, device_type)  # refuse bad layouts/data before spawning
-        if run.plan_table:
-            print(run.plan_table, flush=True)
-        code = run_local(_local_worker, nprocs, cfg, run, device_type=device_type,
+        _, device = choose_device(cfg.trainer.device, nprocs, torch.cuda.is_available(),
+                                  torch.cuda.device_count())  # the run's device, decided once
+        run = resolve_run(cfg, nprocs, device, say=say)  # refuse bad layouts/data before spawning
+        code = run_local(_local_worker, nprocs, cfg, run, device_type=run.device,
                          max_restarts=cfg.trainer.max_restarts, timeout_s=cfg.trainer.timeout_s)
         if code:  # the ranks' own exit code, e.g. preempted after a forwarded SIGTERM
             _local_exit(cfg, code)
         return
-    if info["kind"] == "slurm":  # the scheduler's hosts are the topology, not a recipe's
-        notice = use_scheduler_hosts(cfg, info["placement"] or "from Slurm")
-        if notice and info["rank"] == 0:
-            print(f"usp: {notice}", flush=True)
+    slurm = info["kind"] == "slurm"  # the scheduler's hosts are the topology, not a recipe's
+    notice = scheduler_hosts_notice(cfg, info["placement"] or "from Slurm") if slurm else None
+    if notice and info["rank"] == 0:
+        print(f"usp: {notice}", flush=True)
     # before any process group: rank 0 resolves the layout for this allocation (degrees,
     # heads, sequence, data, kernel) and every other task checks its own config, data and
     # device against it; the verdicts meet in the rendezvous store, so one refusal is
@@ -197,22 +198,23 @@ def run_training(cfg: RunConfig) -> None:
     from .run import check_task
 
     # (resolve_run and check_task include the data checks: vocabulary, validation split)
+    said = []  # rank 0's planner table, said once every task agreed
+
     def decide():
-        _, device_type = choose_device(cfg.trainer.device, 1, torch.cuda.is_available(),
-                                       torch.cuda.device_count())
-        return resolve_run(cfg, info["world"], device_type), cfg.trainer.run_dir
+        _, device = choose_device(cfg.trainer.device, 1, torch.cuda.is_available(),
+                                  torch.cuda.device_count())  # the run's device, decided once
+        run = resolve_run(cfg, info["world"], device, scheduler_hosts=slurm, say=said.append)
+        return run, cfg.trainer.run_dir
 
     def check(decided):
         # every rank composed its own config; rank 0's run directory is the run's
         cfg.trainer.run_dir = decided[1]
-        choose_device(cfg.trainer.device, 1, torch.cuda.is_available(),
-                      torch.cuda.device_count())
-        check_task(cfg, decided[0])
+        check_task(cfg, decided[0])  # this task on rank 0's layout, its device included
 
     store = rendezvous_store(info, cfg.trainer.timeout_s)
     run, cfg.trainer.run_dir = decide_together(store, info, decide, check, cfg.trainer.timeout_s)
-    if info["rank"] == 0 and run.plan_table:
-        print(run.plan_table, flush=True)
+    for text in said:
+        say(text)
     _train_launched(cfg, info, run, store)
 
 
@@ -226,7 +228,7 @@ def _train_launched(cfg: RunConfig, info: dict, run, store) -> None:
     from .train.trainer import train
 
     # refuses a missing GPU before joining; trainer.timeout_s bounds every collective
-    init_from_env(info, cfg.trainer.device, timeout_s=cfg.trainer.timeout_s, store=store)
+    init_from_env(info, run.device, timeout_s=cfg.trainer.timeout_s, store=store)
     preempted, requeued = None, False
     try:
         train(cfg, run)
@@ -328,7 +330,7 @@ def _plan_main(dcfg) -> None:
 
 
 def _plan(cfg: PlanConfig) -> None:
-    from .run import plan_report
+    from .planner.report import plan_report
 
     text, drawing = plan_report(cfg)
     print(text)

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from usp.config import RunConfig
 from usp.launch import spawn_local
-from usp.models.export import MODEL_CONFIG, main
+from usp.models.export import main
+from usp.models.run_records import MODEL_CONFIG
 from usp.train.trainer import train
 
 from _export_runs import RUNS, TEXT, corpus, memmap, run_cfg
@@ -32,9 +33,10 @@ LAST = "checkpoints/step_000003"  # each run's one checkpoint
 
 
 def _reference(cfg: RunConfig) -> None:
-    """Rank 0 saves usp's logits [B, L, V] and summed loss on held-out batch 10**6: the
+    """Rank 0 saves usp's logits [B, L, V] and summed loss on held-out batch 0: the
     run's model built and sharded as the trainer does, loaded from its newest checkpoint."""
     from usp.data.dataset import build_dataset
+    from usp.data.indexing import held_out_batch
     from usp.layout import SequenceLayout
     from usp.run import resolve_run
     from usp.train.trainer import forward, loss_and_predictions
@@ -46,7 +48,7 @@ def _reference(cfg: RunConfig) -> None:
         model, opt, sched = checkpointed_model(cfg, run, mesh, layout)
         data = build_dataset(cfg.data, cfg.model)
         positions = layout.positions()
-        b = data.model_batch(10**6, 2, 0, 1, positions=positions)  # no step drew it
+        b = data.model_batch(held_out_batch(0), 2, 0, 1, positions=positions)  # no step drew it
         with torch.no_grad():
             model.eval()
             logits = layout.gather(forward(model, b, positions), dim=1)  # [B, L/P, V] -> [B, L, V]
@@ -54,7 +56,7 @@ def _reference(cfg: RunConfig) -> None:
         dist.all_reduce(loss, group=mesh.group("dp_sp"))  # sum over the sequence shards
         del model, opt, sched
     if dist.get_rank() == 0:
-        full = data.model_batch(10**6, 2, 0, 1, positions=torch.arange(seq_len))
+        full = data.model_batch(held_out_batch(0), 2, 0, 1, positions=torch.arange(seq_len))
         torch.save({"tokens": full.tokens, "labels": full.labels, "logits": logits,
                     "loss": loss}, Path(cfg.trainer.run_dir) / REFERENCE)
 

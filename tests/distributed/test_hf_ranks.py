@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
 
 import usp.models.hf
 from usp import SequenceLayout, SPMesh
-from usp.models.export import export_checkpoint, save_config
+from usp.models.export import export_checkpoint
+from usp.models.run_records import save_config
 from usp.launch import spawn_local
 from usp.models.checkpoint import save_checkpoint
 

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from usp.config import ModelConfig, RunConfig
-from usp.models.export import check_pretrained, export_checkpoint
+from usp.models.export import export_checkpoint
+from usp.models.hf_model import check_pretrained
 from usp.launch import spawn_local
 from usp.data.dataset import build_dataset
 from usp.run import resolve_run
@@ -34,6 +35,7 @@ def _logits_worker(cfg: RunConfig, exported: str, out: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from usp.layout import SequenceLayout
+    from usp.data.indexing import held_out_batch
     from usp.mesh import SPMesh
     from usp.train.trainer import forward
 
@@ -42,12 +44,12 @@ def _logits_worker(cfg: RunConfig, exported: str, out: str) -> None:
         model, opt, sched = checkpointed_model(cfg, resolve_run(cfg, 4, "cpu"), mesh, layout)
         data = build_dataset(cfg.data, cfg.model)
         positions = layout.positions()
-        b = data.model_batch(10**6, 2, 0, 1, positions=positions)
+        b = data.model_batch(held_out_batch(0), 2, 0, 1, positions=positions)
         with torch.no_grad():
             mine = layout.gather(forward(model.eval(), b, positions), dim=1)  # [B, L, V]
         del model, opt, sched
     if dist.get_rank() == 0:
-        full = data.model_batch(10**6, 2, 0, 1, positions=torch.arange(cfg.data.seq_len))
+        full = data.model_batch(held_out_batch(0), 2, 0, 1, positions=torch.arange(cfg.data.seq_len))
         ref = AutoModelForCausalLM.from_pretrained(exported, local_files_only=True).eval()
         with torch.no_grad():
             want = ref(input_ids=full.tokens).logits

@@ -15,7 +15,8 @@ from usp.config import (DATA_KINDS, ClusterSpec, LoggingConfig, ModelConfig, Opt
 from usp.planner import load_cluster
 from usp.config.model import EXECUTION_FIELDS
 from usp.data.dataset import check_vocab
-from usp.run import decide_degrees, plan_run, resolve_run
+from usp.planner.report import plan_run
+from usp.run import decide_degrees, resolve_run
 from usp.validate import check_degrees, check_seq_len
 from usp.ulysses import check_heads
 
@@ -64,7 +65,7 @@ def test_every_recipe_composes_and_is_feasible(recipe):
     world = cfg.cluster.nodes * cfg.cluster.ranks_per_node
     if recipe == "tiny_cpu":
         world = cfg.trainer.nprocs
-        run = resolve_run(cfg, world)
+        run = resolve_run(cfg, world, "cpu")
         assert (run.ulysses, run.ring) == (2, 2)
         return
     u, r = cfg.parallel.ulysses_degree, cfg.parallel.ring_degree
@@ -221,7 +222,7 @@ def test_a_blend_on_the_command_line():
 
 
 def test_usp_plan_speaks_of_the_global_batch_and_fits_it_in_memory():
-    from usp.run import plan_report
+    from usp.planner.report import plan_report
 
     big = ["model=llama3_8b", "cluster=h100_ib", "nodes=4", "data.seq_len=8192"]
     text, _ = plan_report(_compose("plan", overrides=[*big, "trainer.global_batch_tokens=2097152"]))

@@ -11,7 +11,8 @@ import torch
 
 from usp.data import MemmapTokens, TokenWriter
 from usp.data.order import WindowOrder, permute
-from usp.run import RunLayout, grad_accum_steps
+from usp.planner.batch import grad_accum_steps
+from usp.run import RunLayout
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 1000, 4097])
@@ -70,7 +71,7 @@ def _layout(**kw) -> RunLayout:
 
 
 def test_micro_batches_split_the_step_and_equal_the_plain_rule():
-    from usp.data.indexing import sample_indices
+    from usp.data.indexing import step_indices
 
     one = _layout(batch_per_dp_rank=4)
     two = _layout(batch_per_dp_rank=2, grad_accum=2)
@@ -78,9 +79,17 @@ def test_micro_batches_split_the_step_and_equal_the_plain_rule():
     assert one.tokens_per_step == two.tokens_per_step == 8 * 128
     per_step = {r: list(one.samples(16, 0, r)) for r in (0, 1)}
     assert per_step == {0: [16, 17, 18, 19], 1: [20, 21, 22, 23]}
-    assert list(one.samples(16, 0, 1)) == list(sample_indices(2, 4, 1, 2))  # K=1: as before
+    assert list(one.samples(16, 0, 1)) == list(step_indices(2, 4, 1, 2))  # K=1: batch number 2
     split = sorted(i for k in (0, 1) for r in (0, 1) for i in two.samples(16, k, r))
     assert split == list(range(16, 24))  # the same step's samples, in micro-batches
+
+
+def test_one_rule_for_sample_ids_and_a_named_held_out_range():
+    from usp.data.indexing import HELD_OUT_BATCH, held_out_batch, sample_indices, step_indices
+
+    assert list(sample_indices(100, 3, 1)) == [103, 104, 105]  # dp rank 1's share
+    assert list(step_indices(2, 3, 1, 2)) == list(sample_indices(12, 3, 1))  # batch 2 of 6
+    assert held_out_batch(0) == HELD_OUT_BATCH == 10**6 and held_out_batch(3) == 10**6 + 3
 
 
 def test_global_batch_tokens_sets_accumulation_or_is_refused():

@@ -9,7 +9,8 @@ from dataclasses import asdict
 
 import pytest
 
-from usp.models.export import MODEL_CONFIG, TOKENIZER_DIR, load_model_config, main
+from usp.models.export import main
+from usp.models.run_records import MODEL_CONFIG, TOKENIZER_DIR, load_model_config
 from usp.train.trainer import record_for_export
 
 from _export_runs import MODEL, TEXT, corpus, memmap, run_cfg

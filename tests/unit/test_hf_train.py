@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 import usp.cli as cli
 from usp.config import ModelConfig
 from usp.data.synthetic import RecallTask
-from usp.models.export import build_model, hf_config
+from usp.models.hf_model import build_model, hf_config
 from usp.data.dataset import build_dataset
 from usp.run import resolve_run
 
@@ -58,7 +58,7 @@ def test_model_config_refuses_what_transformers_cannot_build(kw, needle):
 def test_preflight_refuses_a_missing_pretrained_directory(tmp_path):
     cfg = small_cfg(tmp_path / "run", model=ModelConfig(hf="llama", pretrained=str(tmp_path)))
     with pytest.raises(ValueError, match="no config.json there"):
-        resolve_run(cfg, 4)
+        resolve_run(cfg, 4, "cpu")
 
 
 def _compose(name: str, overrides: list[str]):

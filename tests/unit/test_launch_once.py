@@ -3,7 +3,7 @@ run's layout (``usp.run.RunLayout``) on rank 0 (torchrun/Slurm) or in the parent
 spawned ranks, with one call of the resolver per launch.
 
 NCCL cannot start here, so CUDA is faked in the launching process and what the launcher
-hands to its workers is captured (``usp.launch._run_once``) and replayed
+hands to its workers is captured (``usp.launch.local._run_once``) and replayed
 in-process with recording fakes for ``set_device`` and ``init_process_group``.
 The command refusing CUDA without a GPU: ``e2e/test_launch_once_commands.py``; ranks that
 take rank 0's degrees: ``distributed/test_launch_once_ranks.py``.
@@ -93,7 +93,7 @@ def test_slurm_task_with_one_visible_gpu_uses_cuda0(monkeypatch, fake_dist):
     fake_gpus(monkeypatch, 1)  # srun --gpus-per-task=1: CUDA_VISIBLE_DEVICES holds one GPU
     info = launcher_env({"SLURM_PROCID": "11", "SLURM_NTASKS": "16", "SLURM_LOCALID": "3",
                          "SLURM_JOB_NODELIST": "h100-[07-08]"})
-    assert init_from_env(info, "auto", store=dist.HashStore()) == torch.device("cuda", 0)
+    assert init_from_env(info, "cuda", store=dist.HashStore()) == torch.device("cuda", 0)
     assert fake_dist == [("set_device", 0), ("init", "nccl", 11)]
 
 
@@ -104,21 +104,32 @@ def test_torchrun_rank_drives_its_local_gpu(monkeypatch, fake_dist):
     assert fake_dist == [("set_device", 5), ("init", "nccl", 13)]
 
 
-def test_init_from_env_cpu_and_auto_without_gpu(monkeypatch, fake_dist):
-    fake_gpus(monkeypatch, 0)
+def test_init_from_env_joins_on_the_decided_device_only(monkeypatch, fake_dist):
+    fake_gpus(monkeypatch, 8)  # GPUs visible, but the run was decided onto the CPU
     info = launcher_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"})
-    assert init_from_env(info, "auto", store=dist.HashStore()) == torch.device("cpu")
-    fake_gpus(monkeypatch, 8)
     assert init_from_env(info, "cpu", store=dist.HashStore()) == torch.device("cpu")
-    assert fake_dist == [("init", "gloo", 1), ("init", "gloo", 1)]
+    assert fake_dist == [("init", "gloo", 1)]
+    with pytest.raises(ValueError, match="device_type must be one of cpu, cuda, got 'auto'"):
+        init_from_env(info, "auto", store=dist.HashStore())  # a setting, not a decision
 
 
 def test_init_from_env_refuses_cuda_without_gpu_before_joining(monkeypatch, fake_dist):
     fake_gpus(monkeypatch, 0)
     info = launcher_env({"RANK": "0", "WORLD_SIZE": "2"})
-    with pytest.raises(ValueError, match="trainer.device=cuda but this process sees 0 CUDA GPUs"):
+    with pytest.raises(ValueError, match="local rank 0 needs a GPU but 0 are visible"):
         init_from_env(info, "cuda", store=dist.HashStore())
     assert fake_dist == []  # never joined the group
+
+
+def test_a_task_without_a_gpu_refuses_rank_0s_cuda_layout(monkeypatch):
+    from usp.run import check_task
+
+    fake_gpus(monkeypatch, 8)
+    run = resolve_run(fixed_cfg("auto"), 2, "cuda")  # rank 0 saw GPUs: the run is on cuda
+    fake_gpus(monkeypatch, 0)  # this task sees none; alone, auto would have chosen the CPU
+    with pytest.raises(ValueError, match="the run computes on cuda .* this task sees 0 CUDA"):
+        check_task(fixed_cfg("auto"), run)
+    check_task(fixed_cfg("auto"), resolve_run(fixed_cfg("auto"), 2, "cpu"))
 
 
 # ---- local spawn: what the launcher hands to its ranks --------------------------------------
@@ -135,7 +146,7 @@ def local_launch(monkeypatch, fake_dist):
     for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID"):
         monkeypatch.delenv(k, raising=False)
     spawned = []
-    import usp.launch as launcher
+    import usp.launch.local as launcher
 
     def run_once(worker_args, nprocs, grace_s):  # what run_local would start, not started
         spawned.append((launcher._worker, worker_args, nprocs))

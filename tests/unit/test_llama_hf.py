@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from usp.attention import local_attention
-from usp.models.export import hf_config
+from usp.models.hf_model import hf_config
 from usp.models.llama import Transformer
 from usp.models.llama_hf import hf_equivalent, hf_names, zero_filled
 

@@ -130,7 +130,7 @@ def test_usp_plan_prints_the_split_and_the_recipe_gains():
     for term in ("state", "activations", "attention", "mlp", "logits", "total"):
         assert f"{term} " in text.split("memory per rank")[1]
     chunked = int(text.split("longest seq_len that fits this layout: ")[1].split()[0])
-    from usp.run import plan_run
+    from usp.planner.report import plan_run
 
     spec = cfg.cluster
     whole = plan_run(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, loss_chunk=0)),
@@ -143,7 +143,7 @@ def test_usp_plan_prints_the_split_and_the_recipe_gains():
 
 @pytest.mark.parametrize("dp", [None, 2])
 def test_planner_batch_is_per_dp_rank_like_the_trainer(dp):
-    from usp.run import plan_run
+    from usp.planner.report import plan_run
 
     cfg = _compose(["model=llama3_8b", "cluster=h100_ib", "nodes=4", "data.seq_len=131072",
                     "data.batch_per_dp_rank=3", "model.loss_chunk=4096",

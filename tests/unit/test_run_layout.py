@@ -15,7 +15,8 @@ from usp.planner.cost import best_a2a_chunks
 from usp.run import RunLayout, resolve_run
 
 PACKAGE = Path(__file__).resolve().parents[2] / "usp"
-OWNERS = ("run.py", "config")  # the resolver, and the dataclasses that define the fields
+# the resolver, the dataclasses that define the fields, and the planner's ranking of a config
+OWNERS = ("run", "config", "planner/report.py")
 DEGREES = {"ulysses_degree", "ring_degree", "dp_degree"}
 
 
@@ -29,10 +30,10 @@ def test_only_the_resolver_reads_the_parallel_config():
     found = []
     for path in PACKAGE.rglob("*.py"):
         rel = path.relative_to(PACKAGE)
-        if rel.parts[0] in OWNERS:
+        if rel.parts[0] in OWNERS or rel.as_posix() in OWNERS:
             continue
         found += [f"usp/{rel} {hit}" for hit in config_reads(path.read_text())]
-    assert not found, "decided again outside usp/run.py:\n" + "\n".join(found)
+    assert not found, "decided again outside usp/run/:\n" + "\n".join(found)
 
 
 def test_the_read_check_can_fail():
@@ -87,6 +88,34 @@ def test_auto_chunks_are_one_inside_a_node_and_the_planners_count_across():
     # a local launch that names no nodes: its processes share one host, as the mesh finds
     assert torchrun.cluster.ranks_per_node < 4  # the config's cluster alone would split them
     assert resolve_run(torchrun, 4, "cpu", env={}).a2a_chunks == 1
+
+
+def test_resolve_checks_the_heads_once_and_says_the_planners_table_once(monkeypatch):
+    import usp.run.preflight as preflight
+    from _auto_layout import RANK_ENVS, auto_cfg
+
+    calls = []
+    real = preflight.check_heads
+    monkeypatch.setattr(preflight, "check_heads", lambda *a: calls.append(a) or real(*a))
+    said = []
+    run = resolve_run(auto_cfg(), 2, "cpu", env=RANK_ENVS[0], say=said.append)
+    assert calls == [(8, 8, run.ulysses)]  # the chosen degree, checked once
+    assert len(said) == 1 and "plan: world 2" in said[0]
+    assert "plan_table" not in {f.name for f in dataclasses.fields(RunLayout)}  # data only
+    resolve_run(_cfg(), 8, "cpu", say=said.append)
+    assert len(said) == 1  # fixed degrees: the planner was not asked, nothing said
+
+
+def test_the_inputs_are_checked_before_anything_is_decided(monkeypatch, tmp_path):
+    import usp.run.decide as decide
+    from _auto_layout import auto_cfg
+
+    monkeypatch.setattr(decide, "detect_topology", lambda *a, **k: pytest.fail("detected"))
+    cfg = auto_cfg()
+    cfg.trainer.run_dir = str(tmp_path / "file" / "run")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="cannot be a directory"):
+        resolve_run(cfg, 2, "cpu", env={})  # refused before the topology is detected
 
 
 @pytest.mark.parametrize("rank,printed", [(0, True), (1, False)])

@@ -87,15 +87,18 @@ def test_no_requeue_when_slurm_ends_the_job_or_refuses(fake, env, why):
 
 def test_scheduler_hosts_replace_a_recipes_simulated_nodes():
     from usp.config import RunConfig
-    from usp.run import use_scheduler_hosts
+    from usp.run import resolve_run, scheduler_hosts_notice
 
     cfg = RunConfig()
     cfg.parallel.ranks_per_node = 2  # tiny_cpu's simulated nodes
-    line = use_scheduler_hosts(cfg, "2 nodes x 2 tasks")
-    assert cfg.parallel.ranks_per_node is None
+    line = scheduler_hosts_notice(cfg, "2 nodes x 2 tasks")
     assert line == ("parallel.ranks_per_node=2 ignored under Slurm: the mesh uses the job's "
                     "hosts (2 nodes x 2 tasks)")
-    assert use_scheduler_hosts(cfg, "2 nodes x 2 tasks") is None  # nothing set: nothing said
+    assert resolve_run(cfg, 4, "cpu", env={}, scheduler_hosts=True).ranks_per_node is None
+    assert resolve_run(cfg, 4, "cpu", env={}).ranks_per_node == 2
+    assert cfg.parallel.ranks_per_node == 2  # the config is not rewritten
+    cfg.parallel.ranks_per_node = None
+    assert scheduler_hosts_notice(cfg, "2 nodes x 2 tasks") is None  # nothing set: nothing said
 
 
 # ---- usp-train's last line in a launched task (usp.cli._refuse) ------------------------------

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..config import DataConfig, MemmapData, ModelConfig, RecallData
 from .files import PREPARE_HINT, data_paths, read_meta
-from .indexing import sample_indices
+from .indexing import step_indices
 from .packing import Batch
 
 
@@ -36,8 +36,8 @@ class TrainingData:
         return self.source.batch(step, batch_per_dp_rank, dp_rank, dp_size, positions=positions)
 
     def model_batch(self, step, batch_per_dp_rank, dp_rank, dp_size, positions) -> Batch:
-        """This rank's ``Batch`` [B, L/P] at ``step`` (``sample_indices``); see ``model_rows``."""
-        return self.model_rows(sample_indices(step, batch_per_dp_rank, dp_rank, dp_size),
+        """This rank's ``Batch`` [B, L/P] at ``step`` (``step_indices``); see ``model_rows``."""
+        return self.model_rows(step_indices(step, batch_per_dp_rank, dp_rank, dp_size),
                                positions)
 
     def model_rows(self, samples, positions) -> Batch:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .files import DOC_DTYPE, DTYPES, PREPARE_HINT, data_paths, docs_path, read_meta
-from .indexing import sample_indices
+from .indexing import step_indices
 from .order import WindowOrder
 from .packing import Batch, ignore_crossing
 
@@ -117,15 +117,15 @@ class MemmapTokens:
         """(tokens, labels) long, each [B, L] or, with ``positions`` [n], [B, n].
 
         Sample i of this rank is global sample
-        ``(step * dp_size + dp_rank) * batch_per_dp_rank + i`` (``sample_indices``); see
+        ``(step * dp_size + dp_rank) * batch_per_dp_rank + i`` (``step_indices``); see
         ``rows``."""
-        b = self.rows(sample_indices(step, batch_per_dp_rank, dp_rank, dp_size), positions)
+        b = self.rows(step_indices(step, batch_per_dp_rank, dp_rank, dp_size), positions)
         return b.tokens, b.labels
 
     def packed_batch(self, step: int, batch_per_dp_rank: int, dp_rank: int = 0,
                      dp_size: int = 1, positions: torch.Tensor | None = None) -> Batch:
         """``batch``'s windows with document ids; see ``rows(packed=True)``."""
-        return self.rows(sample_indices(step, batch_per_dp_rank, dp_rank, dp_size), positions,
+        return self.rows(step_indices(step, batch_per_dp_rank, dp_rank, dp_size), positions,
                          packed=True)
 
     def rows(self, samples, positions: torch.Tensor | None = None,

@@ -47,7 +47,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .indexing import sample_indices
+from .indexing import step_indices
 from .packing import IGNORE_INDEX, Batch, packed_rows
 
 BOS, SEP = 0, 1
@@ -200,7 +200,7 @@ class RecallTask:
                      dp_size: int = 1, positions: torch.Tensor | None = None) -> Batch:
         """This rank's ``Batch`` with document ids and per-document positions, [B, L] (or
         [B, len(positions)]); the samples are ``batch``'s."""
-        return self.rows(sample_indices(step, batch_per_dp_rank, dp_rank, dp_size), positions,
+        return self.rows(step_indices(step, batch_per_dp_rank, dp_rank, dp_size), positions,
                          packed=True)
 
     def batch(
@@ -214,14 +214,14 @@ class RecallTask:
         """(tokens, labels), each [B, L] long (or [B, len(positions)] with ``positions``).
 
         Sample ``i`` of this rank is global sample
-        ``(step * dp_size + dp_rank) * batch_per_dp_rank + i`` (``sample_indices``), drawn
+        ``(step * dp_size + dp_rank) * batch_per_dp_rank + i`` (``step_indices``), drawn
         from (seed, that index): the global batch is the same for any dp split of it, and
         independent of the SP layout.
         ``labels[t]`` is the target for the prediction made at token t (already shifted
         on the global sequence), -100 except at query tokens. ``positions`` (global ids,
         e.g. ``layout.positions()``) selects this rank's columns.
         """
-        b = self.rows(sample_indices(step, batch_per_dp_rank, dp_rank, dp_size), positions)
+        b = self.rows(step_indices(step, batch_per_dp_rank, dp_rank, dp_size), positions)
         return b.tokens, b.labels
 
     def rows(self, samples, positions: torch.Tensor | None = None,

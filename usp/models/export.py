@@ -1,14 +1,12 @@
-"""Hugging Face model files for usp runs: the transformers config and model of a
-``ModelConfig`` (``model.hf``), what a run records for export, and a usp checkpoint -> a
-directory ``from_pretrained`` loads (``usp-export``).
+"""``usp-export``: a usp checkpoint -> a directory transformers' ``from_pretrained`` loads.
 
 A training run writes its checkpoints as ``usp.models.checkpoint`` does:
 ``run_dir/checkpoints/step_K/`` holds the DCP shards of ``{"model": ..., "optim": ...}``
 (parameter names as ``model.state_dict()`` has them) and a manifest. At its start, rank 0
 records ``run_dir/model_config.json`` (the ``model`` group: built-in or transformers), for
-a transformers model its config in ``run_dir/hf_config/`` (``save_config``), and the data's
-tokenizer in ``run_dir/tokenizer/`` when it has one. ``export_checkpoint`` verifies the
-checkpoint, builds the transformers model (the built-in Llama through
+a transformers model its config in ``run_dir/hf_config/``, and the data's tokenizer in
+``run_dir/tokenizer/`` when it has one (``usp.models.run_records``). ``export_checkpoint``
+verifies the checkpoint, builds the transformers model (the built-in Llama through
 ``usp.models.llama_hf``), loads the ``model`` entries (not the optimizer) in one process and
 writes safetensors with ``save_pretrained``, the tokenizer beside them.
 """
@@ -17,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
-import json
 import os
 import shutil
 import sys
 import tempfile
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,137 +29,12 @@ import torch.distributed.checkpoint as dcp
 
 from ..config import ModelConfig
 from .checkpoint import step_dirs, verify_checkpoint
+from .hf_model import hf_config
 from .llama_hf import hf_equivalent, hf_names, zero_filled
-
-HF_CONFIG_DIR = "hf_config"  # under the run directory: a transformers model's config
-MODEL_CONFIG = "model_config.json"  # under the run directory: the model group's fields
-TOKENIZER_DIR = "tokenizer"  # under the run directory: the data's tokenizer, when it has one
-_CONFIG_CLASS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig"}
-# transformers config key -> the ModelConfig field it comes from (for mismatch messages)
-_FIELD = {"vocab_size": "vocab_size", "hidden_size": "dim", "num_hidden_layers": "n_layers",
-          "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
-          "intermediate_size": "ffn_dim", "rms_norm_eps": "norm_eps",
-          "tie_word_embeddings": "tie_embeddings", "sliding_window": "sliding_window",
-          "layer_types": "full_attention_every"}
-
-
-def hf_config(mc: ModelConfig):
-    """The transformers config (``LlamaConfig`` / ``Qwen2Config`` / ``MistralConfig`` for
-    ``mc.hf``) of ``mc``'s shape: no KV cache, no attention dropout. Windows: qwen2 marks
-    each layer in ``layer_types`` (``mc.layer_window``); mistral windows every layer."""
-    import transformers
-
-    if mc.hf not in _CONFIG_CLASS:
-        raise ValueError(f"model.hf={mc.hf!r} is not one of {', '.join(_CONFIG_CLASS)}")
-    kw = dict(vocab_size=mc.vocab_size, hidden_size=mc.dim, intermediate_size=mc.ffn_dim,
-              num_hidden_layers=mc.n_layers, num_attention_heads=mc.n_heads,
-              num_key_value_heads=mc.n_kv_heads, rms_norm_eps=mc.norm_eps,
-              tie_word_embeddings=mc.tie_embeddings, use_cache=False, attention_dropout=0.0,
-              rope_parameters={"rope_type": "default", "rope_theta": mc.rope_theta})
-    if mc.hf == "qwen2":
-        kw.update(use_sliding_window=mc.sliding_window is not None,
-                  sliding_window=mc.sliding_window,
-                  layer_types=["full_attention" if mc.layer_window(i) is None
-                               else "sliding_attention" for i in range(mc.n_layers)])
-    elif mc.hf == "mistral":
-        kw.update(sliding_window=mc.sliding_window)
-    return getattr(transformers, _CONFIG_CLASS[mc.hf])(**kw)
-
-
-def check_pretrained(mc: ModelConfig) -> None:
-    """Refuse ``mc.pretrained`` (ValueError) unless it is a local model directory of
-    architecture ``mc.hf`` and exactly ``mc``'s shape."""
-    from transformers import AutoConfig
-
-    path = Path(mc.pretrained)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model.pretrained={path}: no config.json there; give a directory "
-                         "written by save_pretrained (local files only, no hub names)")
-    have = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    if have.model_type != mc.hf:
-        raise ValueError(f"model.pretrained={path} is a {have.model_type} model but "
-                         f"model.hf={mc.hf}; set model.hf={have.model_type}")
-    want = hf_config(mc)
-    diff = [f"{key}: {getattr(have, key, None)} there, {getattr(want, key, None)} from "
-            f"model.{field}" for key, field in _FIELD.items()
-            if getattr(have, key, None) != getattr(want, key, None)]
-    theta = (have.rope_parameters or {}).get("rope_theta")
-    if theta != mc.rope_theta:
-        diff.append(f"rope_theta: {theta} there, {mc.rope_theta} from model.rope_theta")
-    if diff:
-        raise ValueError(f"model.pretrained={path} differs from the model config: "
-                         f"{'; '.join(diff)}; set the model options to the directory's shape")
-
-
-def build_model(mc: ModelConfig, seed: int):
-    """The transformers causal LM of ``mc`` in fp32, in training mode, without KV cache:
-    ``mc.pretrained``'s weights, or a fresh init that depends only on ``seed`` (the global
-    RNG is left as it was)."""
-    from transformers import AutoModelForCausalLM
-
-    if mc.pretrained is not None:
-        check_pretrained(mc)
-        model = AutoModelForCausalLM.from_pretrained(mc.pretrained, local_files_only=True,
-                                                     dtype=torch.float32)
-    else:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(hf_config(mc), dtype=torch.float32)
-    model.config.use_cache = False
-    return model.train()
-
-
-# ---- what a run records for export (rank 0, at the start of the run) ----------------------
-
-def save_config(config, run_dir: str | Path) -> Path:
-    """Write an HF ``config`` where ``export_checkpoint`` looks for it: ``run_dir/hf_config``."""
-    out = Path(run_dir) / HF_CONFIG_DIR
-    config.save_pretrained(out)
-    return out
-
-
-def save_model_config(mc: ModelConfig, run_dir: str | Path) -> Path:
-    """Write ``mc``'s fields to ``run_dir/model_config.json`` (atomically): which model the
-    run trains, the built-in one (``hf: null``) or a transformers one."""
-    out = Path(run_dir) / MODEL_CONFIG
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(asdict(mc), indent=1) + "\n")
-    tmp.replace(out)
-    return out
-
-
-def load_model_config(run_dir: str | Path) -> ModelConfig | None:
-    """The ``ModelConfig`` in ``run_dir/model_config.json``; None when the file is absent,
-    ValueError when it is not one this usp can build."""
-    path = Path(run_dir) / MODEL_CONFIG
-    if not path.is_file():
-        return None
-    try:
-        fields = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path} is unreadable ({e}); restore it from the run's config") from None
-    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(ModelConfig)})
-    if unknown:
-        raise ValueError(f"{path} has model fields this usp does not know ({', '.join(unknown)})"
-                         ": they may change what the model computes; export with the usp "
-                         "version that trained the run")
-    try:
-        return ModelConfig(**fields)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{path} is not a valid model config: {e}") from None
-
-
-def save_tokenizer(src: str | Path, run_dir: str | Path) -> Path:
-    """Copy the tokenizer directory ``src`` (``AutoTokenizer.from_pretrained`` loads it) to
-    ``run_dir/tokenizer``, replacing an earlier copy only once the new one is complete."""
-    out = Path(run_dir) / TOKENIZER_DIR
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out
+from .run_records import HF_CONFIG_DIR, MODEL_CONFIG, TOKENIZER_DIR, load_model_config
+# re-exported for usp.train.trainer until it imports them from their own modules
+from .hf_model import build_model  # noqa: F401
+from .run_records import save_config, save_model_config, save_tokenizer  # noqa: F401
 
 
 def resolve_checkpoint(path: str | Path, log=lambda line: None) -> Path:

@@ -40,7 +40,7 @@ _ZERO_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_p
 def hf_equivalent(mc: ModelConfig) -> ModelConfig:
     """``mc`` (a built-in model, ``hf=None``) as the ``model.hf`` config of the transformers
     architecture that computes the same function: ``llama`` (no windowed layer),
-    ``mistral`` (every layer windowed) or ``qwen2`` (some). ``usp.models.export.hf_config``
+    ``mistral`` (every layer windowed) or ``qwen2`` (some). ``usp.models.hf_model.hf_config``
     turns it into the transformers config."""
     if mc.hf is not None:
         raise ValueError(f"model.hf={mc.hf} is a transformers model already; it exports with "

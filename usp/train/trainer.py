@@ -225,9 +225,7 @@ def train(cfg: RunConfig, run: RunLayout | None = None, fault_hook: FaultHook | 
         else torch.device("cpu")
     tc = cfg.trainer
     if run is None:
-        run = resolve_run_group(cfg, device.type)
-        if rank == 0 and run.plan_table:
-            print(run.plan_table, flush=True)
+        run = resolve_run_group(cfg, device.type)  # rank 0 prints the planner's table
     if run.world != world:
         raise ValueError(f"the run was laid out for {run.world} ranks but this group has "
                          f"{world}; resolve it for this launch (usp.run.resolve_run)")

@@ -1,0 +1,84 @@
+"""A transformers model for training (``model.hf``): its config from a ``ModelConfig``, the
+check of a ``model.pretrained`` directory, and the model built from one or the other."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig
+
+_CONFIG_CLASS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig"}
+# transformers config key -> the ModelConfig field it comes from (for mismatch messages)
+_FIELD = {"vocab_size": "vocab_size", "hidden_size": "dim", "num_hidden_layers": "n_layers",
+          "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
+          "intermediate_size": "ffn_dim", "rms_norm_eps": "norm_eps",
+          "tie_word_embeddings": "tie_embeddings", "sliding_window": "sliding_window",
+          "layer_types": "full_attention_every"}
+
+
+def hf_config(mc: ModelConfig):
+    """The transformers config (``LlamaConfig`` / ``Qwen2Config`` / ``MistralConfig`` for
+    ``mc.hf``) of ``mc``'s shape: no KV cache, no attention dropout. Windows: qwen2 marks
+    each layer in ``layer_types`` (``mc.layer_window``); mistral windows every layer."""
+    import transformers
+
+    if mc.hf not in _CONFIG_CLASS:
+        raise ValueError(f"model.hf={mc.hf!r} is not one of {', '.join(_CONFIG_CLASS)}")
+    kw = dict(vocab_size=mc.vocab_size, hidden_size=mc.dim, intermediate_size=mc.ffn_dim,
+              num_hidden_layers=mc.n_layers, num_attention_heads=mc.n_heads,
+              num_key_value_heads=mc.n_kv_heads, rms_norm_eps=mc.norm_eps,
+              tie_word_embeddings=mc.tie_embeddings, use_cache=False, attention_dropout=0.0,
+              rope_parameters={"rope_type": "default", "rope_theta": mc.rope_theta})
+    if mc.hf == "qwen2":
+        kw.update(use_sliding_window=mc.sliding_window is not None,
+                  sliding_window=mc.sliding_window,
+                  layer_types=["full_attention" if mc.layer_window(i) is None
+                               else "sliding_attention" for i in range(mc.n_layers)])
+    elif mc.hf == "mistral":
+        kw.update(sliding_window=mc.sliding_window)
+    return getattr(transformers, _CONFIG_CLASS[mc.hf])(**kw)
+
+
+def check_pretrained(mc: ModelConfig) -> None:
+    """Refuse ``mc.pretrained`` (ValueError) unless it is a local model directory of
+    architecture ``mc.hf`` and exactly ``mc``'s shape."""
+    from transformers import AutoConfig
+
+    path = Path(mc.pretrained)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model.pretrained={path}: no config.json there; give a directory "
+                         "written by save_pretrained (local files only, no hub names)")
+    have = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    if have.model_type != mc.hf:
+        raise ValueError(f"model.pretrained={path} is a {have.model_type} model but "
+                         f"model.hf={mc.hf}; set model.hf={have.model_type}")
+    want = hf_config(mc)
+    diff = [f"{key}: {getattr(have, key, None)} there, {getattr(want, key, None)} from "
+            f"model.{field}" for key, field in _FIELD.items()
+            if getattr(have, key, None) != getattr(want, key, None)]
+    theta = (have.rope_parameters or {}).get("rope_theta")
+    if theta != mc.rope_theta:
+        diff.append(f"rope_theta: {theta} there, {mc.rope_theta} from model.rope_theta")
+    if diff:
+        raise ValueError(f"model.pretrained={path} differs from the model config: "
+                         f"{'; '.join(diff)}; set the model options to the directory's shape")
+
+
+def build_model(mc: ModelConfig, seed: int):
+    """The transformers causal LM of ``mc`` in fp32, in training mode, without KV cache:
+    ``mc.pretrained``'s weights, or a fresh init that depends only on ``seed`` (the global
+    RNG is left as it was)."""
+    from transformers import AutoModelForCausalLM
+
+    if mc.pretrained is not None:
+        check_pretrained(mc)
+        model = AutoModelForCausalLM.from_pretrained(mc.pretrained, local_files_only=True,
+                                                     dtype=torch.float32)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(hf_config(mc), dtype=torch.float32)
+    model.config.use_cache = False
+    return model.train()

@@ -1,0 +1,67 @@
+"""What a run records for export (rank 0, at the start of the run): the model group's fields
+(``model_config.json``), a transformers model's config (``hf_config/``) and the data's
+tokenizer (``tokenizer/``), all under the run directory; and reading the model config back."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+from ..config import ModelConfig
+
+HF_CONFIG_DIR = "hf_config"  # under the run directory: a transformers model's config
+MODEL_CONFIG = "model_config.json"  # under the run directory: the model group's fields
+TOKENIZER_DIR = "tokenizer"  # under the run directory: the data's tokenizer, when it has one
+
+def save_config(config, run_dir: str | Path) -> Path:
+    """Write an HF ``config`` where ``export_checkpoint`` looks for it: ``run_dir/hf_config``."""
+    out = Path(run_dir) / HF_CONFIG_DIR
+    config.save_pretrained(out)
+    return out
+
+
+def save_model_config(mc: ModelConfig, run_dir: str | Path) -> Path:
+    """Write ``mc``'s fields to ``run_dir/model_config.json`` (atomically): which model the
+    run trains, the built-in one (``hf: null``) or a transformers one."""
+    out = Path(run_dir) / MODEL_CONFIG
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(asdict(mc), indent=1) + "\n")
+    tmp.replace(out)
+    return out
+
+
+def load_model_config(run_dir: str | Path) -> ModelConfig | None:
+    """The ``ModelConfig`` in ``run_dir/model_config.json``; None when the file is absent,
+    ValueError when it is not one this usp can build."""
+    path = Path(run_dir) / MODEL_CONFIG
+    if not path.is_file():
+        return None
+    try:
+        fields = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is unreadable ({e}); restore it from the run's config") from None
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(ModelConfig)})
+    if unknown:
+        raise ValueError(f"{path} has model fields this usp does not know ({', '.join(unknown)})"
+                         ": they may change what the model computes; export with the usp "
+                         "version that trained the run")
+    try:
+        return ModelConfig(**fields)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path} is not a valid model config: {e}") from None
+
+
+def save_tokenizer(src: str | Path, run_dir: str | Path) -> Path:
+    """Copy the tokenizer directory ``src`` (``AutoTokenizer.from_pretrained`` loads it) to
+    ``run_dir/tokenizer``, replacing an earlier copy only once the new one is complete."""
+    out = Path(run_dir) / TOKENIZER_DIR
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out

@@ -1,0 +1,83 @@
+"""The planner's ranking for a run's config, and ``usp-plan``'s report of it as text."""
+
+from __future__ import annotations
+
+from ..config import PlanConfig, RunConfig
+from .batch import grad_accum_steps
+from .detect import DetectReport
+from .draw import draw_mesh
+from .memory import CheckpointPolicy, size
+from .plan import Plan, plan
+
+
+def config_degree(value, name: str) -> int | None:
+    """An int degree, or None for ``auto`` / unset."""
+    if value is None or value == "auto":
+        return None
+    try:
+        v = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"parallel.{name} must be an integer or 'auto', got {value!r}") from None
+    if v < 1:
+        raise ValueError(f"parallel.{name} must be >= 1, got {v}")
+    return v
+
+
+def plan_run(cfg: RunConfig | PlanConfig, spec, world: int) -> Plan:
+    """The planner's ranking (``usp.planner.Plan``) of the layouts of ``world`` ranks on
+    ``spec`` for this run: its model, sequence, balance, placement, fixed degrees,
+    ``trainer.dtype``, checkpoint policy and kernel. Every dp the planner considers runs
+    ``batch_per_dp_rank`` sequences per dp rank, as the trainer does."""
+    pc = cfg.parallel
+    return plan(cfg.model, spec, cfg.data.seq_len, world=world, balance=pc.balance,
+                ulysses=config_degree(pc.ulysses_degree, "ulysses_degree"),
+                ring=config_degree(pc.ring_degree, "ring_degree"),
+                dp=config_degree(pc.dp_degree, "dp_degree"),
+                batch_per_dp_rank=cfg.data.batch_per_dp_rank, placement=pc.placement,
+                dtype_bytes=cfg.trainer.compute_dtype.itemsize, a2a_chunks=pc.a2a_chunks,
+                checkpoint=CheckpointPolicy.from_trainer(cfg.trainer), kernel=pc.kernel,
+                device="cpu" if cfg.trainer.device == "cpu" else "cuda")
+
+
+def plan_table(detected: DetectReport, p: Plan) -> str:
+    """The planner's choice for an ``auto`` degree as usp-train prints it before training:
+    the topology it detected, then its ranking (the refused layouts left out)."""
+    return f"{detected.line()}\n{p.format_table(show_dropped=False)}"
+
+
+def plan_report(cfg: PlanConfig) -> tuple[str, str]:
+    """usp-plan's answer: (the ranking, the memory split and the chosen mesh as text, the
+    mesh drawing's object for an optional PNG)."""
+    spec = cfg.cluster if cfg.nodes is None else cfg.cluster.replace(nodes=cfg.nodes)
+    p = plan_run(cfg, spec, spec.world)
+    best = p.best
+    drawing = draw_mesh(best.dp, best.ring, best.ulysses, spec.ranks_per_node,
+                        cfg.parallel.placement)
+    text = "\n".join([p.format_table(),
+                      f"choice: dp {best.dp} x ring {best.ring} x ulysses {best.ulysses}",
+                      global_batch_text(cfg, p), p.memory_text(), str(drawing)])
+    return text, drawing
+
+
+def global_batch_text(cfg: RunConfig, p: Plan) -> str:
+    """The optimizer step's batch on the plan's choice, in sequences and tokens; given
+    ``trainer.global_batch_tokens``, also the per-rank batch and accumulation that fit
+    memory (``Plan.batch_for_tokens``)."""
+    best, L, b = p.best, cfg.data.seq_len, cfg.data.batch_per_dp_rank
+    tc = cfg.trainer
+    try:
+        k = grad_accum_steps(tc, L, b, best.dp)
+        line = (f"global batch: {b * best.dp * k} sequences = {b * best.dp * k * L} tokens per "
+                f"optimizer step (batch_per_dp_rank {b} x dp {best.dp} x grad_accum_steps {k})")
+    except ValueError as e:
+        line = f"global batch: {e}"
+    if tc.global_batch_tokens is None:
+        return line
+    try:
+        fit_b, fit_k, peak = p.batch_for_tokens(tc.global_batch_tokens)
+        line += (f"\nfor trainer.global_batch_tokens={tc.global_batch_tokens}: the largest "
+                 f"per-rank batch that fits is data.batch_per_dp_rank={fit_b} with "
+                 f"trainer.grad_accum_steps={fit_k} (peak {size(peak)} per rank)")
+    except ValueError as e:
+        line += f"\nfor trainer.global_batch_tokens={tc.global_batch_tokens}: {e}"
+    return line

@@ -1,0 +1,36 @@
+"""The run's layout, resolved once: ``RunLayout``.
+
+Before any process group exists, ``resolve_run`` turns the config and the launcher's world
+into one frozen ``RunLayout``: dp x ring x ulysses, placement, ranks per node, the
+all-to-all pipeline stages, device, dtype and per-rank batch. It runs every rule that needs
+the world size, the device or the file system (the config dataclasses check plain values
+themselves), one message per rule, and raises ``ValueError`` before anything starts.
+
+One concept a file: ``layout`` (the ``RunLayout`` data), ``preflight`` (the input checks),
+``decide`` (degrees and all-to-all stages; the accumulation is ``usp.planner.batch``'s),
+``resolve`` (the resolver: checks, then decisions, then the layout). The planner's table of
+an ``auto`` choice is text of ``usp.planner.report``, said by the resolver, not held.
+
+- Local spawn: the launching process resolves once and hands the layout to every rank.
+- torchrun / Slurm (``usp-train``): before any process group rank 0 resolves for the
+  launch's world and every other task checks its own config against that layout
+  (``check_task``), the verdicts exchanged in the rendezvous store
+  (``usp.launch.decide_together``): a layout that cannot fit is refused in a second.
+- A library caller inside an existing group: ``resolve_run_group`` lets rank 0 resolve
+  (only it runs topology detection for ``auto`` degrees), broadcasts the layout, and every
+  task checks what is its own (data files, run directory, kernel on its device).
+
+The mesh, the model and the trainer take the layout; nothing downstream reads the degree,
+placement or chunk fields of ``cfg.parallel`` again (``tests/unit/test_run_layout.py``).
+"""
+
+from .decide import decide_a2a_chunks, decide_degrees
+from .layout import RunLayout
+from .preflight import (check_degrees_fit, check_hf_model, check_inputs, check_recompute,
+                        check_run_dir, check_run_masks, check_task)
+from .resolve import resolve_run, resolve_run_group, scheduler_hosts_notice
+
+__all__ = ["RunLayout", "check_degrees_fit", "check_hf_model", "check_inputs",
+           "check_recompute", "check_run_dir", "check_run_masks", "check_task",
+           "decide_a2a_chunks", "decide_degrees", "resolve_run", "resolve_run_group",
+           "scheduler_hosts_notice"]

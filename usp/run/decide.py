@@ -1,0 +1,84 @@
+"""The run's decisions: the degrees (fixed, or the planner's choice on the detected
+cluster) and the all-to-all pipeline stages. The accumulation is the planner's
+``grad_accum_steps``; ``resolve.resolve_run`` takes them in that order."""
+
+from __future__ import annotations
+
+import os
+
+from ..config import RunConfig
+from ..planner import detect_topology
+from ..planner.cost import choose_a2a_chunks
+from ..planner.report import config_degree, plan_run, plan_table
+from ..validate import check_degrees
+from .preflight import check_degrees_fit
+
+
+def _simulated_nodes(spec, ranks_per_node: int | None, world: int):
+    """``spec`` as nodes of ``parallel.ranks_per_node`` ranks (simulated on one machine),
+    or unchanged when that is unset."""
+    if not ranks_per_node:
+        return spec
+    return spec.replace(ranks_per_node=ranks_per_node, nodes=world // ranks_per_node)
+
+
+def detected_cluster(cfg: RunConfig, world: int, ranks_per_node: int | None, env=None):
+    """(cluster spec, ``DetectReport``) the planner sees: the config's spec, sized to
+    ``world``, with the topology the launcher and this machine report (``detect_topology``),
+    as nodes of ``ranks_per_node`` ranks when those are simulated (None: real hosts)."""
+    spec, report = detect_topology(os.environ if env is None else env, spec=cfg.cluster)
+    if ranks_per_node:
+        spec = _simulated_nodes(spec, ranks_per_node, world)
+    elif spec.world != world:
+        spec = spec.replace(nodes=max(1, world // spec.ranks_per_node))
+    return spec, report
+
+
+def decide_degrees(cfg: RunConfig, world: int, env=None,
+                   topology=None) -> tuple[int, int, int, str]:
+    """(ulysses, ring, dp, the planner's table or ""): fixed degrees pass through; ``auto``
+    asks the planner on the detected cluster (``topology()``: ``detected_cluster``'s answer,
+    default detected here from ``env``). The degrees are checked against the world, the
+    heads and the sequence (``check_degrees_fit``) before they are returned."""
+    pc = cfg.parallel
+    u = config_degree(pc.ulysses_degree, "ulysses_degree")
+    r = config_degree(pc.ring_degree, "ring_degree")
+    table = ""
+    if u is None or r is None:
+        spec, report = (topology() if topology else
+                        detected_cluster(cfg, world, pc.ranks_per_node, env))
+        p = plan_run(cfg, spec, world)
+        u, r = p.best.ulysses, p.best.ring
+        table = plan_table(report, p)
+    dp = check_degrees(world, u, r, config_degree(pc.dp_degree, "dp_degree"))
+    check_degrees_fit(cfg, u, r)
+    return u, r, dp, table
+
+
+def decide_a2a_chunks(cfg: RunConfig, world: int, ulysses: int, ring: int, dp: int,
+                      ranks_per_node: int | None, topology) -> int:
+    """``parallel.a2a_chunks`` as an int, by the planner's rule (``choose_a2a_chunks``: an
+    int checked against the heads; ``auto``: 1 when the ulysses group stays inside a node,
+    else priced on the spec). The nodes: ``ranks_per_node`` (simulated), else what the
+    launcher or the hardware reports; when nothing reports nodes, the ranks are this
+    launch's processes on one host, as ``SPMesh`` will find them. usp's own ring only.
+    ``topology()``: ``detected_cluster``'s answer, asked only when ``auto`` needs it."""
+    pc, m = cfg.parallel, cfg.model
+    if pc.ring_impl != "usp":
+        if pc.a2a_chunks == "auto":
+            return 1
+        if pc.a2a_chunks > 1:
+            raise ValueError(f"parallel.a2a_chunks={pc.a2a_chunks} pipelines usp's own ring; "
+                             f"use parallel.ring_impl=usp or parallel.a2a_chunks=1")
+    if pc.a2a_chunks == "auto" and ulysses == 1:
+        return 1  # no all-to-all to pipeline: nothing to detect
+    spec = cfg.cluster
+    if pc.a2a_chunks == "auto":
+        spec, report = topology()
+        if not ranks_per_node and "ranks_per_node" not in report.detected:
+            spec = spec.replace(ranks_per_node=world, nodes=1)  # local processes, one host
+    return choose_a2a_chunks(pc.a2a_chunks, spec, cfg.data.seq_len, m.n_heads, m.n_kv_heads,
+                             m.head_dim, ulysses, ring, dp=dp,
+                             dtype_bytes=cfg.trainer.compute_dtype.itemsize,
+                             balance=pc.balance, placement=pc.placement,
+                             n_fwd=2 if cfg.trainer.activation_checkpointing else 1)

@@ -1,0 +1,82 @@
+"""``RunLayout``: how one run is laid out on its ranks, the same frozen object on every rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..data.indexing import sample_indices
+from ..mesh import SPMesh
+from ..validate import check_degrees, check_placement, check_ranks_per_node
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """How one run is laid out on its ranks; the same object on every rank: the parallel
+    dims, the batch, the dtype and the device, as plain data (no display text).
+
+    ``world`` = ``dp * ring * ulysses`` ranks; ``a2a_chunks``: pipeline stages of the
+    ulysses all-to-alls; ``ranks_per_node``: simulated nodes (None: the hosts the ranks run
+    on place them); ``device``: "cpu" or "cuda", decided once by the launcher
+    (``usp.launch.choose_device``); ``dtype``: ``trainer.dtype``; ``grad_accum``:
+    micro-batches per optimizer step.
+    """
+
+    world: int
+    dp: int
+    ring: int
+    ulysses: int
+    placement: str
+    ranks_per_node: int | None
+    balance: str
+    kernel: str
+    ring_impl: str
+    a2a_chunks: int
+    device: str
+    dtype: str
+    seq_len: int
+    batch_per_dp_rank: int
+    grad_accum: int = 1  # micro-batches per optimizer step
+
+    def __post_init__(self) -> None:
+        if check_degrees(self.world, self.ulysses, self.ring, self.dp) != self.dp:
+            raise ValueError(f"dp {self.dp} x ring {self.ring} x ulysses {self.ulysses} != "
+                             f"world {self.world}")
+        check_placement(self.placement)
+        check_ranks_per_node(self.world, self.ranks_per_node, "parallel.ranks_per_node")
+
+    @property
+    def sp(self) -> int:
+        """Ranks that share one sequence: ring x ulysses."""
+        return self.ring * self.ulysses
+
+    @property
+    def micro_batch(self) -> int:
+        """Sequences per micro-batch over all dp ranks."""
+        return self.batch_per_dp_rank * self.dp
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step: every micro-batch of every dp rank."""
+        return self.micro_batch * self.grad_accum
+
+    def samples(self, consumed: int, micro: int, dp_rank: int) -> range:
+        """Global sample ids of ``dp_rank``'s micro-batch ``micro`` of the optimizer step
+        that starts after ``consumed`` samples: micro-batch k of the step takes its samples
+        ``[k * micro_batch, (k + 1) * micro_batch)`` and each dp rank its own
+        ``batch_per_dp_rank`` of them (``usp.data.indexing.sample_indices``)."""
+        return sample_indices(consumed + micro * self.micro_batch, self.batch_per_dp_rank,
+                              dp_rank)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+    def build_mesh(self) -> SPMesh:
+        """This layout's ``SPMesh`` (collective: every rank of the default group calls it)."""
+        return SPMesh.build(ulysses=self.ulysses, ring=self.ring, dp=self.dp,
+                            placement=self.placement, ranks_per_node=self.ranks_per_node,
+                            a2a_chunks=self.a2a_chunks)
+
+    def attention_options(self) -> dict:
+        """``usp_attention``'s keywords that the run decides (mesh and layout aside)."""
+        return dict(kernel=self.kernel, ring_impl=self.ring_impl, a2a_chunks=self.a2a_chunks)

@@ -1,0 +1,135 @@
+"""The rules each task checks on its own config, machine and files before any rank starts."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig, RunConfig
+from ..data.dataset import build_dataset, build_validation
+from ..masks import check_masks
+from ..models.hf_model import check_pretrained
+from ..ulysses import check_heads
+from ..validate import check_kernel, check_seq_len
+from .layout import RunLayout
+
+
+def check_inputs(cfg: RunConfig, device: str) -> None:
+    """The rules on a task's config, files and packages that no degree changes: its data
+    files, its run directory, the kernel and ring engine on ``device`` ("cpu" or "cuda"),
+    its masks, its transformers model, its recomputation settings."""
+    pc = cfg.parallel
+    try:
+        build_dataset(cfg.data, cfg.model)  # missing / corrupt data fails here
+        build_validation(cfg.data, cfg.model, cfg.trainer.eval_windows)
+    except ValueError as e:
+        raise ValueError(f"data.kind={cfg.data.kind}: {e}") from None
+    check_run_dir(cfg.trainer.run_dir)
+    # the kernel and ring engine on this device, dtype and head dim (attention is causal)
+    try:
+        check_kernel(pc.kernel, device, cfg.trainer.compute_dtype, cfg.model.head_dim,
+                     pc.ring_impl, causal=True, balance=pc.balance)
+    except ValueError as e:
+        raise ValueError(f"parallel.kernel={pc.kernel} parallel.ring_impl={pc.ring_impl} "
+                         f"trainer.dtype={cfg.trainer.dtype} on {device}: {e}") from None
+    check_run_masks(cfg)
+    check_hf_model(cfg.model)
+    check_recompute(cfg, device)
+    if pc.ring_impl == "ring_flash_attn" and not _installed("ring_flash_attn"):
+        raise ValueError("parallel.ring_impl=ring_flash_attn needs the ring-flash-attn package, "
+                         "which this Python cannot import; pip install ring-flash-attn==0.1.8 "
+                         "flash-attn, or use parallel.ring_impl=usp")
+
+
+def check_degrees_fit(cfg: RunConfig, ulysses: int, ring: int) -> None:
+    """The config's heads over ``ulysses`` ranks and its sequence over ``ring x ulysses``
+    (``parallel.balance``), each refused with its own message."""
+    check_heads(cfg.model.n_heads, cfg.model.n_kv_heads, ulysses)
+    check_seq_len(cfg.data.seq_len, ulysses, ring, cfg.parallel.balance)
+
+
+def check_task(cfg: RunConfig, layout: RunLayout) -> None:
+    """What a task other than the resolving one checks of its own config and machine
+    against the resolved ``layout``: it sees a GPU when the run computes on one, its
+    inputs (``check_inputs``) and its heads and sequence on these degrees."""
+    if layout.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"the run computes on cuda (trainer.device={cfg.trainer.device}) but "
+                         "this task sees 0 CUDA GPUs; run every task where a GPU is visible, "
+                         "or use trainer.device=cpu")
+    check_inputs(cfg, layout.device)
+    check_degrees_fit(cfg, layout.ulysses, layout.ring)
+
+
+def check_run_dir(path: str | None) -> None:
+    """Refuse a run directory this process could not create or write (checkpoints, metrics),
+    before any rank starts. None: the CLI fills it in later (Hydra's run directory)."""
+    if path is None:
+        return
+    p = Path(path).expanduser().absolute()
+    existing = p
+    while not existing.exists():  # the nearest ancestor that exists decides
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"trainer.run_dir={path} cannot be a directory: {existing} is a file; "
+                         f"choose another trainer.run_dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"trainer.run_dir={path} is not writable: this user cannot write "
+                         f"{existing}; choose a writable trainer.run_dir")
+
+
+def _installed(module: str) -> bool:
+    return module in sys.modules or importlib.util.find_spec(module) is not None
+
+
+def check_run_masks(cfg: RunConfig) -> None:
+    """Refuse document ids (``data.packing=documents``) or a sliding window the attention
+    kernel and ring engine cannot apply (the rule is ``usp.masks.check_masks``'s)."""
+    mc, pc = cfg.model, cfg.parallel
+    window = next((w for w in map(mc.layer_window, range(mc.n_layers)) if w), None)
+    ids = torch.zeros(1, 1, dtype=torch.long) if cfg.data.packed else None  # a stand-in
+    try:
+        check_masks(ids, window, batch=1, seq_len=1, device="cpu", kernel=pc.kernel,
+                    ring_impl=pc.ring_impl)
+    except ValueError as e:
+        raise ValueError(f"data.packing={cfg.data.packing} model.sliding_window="
+                         f"{mc.sliding_window} with parallel.kernel={pc.kernel} "
+                         f"parallel.ring_impl={pc.ring_impl}: {e}") from None
+
+
+def check_hf_model(mc: ModelConfig) -> None:
+    """Refuse ``model.hf`` when transformers is missing, the built-in model's memory tiling
+    (``loss_chunk``, ``mlp_tiles``), and a ``model.pretrained`` directory that is not a
+    local model of ``mc``'s architecture and shape."""
+    if mc.hf is None:
+        return
+    if mc.loss_chunk or mc.mlp_tiles != 1:
+        raise ValueError(f"model.hf={mc.hf} computes its own LM head and MLP; model.loss_chunk="
+                         f"{mc.loss_chunk} and model.mlp_tiles={mc.mlp_tiles} apply to the "
+                         "built-in model only: set model.loss_chunk=0 model.mlp_tiles=1, or "
+                         "unset model.hf")
+    if not _installed("transformers"):
+        raise ValueError(f"model.hf={mc.hf} needs the transformers package, which this Python "
+                         "cannot import; pip install 'usp[hf]', or unset model.hf")
+    if mc.pretrained is not None:
+        check_pretrained(mc)
+
+
+def check_recompute(cfg: RunConfig, device_type: str) -> None:
+    """Refuse activation offload off CUDA, and selective checkpoints or offload for a
+    transformers model (it checkpoints every layer whole, with its own switch)."""
+    tc = cfg.trainer
+    if tc.activation_offload and device_type != "cuda":
+        raise ValueError(f"trainer.activation_offload=true copies activations to pinned host "
+                         f"memory on a CUDA side stream, but the ranks compute on "
+                         f"{device_type}; set trainer.activation_offload=false")
+    selective = tc.checkpoint_every != 1 or tc.checkpoint_part != "block"
+    if cfg.model.hf is not None and (selective or tc.activation_offload):
+        raise ValueError(f"model.hf={cfg.model.hf} checkpoints every whole layer; "
+                         f"trainer.checkpoint_every={tc.checkpoint_every} checkpoint_part="
+                         f"{tc.checkpoint_part} activation_offload={tc.activation_offload} "
+                         "apply to the built-in model only: set checkpoint_every=1 "
+                         "checkpoint_part=block activation_offload=false, or unset model.hf")

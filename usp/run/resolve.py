@@ -1,0 +1,96 @@
+"""The resolver: the config and the launcher's world -> one ``RunLayout``, every rule run."""
+
+from __future__ import annotations
+
+from functools import cache, partial
+
+import torch.distributed as dist
+
+from ..config import RunConfig
+from ..planner.batch import grad_accum_steps
+from ..validate import check_ranks_per_node
+from .decide import decide_a2a_chunks, decide_degrees, detected_cluster
+from .layout import RunLayout
+from .preflight import check_inputs, check_task
+
+
+def _silent(text: str) -> None:
+    """``say`` that says nothing."""
+
+
+_print = partial(print, flush=True)
+
+
+def resolve_run(cfg: RunConfig, world: int, device: str, env=None, *,
+                scheduler_hosts: bool = False, say=_silent) -> RunLayout:
+    """The run's layout for ``world`` ranks computing on ``device`` ("cpu" or "cuda", the
+    launcher's ``choose_device``), after every rule; raises ``ValueError``.
+
+    In order: every input check once (the world's nodes, ``check_inputs``), then the
+    decisions (degrees, checked against the heads and the sequence; all-to-all stages;
+    accumulation), then the layout. ``env``: the launcher's variables for topology
+    detection (default ``os.environ``), read when a degree or ``parallel.a2a_chunks`` is
+    ``auto`` (the latter by default). ``scheduler_hosts``: the ranks run on the hosts a
+    scheduler (Slurm) gave them, which place them; a configured ``parallel.ranks_per_node``
+    (simulated nodes) is then not used. ``say(text)``: the planner's table, once the layout
+    stands, when it chose a degree."""
+    pc = cfg.parallel
+    ranks_per_node = None if scheduler_hosts else pc.ranks_per_node
+    check_ranks_per_node(world, ranks_per_node, "parallel.ranks_per_node")
+    check_inputs(cfg, device)
+    # detected at most once, and only when an auto setting asks
+    topology = cache(partial(detected_cluster, cfg, world, ranks_per_node, env))
+    u, r, dp, table = decide_degrees(cfg, world, env, topology)
+    chunks = decide_a2a_chunks(cfg, world, u, r, dp, ranks_per_node, topology)
+    accum = grad_accum_steps(cfg.trainer, cfg.data.seq_len, cfg.data.batch_per_dp_rank, dp)
+    layout = RunLayout(world=world, dp=dp, ring=r, ulysses=u, placement=pc.placement,
+                       ranks_per_node=ranks_per_node, balance=pc.balance, kernel=pc.kernel,
+                       ring_impl=pc.ring_impl, a2a_chunks=chunks, device=device,
+                       dtype=cfg.trainer.dtype, seq_len=cfg.data.seq_len,
+                       batch_per_dp_rank=cfg.data.batch_per_dp_rank, grad_accum=accum)
+    if table:
+        say(table)
+    return layout
+
+
+def resolve_run_group(cfg: RunConfig, device_type: str, env=None, say=_print) -> RunLayout:
+    """``resolve_run`` for ranks started by torchrun/Slurm (collective).
+
+    Rank 0 resolves (and alone reads its launcher variables and hardware for ``auto``);
+    every rank receives rank 0's layout and checks its own task (``check_task``). A refusal
+    on any rank is raised on every rank (none is left waiting in a collective). Once every
+    rank agreed, rank 0 says the planner's table (``say``), when the planner chose."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layout, error, said = None, None, []
+    if rank == 0:
+        try:
+            layout = resolve_run(cfg, world, device_type, env, say=said.append)
+        except (ValueError, FileNotFoundError) as e:
+            error = str(e)
+    decided = [(layout, error)]
+    dist.broadcast_object_list(decided, src=0)  # every rank now holds rank 0's decision
+    layout, error = decided[0]
+    if error is None and rank != 0:
+        try:
+            check_task(cfg, layout)
+        except (ValueError, FileNotFoundError) as e:
+            error = f"rank {rank}: {e}"
+    errors = [None] * world
+    dist.all_gather_object(errors, error)
+    refused = [e for e in errors if e is not None]
+    if refused:
+        raise ValueError(refused[0])
+    for text in said:
+        say(text)
+    return layout
+
+
+def scheduler_hosts_notice(cfg: RunConfig, placement: str) -> str | None:
+    """Under a scheduler (Slurm) the job's real hosts place the ranks
+    (``resolve_run(..., scheduler_hosts=True)``): the line that says a configured
+    ``parallel.ranks_per_node`` (a recipe's simulated nodes, e.g. ``tiny_cpu``) is not
+    used, or None when none was set."""
+    if not cfg.parallel.ranks_per_node:
+        return None
+    return (f"parallel.ranks_per_node={cfg.parallel.ranks_per_node} ignored under Slurm: the "
+            f"mesh uses the job's hosts ({placement})")
