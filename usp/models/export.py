@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ..config import ModelConfig
+from ..config.rope import rope_parameters
 from .checkpoint import step_dirs, verify_checkpoint
 from .llama_hf import hf_equivalent, hf_names, zero_filled
 
@@ -59,7 +60,11 @@ def hf_config(mc: ModelConfig):
               num_hidden_layers=mc.n_layers, num_attention_heads=mc.n_heads,
               num_key_value_heads=mc.n_kv_heads, rms_norm_eps=mc.norm_eps,
               tie_word_embeddings=mc.tie_embeddings, use_cache=False, attention_dropout=0.0,
-              rope_parameters={"rope_type": "default", "rope_theta": mc.rope_theta})
+              rope_parameters=rope_parameters(mc.rope_theta, mc.rope_scaling))
+    scaling = mc.rope_scaling or {}
+    if scaling.get("rope_type") == "yarn":  # transformers reads the factor from these too
+        kw.update(max_position_embeddings=round(
+            scaling["factor"] * scaling["original_max_position_embeddings"]))
     if mc.hf == "qwen2":
         kw.update(use_sliding_window=mc.sliding_window is not None,
                   sliding_window=mc.sliding_window,

@@ -228,7 +228,8 @@ class Transformer(nn.Module):
                                  f"{tuple(tokens.shape)}: one per token")
         if self.offload is not None and torch.is_grad_enabled():
             self.offload.begin()
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)  # [*, n, hd/2]
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta,
+                                self.cfg.rope_scaling)  # [*, n, hd/2]
         h = self.tok_embeddings(tokens)  # [B, n] -> [B, n, D]
         for layer in self.layers:
             h = layer(h, cos, sin, segment_ids)
