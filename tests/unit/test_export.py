@@ -36,7 +36,8 @@ def test_a_run_records_its_model_config_and_its_datas_tokenizer(tmp_path):
 
 
 @pytest.mark.parametrize("edit,needle", [
-    ({"rope_scaling": {"factor": 4.0}}, "fields this usp does not know (rope_scaling)"),
+    ({"partial_rotary_factor": 0.5}, "fields this usp does not know (partial_rotary_factor)"),
+    ({"rope_scaling": {"factor": 4.0}}, "model.rope_scaling={'factor': 4.0} names no rope_type"),
     ({"rope": "yarn"}, "is not a valid model config: model.rope"),
     ("{not json", "is unreadable"),
 ])

@@ -88,6 +88,31 @@ def test_builtin_model_maps_to_the_architecture_that_computes_it(kw, arch):
             assert _rel(unwindowed.eval()(ids, torch.arange(L)), want) > 1e-3
 
 
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},  # factor 1.14
+], ids=lambda s: s["rope_type"])
+def test_rope_scaling_gives_transformers_logits_for_the_same_config(scaling):
+    """Scaled RoPE at positions past the original context: transformers' model of the same
+    config (its rope_parameters) computes the built-in model's logits."""
+    model = _trained(replace(MODEL, rope_scaling=scaling))
+    hf = _as_hf(model)
+    assert hf.config.rope_parameters == {"rope_theta": MODEL.rope_theta, **model.cfg.rope_scaling}
+    ids = torch.randint(0, MODEL.vocab_size, (2, L), generator=torch.Generator().manual_seed(4))
+    positions = torch.arange(L) + 200  # beyond the original 64 (contiguous: transformers reads
+    # a jump in position_ids as the start of a packed document)
+    plain = Transformer(MODEL, functools.partial(local_attention, causal=True)).eval()
+    plain.load_state_dict(model.state_dict())  # the same weights, plain RoPE
+    with torch.no_grad():
+        want = model(ids, positions)
+        got = hf(input_ids=ids, position_ids=positions[None].expand(2, L)).logits
+        unscaled = plain(ids, positions)
+    assert _rel(got, want) <= 1e-5
+    assert _rel(unscaled, want) > 1e-3  # the scaling matters at these positions
+
+
 def test_per_document_rope_is_each_document_alone_from_position_0():
     mc = replace(MODEL, rope="per_document", sliding_window=8, full_attention_every=2)
     model = _trained(mc)

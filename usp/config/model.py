@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from .checks import above, at_least, one_of
+from .rope import check_rope_scaling
 
 HF_ARCHS = ("llama", "qwen2", "mistral")  # model.hf: transformers decoders of this shape
 # how the model computes, not its shape: a model option leaves these at their defaults
@@ -23,6 +24,11 @@ class ModelConfig:
     n_kv_heads: int = 2
     ffn_dim: int = 384
     rope_theta: float = 10000.0
+    # RoPE frequency scaling for context extension, transformers' names (usp/config/rope.py):
+    # e.g. {rope_type: yarn, factor: 4, original_max_position_embeddings: 8192}; null: plain.
+    # Typed Any, not a dict, so that model.rope_scaling={...} replaces it whole on the command
+    # line (Hydra would merge into a dict node, key by key, and refuse the new keys)
+    rope_scaling: Any = None
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     sliding_window: Optional[int] = None  # tokens a query sees (itself included); None: all
@@ -35,6 +41,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         one_of("model.rope", self.rope, ("global", "per_document"))
+        self.rope_scaling = check_rope_scaling(self.rope_scaling)
         self._check_hf()
         at_least("model", 0, full_attention_every=self.full_attention_every,
                  loss_chunk=self.loss_chunk)

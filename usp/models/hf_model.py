@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
+from ..config.rope import rope_parameters
 
 _CONFIG_CLASS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig"}
 # transformers config key -> the ModelConfig field it comes from (for mismatch messages)
@@ -30,7 +31,11 @@ def hf_config(mc: ModelConfig):
               num_hidden_layers=mc.n_layers, num_attention_heads=mc.n_heads,
               num_key_value_heads=mc.n_kv_heads, rms_norm_eps=mc.norm_eps,
               tie_word_embeddings=mc.tie_embeddings, use_cache=False, attention_dropout=0.0,
-              rope_parameters={"rope_type": "default", "rope_theta": mc.rope_theta})
+              rope_parameters=rope_parameters(mc.rope_theta, mc.rope_scaling))
+    scaling = mc.rope_scaling or {}
+    if scaling.get("rope_type") == "yarn":  # transformers reads the factor from these too
+        kw.update(max_position_embeddings=round(
+            scaling["factor"] * scaling["original_max_position_embeddings"]))
     if mc.hf == "qwen2":
         kw.update(use_sliding_window=mc.sliding_window is not None,
                   sliding_window=mc.sliding_window,

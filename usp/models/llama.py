@@ -31,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
 from .offload import ActivationOffload
+from .rope import apply_rope, rope_cos_sin
 from .tiling import chunked_lm_loss, lm_loss, tiled
 
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -48,34 +49,6 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * self.weight.float()).to(x.dtype)
-
-
-def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [*, n] long (global ids) -> (cos, sin), each [*, n, head_dim/2] fp32.
-
-    Frequency i is ``theta ** (-2i / head_dim)``; the angle depends only on the position
-    value, so any order or subset of positions gives the same rotation per token.
-    """
-    if head_dim % 2 != 0:
-        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
-    inv_freq = theta ** (
-        -torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim
-    )  # [hd/2]
-    # fp64 outer product: exact angles even at positions in the millions
-    angles = positions.to(torch.float64)[..., None] * inv_freq  # [*, n, hd/2]
-    return angles.cos().float(), angles.sin().float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, n, H, hd] by (cos, sin) [n or B, n, hd/2] ("rotate half": i with i+hd/2)."""
-    half = x.shape[-1] // 2
-    xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:]  # [B, n, H, hd/2] each
-    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [(B,) n, 1, hd/2]: broadcast over heads
-    out = torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1)  # [B, n, H, hd]
-    return out.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -255,7 +228,8 @@ class Transformer(nn.Module):
                                  f"{tuple(tokens.shape)}: one per token")
         if self.offload is not None and torch.is_grad_enabled():
             self.offload.begin()
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)  # [*, n, hd/2]
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta,
+                                self.cfg.rope_scaling)  # [*, n, hd/2]
         h = self.tok_embeddings(tokens)  # [B, n] -> [B, n, D]
         for layer in self.layers:
             h = layer(h, cos, sin, segment_ids)
