@@ -15,18 +15,10 @@ from .layout import SequenceLayout
 from .masks import check_masks, gather_segment_ids
 from .mesh import SPMesh
 from .ring import RingAttention, RingPlan, ring_backward, ring_forward
-from .ulysses import (
-    HeadChunk,
-    HeadToSeq,
-    SeqToHead,
-    _Axis,
-    _by_seq_chunk,
-    check_a2a_chunks,
-    default_a2a_chunks,
-    head_chunks,
-)
+from .dims.stages import HeadChunk, check_a2a_chunks, default_a2a_chunks, head_chunks
+from .ulysses import HeadToSeq, SeqToHead, _Axis, _by_seq_chunk
 from .validate import RING_IMPLS, check_kernel, check_ring_impl
-from .ulysses import check_heads, head_split
+from .dims.heads import check_heads, head_split
 
 __all__ = ["RING_IMPLS", "PipelinedAttention", "attention_stages", "check_inputs",
            "local_attention", "usp_attention"]
@@ -74,7 +66,7 @@ def check_inputs(q, k, v, mesh: SPMesh, layout: SequenceLayout) -> None:
 def attention_stages(mesh: SPMesh, num_q_heads: int, num_kv_heads: int,
                      a2a_chunks: int | None = None, ring_impl: str = "usp") -> int:
     """The pipeline stages a ``usp_attention`` call on ``mesh`` runs: ``a2a_chunks`` when
-    given, else the mesh's setting for these heads (``ulysses.default_a2a_chunks``), 1 with
+    given, else the mesh's setting for these heads (``usp.dims.stages.default_a2a_chunks``), 1 with
     ``ring_impl="ring_flash_attn"``. Raises ValueError when the heads cannot take them."""
     if a2a_chunks is None:
         if ring_impl == "ring_flash_attn":
@@ -118,11 +110,11 @@ def usp_attention(
       (``usp.planner.traffic.windowed_ring_hops``; with zigzag every hop, see there).
 
     ``a2a_chunks``: pipeline stages for the ulysses all-to-alls (``PipelinedAttention``);
-    1 to at most the query heads of a ulysses rank (``ulysses.check_a2a_chunks``). Same
+    1 to at most the query heads of a ulysses rank (``usp.dims.stages.check_a2a_chunks``). Same
     bytes and results, ``a2a_chunks`` times as many messages; without a ulysses group
     there is nothing to hide and it has no effect. None (default): the mesh's setting
     (``SPMesh.build(a2a_chunks=...)``, ``"auto"`` unless given: 1 inside a host, pipelined
-    when a ulysses group crosses hosts; ``ulysses.default_a2a_chunks``). Not with
+    when a ulysses group crosses hosts; ``usp.dims.stages.default_a2a_chunks``). Not with
     ``ring_impl="ring_flash_attn"`` (its default is 1). The mesh also says whether the
     messages travel in pieces (``SPMesh.piece_bytes_for``).
 
@@ -192,7 +184,7 @@ def _width(r: tuple[int, int]) -> int:
 
 class PipelinedAttention(torch.autograd.Function):
     """q [B, L/P, Hq, d], k/v [B, L/P, Hkv, d] -> out [B, L/P, Hq, d]: SeqToHead, ring,
-    HeadToSeq over the heads of ``ulysses.head_chunks`` stages, each all-to-all posted
+    HeadToSeq over the heads of ``usp.dims.stages.head_chunks`` stages, each all-to-all posted
     asynchronously so that it travels while another stage's ring pass computes.
 
     apply(q, k, v, axis, chunks, ring) with ``ring`` = ``ring_forward``'s arguments after

@@ -65,7 +65,7 @@ class SPMesh:
 
     The mesh also carries how its ulysses all-to-alls travel, which ``usp_attention`` uses
     when the call does not say: ``a2a_chunks`` (pipeline stages: an int, or ``"auto"``,
-    see ``usp.ulysses.default_a2a_chunks``), and how messages of each axis travel:
+    see ``usp.dims.stages.default_a2a_chunks``), and how messages of each axis travel:
     ``piece_bytes_for(axis)``, the largest message piece, or None for whole messages (see
     ``build``).
 

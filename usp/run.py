@@ -40,7 +40,7 @@ from .planner import CheckpointPolicy, Plan, detect_topology, draw_mesh, plan
 from .planner.cost import choose_a2a_chunks
 from .planner.memory import size
 from .validate import check_degrees, check_kernel, check_placement, check_ranks_per_node, check_seq_len
-from .ulysses import check_heads
+from .dims.heads import check_heads
 
 
 @dataclass(frozen=True)

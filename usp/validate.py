@@ -79,7 +79,7 @@ def check_ranks_per_node(world_size: int, ranks_per_node: int | None,
 
 def check_a2a_setting(chunks, who: str = "a2a_chunks") -> None:
     """``chunks`` is a pipeline depth for the ulysses all-to-alls: an int >= 1 or "auto"
-    (the heads' own limit is ``ulysses.check_a2a_chunks``)."""
+    (the heads' own limit is ``usp.dims.stages.check_a2a_chunks``)."""
     if chunks != "auto" and (isinstance(chunks, bool) or not isinstance(chunks, int)
                              or chunks < 1):
         raise ValueError(f"{who}={chunks!r} must be an integer >= 1 or auto; use {who}=auto "

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config.checks import at_least, one_of
-from ..ulysses import check_a2a_chunks
+from ..dims.stages import check_a2a_chunks
 from ..validate import check_degrees, check_seq_len
-from ..ulysses import check_heads
+from ..dims.heads import check_heads
 from .timing import default_threads
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,

@@ -1,0 +1,10 @@
+"""The pure layer: the run's parallel layout as data, decided before any process group.
+
+No ``torch.distributed`` here, directly or through another module (``tests/unit/
+test_pure_layer.py``): the planner prices these objects, the mesh, the layout, the ring and
+the ulysses exchange run them, nobody re-derives them.
+
+- ``heads``: which heads each ulysses rank computes (``head_split``, ``check_heads``).
+- ``stages``: the ulysses all-to-all's pipeline stages (``check_a2a_chunks``,
+  ``default_a2a_chunks``, ``head_chunks``).
+"""
