@@ -31,6 +31,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from .dims.counts import even_counts
+
 
 def clock_for(device: torch.device | str) -> str:
     """The clock that times a blocking call on ``device``: ``cuda_events`` or ``host``.
@@ -266,11 +268,6 @@ def piece_count(block_bytes: int, piece_bytes: int | None) -> int:
     return -(-block_bytes // piece_bytes)
 
 
-def _cuts(n: int, pieces: int) -> list[int]:
-    """``n`` elements cut into ``pieces`` near-equal runs (the larger first): their sizes."""
-    return [n // pieces + (i < n % pieces) for i in range(pieces)]
-
-
 def post_all_to_all(send: torch.Tensor, received: torch.Tensor, group, stats: CommStats,
                     axis: str, nbytes: int, finish: Callable[[torch.Tensor], torch.Tensor],
                     recv_sizes: list[int] | None = None,
@@ -301,8 +298,8 @@ def post_all_to_all(send: torch.Tensor, received: torch.Tensor, group, stats: Co
             return out
         sizes = [(None, None)] * pieces
     else:  # 1-D with per-peer sizes: run i of every peer's block goes in piece i
-        send_cuts = [_cuts(m, pieces) for m in send_sizes]  # [peer][piece]
-        recv_cuts = [_cuts(m, pieces) for m in recv_sizes]
+        send_cuts = [even_counts(m, pieces) for m in send_sizes]  # [peer][piece]
+        recv_cuts = [even_counts(m, pieces) for m in recv_sizes]
         by_peer = [block.split(cuts) for block, cuts in zip(send.split(send_sizes), send_cuts)]
         sends = [torch.cat([runs[i] for runs in by_peer]) for i in range(pieces)]
         sizes = [([c[i] for c in recv_cuts], [c[i] for c in send_cuts]) for i in range(pieces)]
@@ -317,7 +314,7 @@ def post_all_to_all(send: torch.Tensor, received: torch.Tensor, group, stats: Co
     with naming_collectives(axis, group):
         for s, r, (rs, ss) in zip(sends, recvs, sizes):
             works.append(dist.all_to_all_single(r, s, rs, ss, group=group, async_op=True))
-    for m in _cuts(nbytes, pieces):  # the same bytes, one call per piece
+    for m in even_counts(nbytes, pieces):  # the same bytes, one call per piece
         stats.record(axis, m)
     return InFlight(works, sends, received, stats, axis, group, lambda out: finish(gather(out)))
 

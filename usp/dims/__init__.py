@@ -5,6 +5,7 @@ test_pure_layer.py``): the planner prices these objects, the mesh, the layout, t
 the ulysses exchange run them, nobody re-derives them.
 
 - ``heads``: which heads each ulysses rank computes (``head_split``, ``check_heads``).
+- ``counts``: near-equal parts of a count (``even_counts``).
 - ``stages``: the ulysses all-to-all's pipeline stages (``check_a2a_chunks``,
   ``default_a2a_chunks``, ``head_chunks``).
 """

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from .counts import even_counts
 from .heads import HeadSplit, head_split
 
 
@@ -26,11 +27,6 @@ class HeadChunk:
     kv: tuple[int, int]
     kv_first: tuple[int, int]
     kv_last: tuple[int, int]
-
-
-def _even(n: int, parts: int) -> list[int]:
-    """``n`` split into ``parts`` near-equal counts, the larger first."""
-    return [n // parts + (i < n % parts) for i in range(parts)]
 
 
 def check_a2a_chunks(chunks, num_q_heads: int, num_kv_heads: int, ulysses: int) -> int:
@@ -80,9 +76,10 @@ def head_chunks(split: HeadSplit, chunks: int) -> tuple[tuple[HeadChunk, ...], .
         nq, nkv, k0 = q1 - q0, len(kv_heads), kv_heads[0]
         g = nq // nkv  # local query heads per local KV head
         if nkv >= chunks:
-            sizes = [n * g for n in _even(nkv, chunks)]
+            sizes = [n * g for n in even_counts(nkv, chunks)]
         else:
-            sizes = [s for per_group in _even(chunks, nkv) for s in _even(g, per_group)]
+            sizes = [s for per_group in even_counts(chunks, nkv)
+                     for s in even_counts(g, per_group)]
         bounds, a = [], 0
         for n in sizes:  # local query ranges -> the local KV heads each uses
             bounds.append((a, a + n, a // g, -(-(a + n) // g) if n else a // g))
