@@ -24,34 +24,29 @@ given: a benchmark can see the blocks a mask skips.
 from __future__ import annotations
 
 from functools import lru_cache
-from types import SimpleNamespace
 
 import torch
 
 from .comm import CommStats, RingComm
+from .dims.tokens import position_tensor, segment_ranges
 from .kernels import Kernel
-from .layout import SequenceLayout
 from .masks import Piece, Run, block_pieces, bounds, tile_size
 
 
 @lru_cache(maxsize=256)
 def segment_positions(seq_len: int, ring: int, balance: str, ring_rank: int) -> torch.Tensor:
     """Global positions of ring rank ``ring_rank``'s segment, in segment order: [L/r] (CPU,
-    shared: do not modify). The ulysses degree does not change them: a 1 x ring layout
-    gives them."""
-    lay = SequenceLayout(SimpleNamespace(ring=ring, ulysses=1, sp_size=ring), seq_len, balance)
-    return lay.segment_indices(ring_rank)
+    shared: do not modify; ``usp.dims.tokens.segment_ranges``)."""
+    return position_tensor(segment_ranges(seq_len, ring, balance, ring_rank))
 
 
 @lru_cache(maxsize=256)
 def segment_runs(seq_len: int, ring: int, balance: str, ring_rank: int) -> tuple[Run, ...]:
     """The segment's positions as runs of consecutive positions, in segment order."""
-    pos = segment_positions(seq_len, ring, balance, ring_rank).tolist()
-    runs, first = [], 0
-    for i in range(1, len(pos) + 1):
-        if i == len(pos) or pos[i] != pos[i - 1] + 1:
-            runs.append((first, pos[first], i - first))
-            first = i
+    runs, offset = [], 0
+    for r in segment_ranges(seq_len, ring, balance, ring_rank):
+        runs.append((offset, r.start, len(r)))
+        offset += len(r)
     return tuple(runs)
 
 

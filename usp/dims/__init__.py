@@ -6,6 +6,7 @@ the ulysses exchange run them, nobody re-derives them.
 
 - ``heads``: which heads each ulysses rank computes (``head_split``, ``check_heads``).
 - ``counts``: near-equal parts of a count (``even_counts``).
+- ``tokens``: which global positions each rank holds (``Ownership``, ``segment_ranges``).
 - ``stages``: the ulysses all-to-all's pipeline stages (``check_a2a_chunks``,
   ``default_a2a_chunks``, ``head_chunks``).
 """
