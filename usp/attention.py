@@ -116,7 +116,7 @@ def usp_attention(
     (``SPMesh.build(a2a_chunks=...)``, ``"auto"`` unless given: 1 inside a host, pipelined
     when a ulysses group crosses hosts; ``usp.dims.stages.default_a2a_chunks``). Not with
     ``ring_impl="ring_flash_attn"`` (its default is 1). The mesh also says whether the
-    messages travel in pieces (``SPMesh.piece_bytes_for``).
+    messages travel in fragments (``SPMesh.fragment_bytes_for``).
 
     Every query sees at least its own key, so no output row is undefined. Blocks a mask
     leaves empty are skipped. The ``torch`` and ``reference`` kernels take both masks,
@@ -148,13 +148,13 @@ def usp_attention(
     axis = None
     if u > 1:
         axis = _Axis(u, mesh.group("ulysses"), mesh.to_group_rank("ulysses"), mesh.comm,
-                     mesh.piece_bytes_for("ulysses"))
+                     mesh.fragment_bytes_for("ulysses"))
     comm = None
     if mesh.ring > 1 and ring_impl == "usp":
         # the ring's own group: P2P on the world group would queue behind (and on
         # NCCL, serialise with) FSDP's collectives
         comm = RingComm(mesh.axis_ranks("ring"), mesh.ring_rank, mesh.group("ring"), mesh.comm,
-                        piece_bytes=mesh.piece_bytes_for("ring"))
+                        fragment_bytes=mesh.fragment_bytes_for("ring"))
     plan = RingPlan(mesh.ring_rank, mesh.ring, layout.segment_len, causal, layout.balance,
                     window, ids)
     ring = (comm, plan, kern, scale, mesh.comm)  # ring_forward's arguments after q, k, v

@@ -1,11 +1,11 @@
 """The two communication mechanisms of usp, with byte and time accounting.
 
 - ``all_to_all`` / ``post_all_to_all``: the ulysses seq <-> head exchange (one
-  ``all_to_all_single``, or one per piece when messages are cut), blocking or in flight
+  ``all_to_all_single``, or one per fragment when messages are cut), blocking or in flight
   (``InFlight``) while the caller computes.
 - ``RingComm``: send to the next ring rank, receive from the previous one (or any fixed
   distance round the ring), via ``batch_isend_irecv`` on the ring's own group (or, for a
-  message cut into pieces, an exchange per piece on that group), so the transfer runs
+  message cut into fragments, an exchange per fragment on that group), so the transfer runs
   while the caller computes.
 
 Every call records the bytes this rank *sends to other ranks* in ``CommStats``, per axis,
@@ -50,7 +50,7 @@ class CommStats:
 
     ``seconds`` (= ``exposed_s``) is the time the caller was blocked on an axis;
     ``hidden_s`` the time exchanges left in flight (``InFlight``: the ulysses all-to-alls,
-    and ring messages cut into pieces; not the ring's plain P2P) travelled while the
+    and ring messages cut into fragments; not the ring's plain P2P) travelled while the
     caller computed: from the post to the earlier of its completion and the caller's wait.
     Hidden time is measured on the host clock only (CPU tensors; on CUDA it stays 0).
 
@@ -215,11 +215,11 @@ def check_agreement(what: str, value, group: dist.ProcessGroup | None = None) ->
 
 
 class InFlight:
-    """An all-to-all posted with ``async_op=True`` (one work, or one per piece): ``wait()``
-    blocks until every piece has landed (timed as exposed on ``stats``), then returns
+    """An all-to-all posted with ``async_op=True`` (one work, or one per fragment): ``wait()``
+    blocks until every fragment has landed (timed as exposed on ``stats``), then returns
     ``finish(received)``.
 
-    On the host clock, callbacks on the works' futures note when the last piece landed, so
+    On the host clock, callbacks on the works' futures note when the last fragment landed, so
     ``wait`` can add the time the exchange travelled unobserved to ``stats.hidden_s``.
     """
 
@@ -253,68 +253,68 @@ class InFlight:
         return self._finish(self._received)
 
 
-# The largest piece of a ulysses or ring message to one peer where the axis's groups cross
-# hosts over gloo (``SPMesh.build``'s ``piece_bytes="auto"``). On the simulated cluster's 300 mbit
-# link a two-way exchange ran at 26 ms per MiB in 0.25 MiB messages and at 48-52 ms per MiB
-# in 1.5-3 MiB ones (docs/measurements.md).
-GLOO_PIECE_BYTES = 256 * 1024
+# The largest fragment of a ulysses or ring message to one peer where the axis's groups
+# cross hosts over gloo (``SPMesh.build``'s ``fragment_bytes="auto"``). On the simulated
+# cluster's 300 mbit link a two-way exchange ran at 26 ms per MiB in 0.25 MiB messages and
+# at 48-52 ms per MiB in 1.5-3 MiB ones (docs/measurements.md).
+GLOO_FRAGMENT_BYTES = 256 * 1024
 
 
-def piece_count(block_bytes: int, piece_bytes: int | None) -> int:
-    """Pieces of at most ``piece_bytes`` that a message of ``block_bytes`` to one peer is
-    cut into (1: sent whole; ``piece_bytes`` None or 0: never cut)."""
-    if not piece_bytes or block_bytes <= piece_bytes:
+def fragment_count(block_bytes: int, fragment_bytes: int | None) -> int:
+    """Fragments of at most ``fragment_bytes`` that a message of ``block_bytes`` to one peer is
+    cut into (1: sent whole; ``fragment_bytes`` None or 0: never cut)."""
+    if not fragment_bytes or block_bytes <= fragment_bytes:
         return 1
-    return -(-block_bytes // piece_bytes)
+    return -(-block_bytes // fragment_bytes)
 
 
 def post_all_to_all(send: torch.Tensor, received: torch.Tensor, group, stats: CommStats,
                     axis: str, nbytes: int, finish: Callable[[torch.Tensor], torch.Tensor],
                     recv_sizes: list[int] | None = None,
-                    send_sizes: list[int] | None = None, pieces: int = 1) -> InFlight:
+                    send_sizes: list[int] | None = None, fragments: int = 1) -> InFlight:
     """Post ``all_to_all_single(received, send, recv_sizes, send_sizes)`` on ``group`` without
     waiting, recording ``nbytes`` sent to other ranks on ``axis``; ``finish`` maps the
     received buffer to the result ``wait()`` returns.
 
-    ``pieces > 1`` cuts every peer's block into that many runs and posts one all-to-all per
+    ``fragments > 1`` cuts every peer's block into that many runs and posts one all-to-all per
     run, back to back (``calls`` counts each; the bytes are the same): on gloo over a slow
     TCP link, a two-way exchange of a large message runs well under the link rate, and the
     same bytes in messages of a few hundred KiB run near it (docs/performance.md). Every
-    rank of the group must pass the same ``pieces``.
+    rank of the group must pass the same ``fragments``.
     """
-    if pieces == 1:
+    if fragments == 1:
         with naming_collectives(axis, group):
             work = dist.all_to_all_single(received, send, recv_sizes, send_sizes, group=group,
                                           async_op=True)
         stats.record(axis, nbytes)
         return InFlight(work, send, received, stats, axis, group, finish)
     n = dist.get_world_size(group)
-    if send_sizes is None:  # equal blocks: [n, F] rows, one column run per piece
-        sends = [run.contiguous() for run in send.reshape(n, -1).tensor_split(pieces, dim=1)]
+    if send_sizes is None:  # equal blocks: [n, F] rows, one column run per fragment
+        sends = [run.contiguous() for run in send.reshape(n, -1).tensor_split(fragments, dim=1)]
         recvs = [torch.empty_like(s) for s in sends]
 
-        def gather(out: torch.Tensor) -> torch.Tensor:  # [n, F] from the pieces' columns
+        def gather(out: torch.Tensor) -> torch.Tensor:  # [n, F] from the fragments' columns
             torch.cat(recvs, dim=1, out=out.view(n, -1))
             return out
-        sizes = [(None, None)] * pieces
-    else:  # 1-D with per-peer sizes: run i of every peer's block goes in piece i
-        send_cuts = [even_counts(m, pieces) for m in send_sizes]  # [peer][piece]
-        recv_cuts = [even_counts(m, pieces) for m in recv_sizes]
+        sizes = [(None, None)] * fragments
+    else:  # 1-D with per-peer sizes: run i of every peer's block goes in fragment i
+        send_cuts = [even_counts(m, fragments) for m in send_sizes]  # [peer][fragment]
+        recv_cuts = [even_counts(m, fragments) for m in recv_sizes]
         by_peer = [block.split(cuts) for block, cuts in zip(send.split(send_sizes), send_cuts)]
-        sends = [torch.cat([runs[i] for runs in by_peer]) for i in range(pieces)]
-        sizes = [([c[i] for c in recv_cuts], [c[i] for c in send_cuts]) for i in range(pieces)]
+        sends = [torch.cat([runs[i] for runs in by_peer]) for i in range(fragments)]
+        sizes = [([c[i] for c in recv_cuts], [c[i] for c in send_cuts]) for i in range(fragments)]
         recvs = [send.new_empty(sum(r)) for r, _ in sizes]
 
         def gather(out: torch.Tensor) -> torch.Tensor:  # peer blocks from their runs
-            runs = [r.split(rs) for r, (rs, _) in zip(recvs, sizes)]  # [piece][peer]
+            runs = [r.split(rs) for r, (rs, _) in zip(recvs, sizes)]  # [fragment][peer]
             for j, block in enumerate(out.split(recv_sizes)):
-                torch.cat([runs[i][j] for i in range(pieces)], out=block)
+                torch.cat([runs[i][j] for i in range(fragments)], out=block)
             return out
     works = []
     with naming_collectives(axis, group):
         for s, r, (rs, ss) in zip(sends, recvs, sizes):
             works.append(dist.all_to_all_single(r, s, rs, ss, group=group, async_op=True))
-    for m in even_counts(nbytes, pieces):  # the same bytes, one call per piece
+    for m in even_counts(nbytes, fragments):  # the same bytes, one call per fragment
         stats.record(axis, m)
     return InFlight(works, sends, received, stats, axis, group, lambda out: finish(gather(out)))
 
@@ -325,15 +325,15 @@ def all_to_all_start(
     to_group_rank: list[int] | None,
     stats: CommStats,
     axis: str = "ulysses",
-    piece_bytes: int | None = None,
+    fragment_bytes: int | None = None,
 ) -> InFlight:
     """Post the exchange of chunk ``c`` of dim 0 with the rank at axis coordinate ``c``.
 
     ``x``: [n, ...] where n is the group size (n > 1); chunk c is sent to coordinate c.
     ``wait()`` returns [n, ...] where chunk c came from coordinate c. ``to_group_rank[c]``
     maps a mesh coordinate to the group's rank when they differ (process groups order
-    members by global rank; the mesh may not), else None. ``piece_bytes``: send each
-    chunk in pieces of at most that many bytes (``post_all_to_all``); None: whole.
+    members by global rank; the mesh may not), else None. ``fragment_bytes``: send each
+    chunk in fragments of at most that many bytes (``post_all_to_all``); None: whole.
     """
     n, device = x.shape[0], x.device
     perm = None
@@ -347,9 +347,9 @@ def all_to_all_start(
         # [n(group rank), ...] -> [n(coordinate), ...]
         return out if perm is None else out.index_select(0, perm[1])
 
-    pieces = piece_count(_nbytes(wire) // n, piece_bytes)
+    fragments = fragment_count(_nbytes(wire) // n, fragment_bytes)
     return post_all_to_all(wire, torch.empty_like(wire), group, stats, axis,
-                           _nbytes(wire) * (n - 1) // n, finish, pieces=pieces)
+                           _nbytes(wire) * (n - 1) // n, finish, fragments=fragments)
 
 
 def all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None,
@@ -368,16 +368,16 @@ class RingComm:
     Peers are global ranks (``P2POp`` maps them into ``group``); ``group`` is the ring's
     own process group, so ring traffic does not queue behind other collectives.
 
-    ``piece_bytes``: a message larger than that travels as an exchange on ``group`` in
-    pieces of at most that size (``post_all_to_all``, every other peer's block empty), so
-    that at most the pieces gloo has in flight queue on the link at once; every rank of the
+    ``fragment_bytes``: a message larger than that travels as an exchange on ``group`` in
+    fragments of at most that size (``post_all_to_all``, every other peer's block empty), so
+    that at most the fragments gloo has in flight queue on the link at once; every rank of the
     ring must pass the same value. None: one send and one receive.
     """
 
     def __init__(self, ranks: list[int], index: int, group, stats: CommStats,
-                 axis: str = "ring", piece_bytes: int | None = None):
+                 axis: str = "ring", fragment_bytes: int | None = None):
         self.ranks, self.index, self.group = list(ranks), index, group
-        self.stats, self.axis, self.piece_bytes = stats, axis, piece_bytes
+        self.stats, self.axis, self.fragment_bytes = stats, axis, fragment_bytes
 
     def start(self, send: torch.Tensor, tag: int = 0, shift: int = 1):
         """Post the send of ``send`` to the rank ``shift`` places on and the receive of an
@@ -387,8 +387,8 @@ class RingComm:
         send = on_wire(send.contiguous(), self.group)
         n = len(self.ranks)
         to, frm = self.ranks[(self.index + shift) % n], self.ranks[(self.index - shift) % n]
-        pieces = piece_count(_nbytes(send), self.piece_bytes)
-        if pieces > 1:  # [numel] to ``to`` only, [numel] from ``frm`` only, in pieces
+        fragments = fragment_count(_nbytes(send), self.fragment_bytes)
+        if fragments > 1:  # [numel] to ``to`` only, [numel] from ``frm`` only, in fragments
             send_sizes, recv_sizes = [0] * n, [0] * n
             send_sizes[dist.get_group_rank(self.group, to)] = send.numel()
             recv_sizes[dist.get_group_rank(self.group, frm)] = send.numel()
@@ -396,7 +396,7 @@ class RingComm:
             return post_all_to_all(send.reshape(-1), torch.empty_like(send).reshape(-1),
                                    self.group, self.stats, self.axis, _nbytes(send),
                                    lambda out: out.view(shape).to(device), recv_sizes,
-                                   send_sizes, pieces=pieces)
+                                   send_sizes, fragments=fragments)
         recv = torch.empty_like(send)
         ops = [dist.P2POp(dist.isend, send, to, self.group, tag),
                dist.P2POp(dist.irecv, recv, frm, self.group, tag)]

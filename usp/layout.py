@@ -18,7 +18,7 @@ class SequenceLayout:
     """Token ownership for one sequence length on one mesh.
 
     ``shard`` / ``gather`` convert between the global ``[..., L, ...]`` tensor and this
-    rank's ``[..., L/P, ...]`` piece (P = ring x ulysses); ``positions()`` gives the global
+    rank's ``[..., L/P, ...]`` share (P = ring x ulysses); ``positions()`` gives the global
     position ids of this rank's tokens (not contiguous under zigzag), for RoPE.
     """
 

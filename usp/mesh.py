@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .comm import GLOO_PIECE_BYTES, CommStats, check_agreement
+from .comm import GLOO_FRAGMENT_BYTES, CommStats, check_agreement
 from .compat import flatten_mesh, process_group_alive, release_device_mesh
-from .validate import (check_a2a_setting, check_degrees, check_piece_bytes, check_placement,
+from .validate import (check_a2a_setting, check_degrees, check_fragment_bytes, check_placement,
                        check_ranks_per_node)
 
 AXES = ("dp", "ring", "ulysses")
@@ -66,7 +66,7 @@ class SPMesh:
     The mesh also carries how its ulysses all-to-alls travel, which ``usp_attention`` uses
     when the call does not say: ``a2a_chunks`` (pipeline stages: an int, or ``"auto"``,
     see ``usp.dims.stages.default_a2a_chunks``), and how messages of each axis travel:
-    ``piece_bytes_for(axis)``, the largest message piece, or None for whole messages (see
+    ``fragment_bytes_for(axis)``, the largest message fragment, or None for whole messages (see
     ``build``).
 
     ``mesh.close()`` (or a ``with SPMesh.build(...) as mesh:`` block) before
@@ -84,7 +84,7 @@ class SPMesh:
     flat_meshes: dict[str, DeviceMesh] = field(default_factory=dict)  # sp, dp_sp
     comm: CommStats = field(default_factory=CommStats)
     a2a_chunks: int | str = "auto"
-    piece_bytes: int | str | None = "auto"
+    fragment_bytes: int | str | None = "auto"
     _cache: dict = field(default_factory=dict, repr=False)
     _closed: bool = field(default=False, repr=False)
     _owned: _Owned | None = field(default=None, repr=False, compare=False)
@@ -105,7 +105,7 @@ class SPMesh:
         hosts: list[str] | None = None,
         device_type: str | None = None,
         a2a_chunks: int | str = "auto",
-        piece_bytes: int | str | None = "auto",
+        fragment_bytes: int | str | None = "auto",
     ) -> "SPMesh":
         """Discover hosts, lay ranks out and create the DeviceMesh (collective: all ranks call).
 
@@ -113,10 +113,10 @@ class SPMesh:
         consecutive ranks; ``hosts`` gives the host name of every rank explicitly.
         ``a2a_chunks``: the attention calls' default pipeline depth (an int, or ``"auto"``:
         1 while every ulysses group stays inside a host, else pipelined; usp-train passes
-        the planner's count). ``piece_bytes``: ``"auto"`` cuts the ulysses and ring
-        messages of an axis whose groups cross hosts over gloo into pieces of
-        ``comm.GLOO_PIECE_BYTES`` (large two-way TCP exchanges run under the link rate),
-        and sends the others whole; an int sets the piece size everywhere, None never cuts.
+        the planner's count). ``fragment_bytes``: ``"auto"`` cuts the ulysses and ring
+        messages of an axis whose groups cross hosts over gloo into fragments of
+        ``comm.GLOO_FRAGMENT_BYTES`` (large two-way TCP exchanges run under the link rate),
+        and sends the others whole; an int sets the fragment size everywhere, None never cuts.
         Invalid degrees raise ``ValueError`` before any collective runs.
         """
         if not dist.is_initialized():
@@ -126,14 +126,14 @@ class SPMesh:
         check_placement(placement)
         check_ranks_per_node(world, ranks_per_node)
         check_a2a_setting(a2a_chunks)
-        check_piece_bytes(piece_bytes)
+        check_fragment_bytes(fragment_bytes)
         if hosts is not None and len(hosts) != world:
             raise ValueError(f"hosts lists {len(hosts)} ranks but the world size is {world}")
         # different degrees per rank would build mismatched groups and hang: agree first
         check_agreement("SPMesh.build(ulysses, ring, dp, placement, ranks_per_node, hosts, "
-                        "a2a_chunks, piece_bytes)", (ulysses, ring, dp, placement,
+                        "a2a_chunks, fragment_bytes)", (ulysses, ring, dp, placement,
                                                      ranks_per_node, hosts, a2a_chunks,
-                                                     piece_bytes))
+                                                     fragment_bytes))
         hosts = list(hosts) if hosts is not None else cls._discover_hosts(world, ranks_per_node)
         ranks = mesh_ranks(hosts, dp, ring, ulysses, placement)
         if device_type is None:
@@ -142,7 +142,7 @@ class SPMesh:
         flat = {"sp": flatten_mesh(dm[("ring", "ulysses")], "sp"),
                 "dp_sp": flatten_mesh(dm, "dp_sp")}
         mesh = cls(ulysses, ring, dp, placement, ranks, hosts, dm, flat, a2a_chunks=a2a_chunks,
-                   piece_bytes=piece_bytes)
+                   fragment_bytes=fragment_bytes)
         mesh._warn_if_ulysses_spans_nodes()
         return mesh
 
@@ -169,16 +169,16 @@ class SPMesh:
         """Whether some ulysses group of the mesh spans several hosts."""
         return self.crosses_hosts("ulysses")
 
-    def piece_bytes_for(self, axis: str) -> int | None:
-        """The largest piece of one message to one peer on ``axis`` (ulysses or ring), or
-        None when messages go whole: ``piece_bytes`` when it is a number; for ``"auto"``,
-        ``comm.GLOO_PIECE_BYTES`` when the axis's groups cross hosts over gloo."""
-        if self.piece_bytes != "auto":
-            return self.piece_bytes
-        key = ("pieces", axis)
+    def fragment_bytes_for(self, axis: str) -> int | None:
+        """The largest fragment of one message to one peer on ``axis`` (ulysses or ring), or
+        None when messages go whole: ``fragment_bytes`` when it is a number; for ``"auto"``,
+        ``comm.GLOO_FRAGMENT_BYTES`` when the axis's groups cross hosts over gloo."""
+        if self.fragment_bytes != "auto":
+            return self.fragment_bytes
+        key = ("fragments", axis)
         if key not in self._cache:  # asked on every attention call: decided once
             gloo = self.crosses_hosts(axis) and dist.get_backend(self.group(axis)) == "gloo"
-            self._cache[key] = GLOO_PIECE_BYTES if gloo else None
+            self._cache[key] = GLOO_FRAGMENT_BYTES if gloo else None
         return self._cache[key]
 
     def _warn_if_ulysses_spans_nodes(self) -> None:

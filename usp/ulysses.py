@@ -24,7 +24,7 @@ from math import prod
 import torch
 import torch.distributed as dist
 
-from .comm import CommStats, InFlight, all_to_all_start, on_wire, piece_count, post_all_to_all
+from .comm import CommStats, InFlight, all_to_all_start, on_wire, fragment_count, post_all_to_all
 from .dims.heads import HeadSplit, head_split
 
 
@@ -45,12 +45,12 @@ def kv_send_index(split: HeadSplit, device: torch.device) -> torch.Tensor | None
 def all_to_all_v_start(send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int],
                        group: dist.ProcessGroup | None, to_group_rank: list[int] | None,
                        stats: CommStats, axis: str = "ulysses",
-                       piece_bytes: int | None = None) -> InFlight:
+                       fragment_bytes: int | None = None) -> InFlight:
     """Post an exchange of chunks of different sizes: ``send`` is 1-D, its chunk c
     (``send_sizes[c]`` elements, in coordinate order) goes to coordinate c. ``wait()``
     returns 1-D [sum recv_sizes], chunk c (``recv_sizes[c]`` elements) from coordinate c.
     ``to_group_rank`` as in ``comm.all_to_all``. Records the bytes sent to other ranks.
-    ``piece_bytes``: cut the exchange into pieces so that no chunk's piece exceeds it
+    ``fragment_bytes``: cut the exchange into fragments so that no chunk's fragment exceeds it
     (``comm.post_all_to_all``); every rank must then have the same largest chunk.
     """
     device = send.device
@@ -73,7 +73,8 @@ def all_to_all_v_start(send: torch.Tensor, send_sizes: list[int], recv_sizes: li
     largest = max(*send_sizes, *recv_sizes) * wire.element_size()
     return post_all_to_all(wire, wire.new_empty(sum(recv_sizes)), group, stats, axis,
                            (wire.numel() - own) * wire.element_size(), finish,
-                           recv_sizes, send_sizes, pieces=piece_count(largest, piece_bytes))
+                           recv_sizes, send_sizes,
+                           fragments=fragment_count(largest, fragment_bytes))
 
 
 class _Axis:
@@ -81,21 +82,21 @@ class _Axis:
 
     ``split`` is the call's ``head_split``: ``SeqToHead`` (or ``PipelinedAttention``) sets
     it from the q/k head counts and ``HeadToSeq`` reads it (one ``_Axis`` per call).
-    ``piece_bytes``: the largest piece of one message to one peer (``comm.post_all_to_all``;
-    the mesh's ``piece_bytes_for("ulysses")``), used when the split is even, so that every rank cuts
-    its messages alike; None: messages go whole.
+    ``fragment_bytes``: the largest fragment of one message to one peer
+    (``comm.post_all_to_all``; the mesh's ``fragment_bytes_for("ulysses")``), used when the
+    split is even, so that every rank cuts its messages alike; None: messages go whole.
     """
 
     def __init__(self, size, group, to_group_rank, stats: CommStats,
-                 piece_bytes: int | None = None):
+                 fragment_bytes: int | None = None):
         self.size, self.group, self.to_group_rank, self.stats = size, group, to_group_rank, stats
-        self.piece_bytes = piece_bytes
+        self.fragment_bytes = fragment_bytes
         self.split: HeadSplit | None = None
 
     @property
-    def _pieces(self) -> int | None:
-        """``piece_bytes`` when every rank's blocks are alike (an even split), else None."""
-        return self.piece_bytes if self.split is not None and self.split.even else None
+    def _fragments(self) -> int | None:
+        """``fragment_bytes`` when every rank's blocks are alike (an even split), else None."""
+        return self.fragment_bytes if self.split is not None and self.split.even else None
 
     @property
     def rank(self) -> int:
@@ -125,7 +126,7 @@ class _Axis:
                 off += n
             # [u(src), ...] back: per source, its [q | k | v] block
             return _Exchange(all_to_all_start(buf, self.group, self.to_group_rank, self.stats,
-                                              piece_bytes=self._pieces), recv, None)
+                                              fragment_bytes=self._fragments), recv, None)
         send_sizes = [sum(p[j].numel() for p in send) for j in range(u)]
         buf = send[0][0].new_empty(sum(send_sizes))  # [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]
         off = 0
@@ -136,7 +137,7 @@ class _Axis:
         recv_sizes = [sum(prod(shapes[i]) for shapes in recv) for i in range(u)]
         return _Exchange(all_to_all_v_start(buf, send_sizes, recv_sizes, self.group,
                                             self.to_group_rank, self.stats,
-                                            piece_bytes=self._pieces), recv, recv_sizes)
+                                            fragment_bytes=self._fragments), recv, recv_sizes)
 
 
 class _Exchange:

@@ -87,12 +87,12 @@ def check_a2a_setting(chunks, who: str = "a2a_chunks") -> None:
                          f"(blocking all-to-alls)")
 
 
-def check_piece_bytes(piece_bytes) -> None:
-    """``piece_bytes`` is a message piece size: a positive int, ``"auto"`` or None (whole)."""
-    if piece_bytes not in (None, "auto") and (isinstance(piece_bytes, bool)
-                                               or not isinstance(piece_bytes, int)
-                                               or piece_bytes < 1):
-        raise ValueError(f"piece_bytes={piece_bytes!r} must be a positive number of bytes, "
+def check_fragment_bytes(fragment_bytes) -> None:
+    """``fragment_bytes`` is a message fragment size: a positive int, ``"auto"`` or None (whole)."""
+    if fragment_bytes not in (None, "auto") and (isinstance(fragment_bytes, bool)
+                                               or not isinstance(fragment_bytes, int)
+                                               or fragment_bytes < 1):
+        raise ValueError(f"fragment_bytes={fragment_bytes!r} must be a positive number of bytes, "
                          f"auto or None (messages whole)")
 
 

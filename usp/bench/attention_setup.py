@@ -76,7 +76,7 @@ class AttentionBench:
     a2a_chunks: tuple[int | str, ...] = (1,)
     # how messages travel, a row each: "auto" (the mesh's default: ulysses and ring messages
     # in pieces where their groups cross hosts over gloo) and/or "whole"
-    # (SPMesh.build(piece_bytes=None))
+    # (SPMesh.build(fragment_bytes=None))
     pieces: tuple[str, ...] = ("auto",)
 
     def __post_init__(self) -> None:
