@@ -53,7 +53,12 @@ def default_a2a_chunks(setting, crosses_hosts: bool, num_q_heads: int, num_kv_he
                        ulysses: int) -> int:
     """The pipeline depth a mesh's ``a2a_chunks`` setting means for these heads: an int is
     checked (``check_a2a_chunks``); ``"auto"`` is 1 when every ulysses group stays inside a
-    host, else ``AUTO_STAGES_ACROSS_HOSTS`` or the most query heads a rank holds if fewer."""
+    host, else ``AUTO_STAGES_ACROSS_HOSTS`` or the most query heads a rank holds if fewer.
+
+    The one rule ``usp_attention`` applies to the mesh's setting (``ParallelDims.a2a_chunks``).
+    Where a cluster is known (``usp-train``), the planner prices the count instead
+    (``usp.planner.cost.choose_a2a_chunks``) and the run puts that int in the mesh's dims;
+    ``"auto"`` reaches this default only from a mesh a library user built with it."""
     if setting != "auto":
         return check_a2a_chunks(setting, num_q_heads, num_kv_heads, ulysses)
     if not crosses_hosts or ulysses == 1:
