@@ -18,6 +18,7 @@ LAYERS = (
     ("dims",),  # the pure layer: no torch.distributed (test_pure_layer.py)
     ("comm",),
     ("kernels",),
+    ("mesh_exit",),
     ("mesh", "layout"),
     ("masks",),
     ("ring", "ulysses", "ring_flash"),
