@@ -56,6 +56,8 @@ def _mesh_worker():
         ):
             with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
                 SPMesh.build(**kw)
+        with pytest.raises(ValueError, match=r"= 2 != world size 4; use ParallelDims"):
+            SPMesh.from_dims(ParallelDims(dp=1, ring=1, ulysses=2))
     finally:
         dist.all_gather_object = real
 
