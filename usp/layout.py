@@ -19,7 +19,8 @@ class SequenceLayout:
 
     ``shard`` / ``gather`` convert between the global ``[..., L, ...]`` tensor and this
     rank's ``[..., L/P, ...]`` share (P = ring x ulysses); ``positions()`` gives the global
-    position ids of this rank's tokens (not contiguous under zigzag), for RoPE.
+    position ids of this rank's tokens (not contiguous under zigzag), for RoPE. ``owner``
+    is the mesh-free ``usp.dims.tokens.Ownership`` it applies.
     """
 
     def __init__(self, mesh: SPMesh, seq_len: int, balance: str = "zigzag"):
