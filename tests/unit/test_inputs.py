@@ -16,7 +16,7 @@ import usp.launch
 from usp.config import ModelConfig
 from usp.planner import ClusterSpec, plan
 from usp.run import resolve_run
-from usp.ulysses import check_heads
+from usp.dims.heads import check_heads
 
 
 @pytest.fixture(scope="module")

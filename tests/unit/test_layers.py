@@ -13,9 +13,12 @@ PACKAGE = ROOT / "usp"
 
 # usp.<first name> -> layer, bottom first; a module imports from its own layer or below
 LAYERS = (
-    ("compat", "comm"),
+    ("compat",),
     ("validate", "config"),
+    ("dims",),  # the pure layer: no torch.distributed (test_pure_layer.py)
+    ("comm",),
     ("kernels",),
+    ("mesh_exit",),
     ("mesh", "layout"),
     ("masks",),
     ("ring", "ulysses", "ring_flash"),

@@ -22,7 +22,7 @@ from usp.planner import (
 from usp.config.cluster import GiB, cluster_dir
 from usp.planner.cost import attention_cost, best_a2a_chunks, layer_matmul_params, layer_params
 from usp.validate import check_seq_len
-from usp.ulysses import check_heads
+from usp.dims.heads import check_heads
 
 LLAMA3_8B = ModelConfig(
     vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,

@@ -55,7 +55,7 @@ def test_resolved_layout_holds_every_decision():
     assert (run.world, run.dp, run.ring, run.ulysses, run.sp) == (8, 2, 2, 2, 4)
     assert (run.a2a_chunks, run.device, run.dtype, run.ranks_per_node) == (2, "cpu", "bf16", 4)
     assert (run.global_batch, run.tokens_per_step) == (6, 6 * 128)
-    assert run.attention_options() == dict(kernel="torch", ring_impl="usp", a2a_chunks=2)
+    assert run.attention_options() == dict(kernel="torch", ring_impl="usp")  # stages: the mesh's
     assert cfg.parallel.a2a_chunks == 2 and cfg.parallel.dp_degree is None  # config untouched
     with pytest.raises(dataclasses.FrozenInstanceError):
         run.ulysses = 4

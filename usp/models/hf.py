@@ -46,7 +46,7 @@ from ..attention import usp_attention
 from ..data.packing import IGNORE_INDEX, document_positions, packed_rows
 from ..layout import SequenceLayout
 from ..mesh import SPMesh
-from ..ulysses import check_heads
+from ..dims.heads import check_heads
 
 __all__ = ["UspAttention", "causal_lm_loss", "global_batch", "layer_windows", "patch",
            "shard_batch", "unpatch"]

@@ -38,9 +38,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ModelConfig
-from ..ulysses import check_a2a_chunks
+from ..dims.stages import check_a2a_chunks
 from ..validate import BALANCES
-from ..ulysses import check_heads, head_split
+from ..dims.heads import check_heads, head_split
 from ..config.cluster import ClusterSpec
 from .cluster import GroupSpan, group_span
 from .memory import CheckpointPolicy, memory_split
@@ -308,7 +308,7 @@ def estimate(
     holds all of them at once, on the busiest ulysses rank when the
     heads split unevenly. ``a2a_chunks``: pipeline stages of the ulysses all-to-alls
     (``attention_cost``). Raises ``ValueError`` when the heads cannot split over
-    ``ulysses`` (see ``usp.ulysses.head_split``) or into ``a2a_chunks`` stages.
+    ``ulysses`` (see ``usp.dims.heads.head_split``) or into ``a2a_chunks`` stages.
     """
     L, r, u, P = seq_len, ring, ulysses, ring * ulysses
     world = dp * P

@@ -55,7 +55,7 @@ from dataclasses import dataclass, fields
 
 from ..config import ModelConfig
 from ..validate import seq_multiple
-from ..ulysses import check_heads, head_split
+from ..dims.heads import check_heads, head_split
 
 FP32 = 4
 ADAM_STATE = 16  # bytes/param sharded: fp32 parameter, fp32 gradient, Adam m and v

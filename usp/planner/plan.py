@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from ..config import ModelConfig
 from ..validate import check_degrees, check_placement, check_seq_len
-from ..ulysses import check_heads, head_split
+from ..dims.heads import check_heads, head_split
 from ..config.cluster import GiB, ClusterSpec
 from .cluster import group_span
 from .cost import StepCost, choose_a2a_chunks, estimate

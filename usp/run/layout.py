@@ -78,5 +78,6 @@ class RunLayout:
                             a2a_chunks=self.a2a_chunks)
 
     def attention_options(self) -> dict:
-        """``usp_attention``'s keywords that the run decides (mesh and layout aside)."""
-        return dict(kernel=self.kernel, ring_impl=self.ring_impl, a2a_chunks=self.a2a_chunks)
+        """``usp_attention``'s keywords that the run decides (mesh and layout aside; the
+        a2a stages travel in the mesh, ``build_mesh``)."""
+        return dict(kernel=self.kernel, ring_impl=self.ring_impl)

@@ -13,7 +13,7 @@ from ..config import ModelConfig, RunConfig
 from ..data.dataset import build_dataset, build_validation
 from ..masks import check_masks
 from ..models.hf_model import check_pretrained
-from ..ulysses import check_heads
+from ..dims.heads import check_heads
 from ..validate import check_kernel, check_seq_len
 from .layout import RunLayout
 
