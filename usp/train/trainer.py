@@ -26,8 +26,9 @@ from ..mesh import SPMesh
 from ..models.llama import Transformer, flops_per_token
 from ..models.offload import ActivationOffload, StreamCopier
 from ..models.tiling import lm_loss
-from ..models.checkpoint import choose_checkpoint, load_checkpoint, run_fingerprint, save_checkpoint
+from ..models.checkpoint import choose_checkpoint, load_checkpoint, save_checkpoint
 from ..models.export import save_model_config, save_tokenizer
+from .fingerprint import run_fingerprint
 from .faults import NonFiniteGuard, Preempted, Preemption
 from .metrics import MetricsLogger, PeakMemory
 from ..data.dataset import TrainingData, build_dataset, build_validation, source_names
