@@ -37,7 +37,7 @@ def _reference(cfg: RunConfig) -> None:
     from usp.data.dataset import build_dataset
     from usp.layout import SequenceLayout
     from usp.run import resolve_run
-    from usp.train.trainer import forward, loss_and_predictions
+    from usp.train.forward import forward, loss_and_predictions
 
     run = resolve_run(cfg, dist.get_world_size(), "cpu")
     seq_len = cfg.data.seq_len

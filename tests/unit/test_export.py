@@ -10,7 +10,7 @@ from dataclasses import asdict
 import pytest
 
 from usp.models.export import MODEL_CONFIG, TOKENIZER_DIR, load_model_config, main
-from usp.train.trainer import record_for_export
+from usp.train.build import record_for_export
 
 from _export_runs import MODEL, TEXT, corpus, memmap, run_cfg
 

@@ -33,7 +33,9 @@ from usp.data.packing import Batch
 from usp.layout import SequenceLayout
 from usp.mesh import SPMesh
 from usp.models.llama import Transformer
-from usp.train.trainer import loss_and_predictions, shard_model, step_loss
+from usp.train.build import shard_model
+from usp.train.forward import loss_and_predictions
+from usp.train.trainer import step_loss
 
 from .cluster_bench import PER_NODE
 from .deepspeed_ulysses import deepspeed_calls, import_deepspeed

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import signal
 import sys
 import time
@@ -13,87 +12,23 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ..attention import usp_attention
 from ..comm import naming_collectives
-from ..config import MemmapData, OptimConfig, RunConfig, torch_dtype
-from ..data.files import tokenizer_dir
-from ..data.packing import Batch
+from ..config import MemmapData, RunConfig
 from ..layout import SequenceLayout
 from ..mesh import SPMesh
 from ..models.llama import Transformer, flops_per_token
 from ..models.offload import ActivationOffload, StreamCopier
-from ..models.tiling import lm_loss
 from ..models.checkpoint import choose_checkpoint, load_checkpoint, save_checkpoint
-from ..models.export import save_model_config, save_tokenizer
+from .build import _hf_model, lr_lambda, record_for_export, shard_model
 from .fingerprint import run_fingerprint
+from .forward import loss_and_predictions
+from .validator import _validate, evaluate
 from .faults import NonFiniteGuard, Preempted, Preemption
 from .metrics import MetricsLogger, PeakMemory
-from ..data.dataset import TrainingData, build_dataset, build_validation, source_names
+from ..data.dataset import build_dataset, build_validation, source_names
 from ..run import RunLayout, resolve_run_group
-
-
-def lr_lambda(cfg: OptimConfig, steps: int):
-    """Linear warmup to ``lr``, then cosine down to ``min_lr`` at the last step."""
-
-    def f(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        t = (step - cfg.warmup_steps) / max(1, steps - cfg.warmup_steps)
-        floor = cfg.min_lr / cfg.lr
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
-
-    return f
-
-
-def shard_model(model, mesh: DeviceMesh, dtype: str, blocks=None) -> None:
-    """FSDP2-shard ``model`` in place over ``mesh``: every block (default ``model.layers``;
-    a transformers model's are ``model.model.layers``), then the root (embedding, final
-    norm, output).
-
-    ``dtype="bf16"``: parameters are all-gathered in bf16 and forward and backward compute
-    in bf16; the sharded parameters, their gradients (reduce-scattered in fp32) and so the
-    optimizer state stay fp32. ``dtype="fp32"``: no casts at all.
-    """
-    compute = torch_dtype(dtype)  # ValueError for a name trainer.dtype does not take
-    mp = MixedPrecisionPolicy()
-    if compute != torch.float32:
-        # cast_forward_inputs=False: a block's float inputs are h, already bf16 (it starts at
-        # the bf16 embedding), and the RoPE tables cos/sin, which stay fp32 for apply_rope.
-        mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32,
-                                  cast_forward_inputs=False)
-    for block in model.layers if blocks is None else blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-
-
-def _is_hf(model) -> bool:
-    """A transformers model (FSDP keeps the class as a base); transformers is imported
-    only when one was built."""
-    hf = sys.modules.get("transformers")
-    return hf is not None and isinstance(model, hf.PreTrainedModel)
-
-
-def _rope(batch: Batch, positions: torch.Tensor) -> torch.Tensor:
-    """The RoPE positions: the row's global ``positions`` [L/P], or each token's place in
-    its document when the batch carries ``doc_positions`` [B, L/P]."""
-    return positions if batch.doc_positions is None else batch.doc_positions
-
-
-def forward(model, batch: Batch, positions: torch.Tensor) -> torch.Tensor:
-    """logits [B, L/P, V] of this rank's ``batch`` (on the model's device), at the RoPE
-    positions of ``_rope``; ``segment_ids`` only when documents are packed. A transformers
-    model (``model.hf``) takes them as ``position_ids`` [B, L/P]."""
-    rope = _rope(batch, positions)
-    if _is_hf(model):
-        ids = {} if batch.segment_ids is None else {"segment_ids": batch.segment_ids}
-        return model(input_ids=batch.tokens, position_ids=rope.expand(batch.tokens.shape),
-                     use_cache=False, **ids).logits
-    if batch.segment_ids is None:
-        return model(batch.tokens, rope)
-    return model(batch.tokens, rope, batch.segment_ids)
 
 
 def step_loss(loss_sum: torch.Tensor, n_shard: int, count: torch.Tensor | float) -> torch.Tensor:
@@ -102,101 +37,6 @@ def step_loss(loss_sum: torch.Tensor, n_shard: int, count: torch.Tensor | float)
     step over dp x sp. FSDP averages gradients over the ``n_shard`` ranks, which undoes
     the scale, so the step's gradient is that of sum over ranks of loss_sum / count."""
     return loss_sum * (n_shard / count)
-
-
-def loss_and_predictions(model, batch: Batch, positions: torch.Tensor):
-    """(loss_sum, predictions) of this rank's ``batch``: the summed cross-entropy of its
-    labelled tokens (0-dim fp32) and each token's argmax [B, L/P] long. The built-in
-    ``Transformer`` computes both itself (so ``model.loss_chunk`` can keep whole logits from
-    existing); any other model's logits (``forward``) go through the same loss
-    (``usp.models.tiling.lm_loss``)."""
-    if not isinstance(model, Transformer):
-        return lm_loss(forward(model, batch, positions), batch.labels)
-    return model(batch.tokens, _rope(batch, positions), batch.segment_ids, labels=batch.labels)
-
-
-@torch.no_grad()
-def evaluate(model, data: TrainingData, batch_per_dp_rank: int, mesh: SPMesh, positions,
-             device) -> float:
-    """Answer accuracy on ``data.eval_batches`` batches no training step has drawn (held out)."""
-    model.eval()
-    hits = torch.zeros(2, dtype=torch.float64, device=device)
-    for i in range(data.eval_batches):
-        b = data.model_batch(10**6 + i, batch_per_dp_rank, mesh.dp_rank, mesh.dp,
-                             positions=positions).to(device)
-        _, predictions = loss_and_predictions(model, b, positions)
-        correct, answers = data.answer_accuracy(predictions, b.labels)
-        hits += torch.tensor([correct, answers], dtype=torch.float64, device=device)
-    dist.all_reduce(hits, group=mesh.group("dp_sp"))
-    model.train()
-    return (hits[0] / hits[1].clamp(min=1)).item()
-
-
-@torch.no_grad()
-def validation_loss(model, val: TrainingData, windows: int, batch_per_dp_rank: int,
-                    mesh: SPMesh, positions, device) -> float:
-    """Mean cross-entropy per target token on the first ``windows`` windows of the
-    validation split, whatever the dp split: dp rank r scores windows ``first + r*b ...``
-    of each round; a rank short of windows in the last round scores a window with every
-    label ignored (it must still join every collective of the forward)."""
-    model.eval()
-    b, dp = batch_per_dp_rank, mesh.dp
-    sums = torch.zeros(2, dtype=torch.float64, device=device)
-    for first in range(0, windows, b * dp):
-        ids = torch.arange(first + mesh.dp_rank * b, first + (mesh.dp_rank + 1) * b)
-        real = ids < windows
-        batch = val.model_windows(torch.where(real, ids, 0).numpy(), positions)
-        batch.labels[~real] = -100  # [B, L/P]: rows past the last window count for nothing
-        batch = batch.to(device)
-        loss_sum, _ = loss_and_predictions(model, batch, positions)
-        sums += torch.stack([loss_sum.double(),
-                             (batch.labels != -100).sum().to(torch.float64)])
-    dist.all_reduce(sums, group=mesh.group("dp_sp"))
-    model.train()
-    return (sums[0] / sums[1].clamp(min=1)).item()
-
-
-def _validate(model, val, run: RunLayout, mesh: SPMesh, positions, device) -> dict:
-    """``val_loss`` and ``val_ppl`` of the validation splits ``val`` [(name, weight, split)];
-    for a blend also each source's (``val_loss/<name>``), and ``val_loss`` is their mean by
-    the blend's weights."""
-    out, total, weights = {}, 0.0, 0.0
-    for name, weight, split in val:
-        loss = validation_loss(model, split, split.eval_windows, run.batch_per_dp_rank, mesh,
-                               positions, device)
-        if len(val) > 1:
-            out[f"val_loss/{name}"] = loss
-        total, weights = total + weight * loss, weights + weight
-    out["val_loss"] = total / weights
-    out["val_ppl"] = math.exp(min(out["val_loss"], 700.0))
-    return out
-
-
-def _hf_model(cfg: RunConfig, run: RunLayout, mesh: SPMesh, layout: SequenceLayout):
-    """(transformers model, its decoder layers): built on every rank alike, its attention
-    routed through usp as ``run`` says; rank 0 writes its config to ``run_dir/hf_config``
-    for export."""
-    from ..models import hf
-    from ..models.export import build_model, save_config
-
-    model = build_model(cfg.model, cfg.trainer.seed)
-    if cfg.trainer.activation_checkpointing:  # the same non-reentrant torch checkpoint
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    hf.patch(model, mesh, layout, **run.attention_options())
-    if dist.get_rank() == 0:
-        save_config(model.config, cfg.trainer.run_dir)
-    return model, model.model.layers
-
-
-def record_for_export(cfg: RunConfig) -> None:
-    """Rank 0, at the start of a run: what ``usp-export`` needs besides the checkpoints, in
-    the run directory: the model group (``model_config.json``) and, for token files with a
-    tokenizer (``data.path`` + ``.tokenizer``), a copy of it (``tokenizer/``)."""
-    save_model_config(cfg.model, cfg.trainer.run_dir)
-    if isinstance(cfg.data, MemmapData):
-        first = cfg.data.sources()[0][0]  # a blend's sources share one tokenizer
-        if tokenizer_dir(first).is_dir():
-            save_tokenizer(tokenizer_dir(first), cfg.trainer.run_dir)
 
 
 FaultHook = Callable[[int, torch.Tensor], torch.Tensor]
