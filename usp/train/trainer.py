@@ -20,6 +20,8 @@ from ..layout import SequenceLayout
 from ..mesh import SPMesh
 from ..models.llama import Transformer, flops_per_token
 from ..models.offload import ActivationOffload, StreamCopier
+from ..data.packing import IGNORE_INDEX
+from ..models.tiling import loss_share
 from ..models.checkpoint import choose_checkpoint, load_checkpoint, save_checkpoint
 from .build import _hf_model, lr_lambda, record_for_export, shard_model
 from .fingerprint import run_fingerprint
@@ -29,14 +31,6 @@ from .faults import NonFiniteGuard, Preempted, Preemption
 from .metrics import MetricsLogger, PeakMemory
 from ..data.dataset import build_dataset, build_validation, source_names
 from ..run import RunLayout, resolve_run_group
-
-
-def step_loss(loss_sum: torch.Tensor, n_shard: int, count: torch.Tensor | float) -> torch.Tensor:
-    """What a rank back-propagates for ``loss_sum``, its summed loss over its labelled
-    tokens: ``loss_sum * n_shard / count`` with ``count`` the labelled tokens of the whole
-    step over dp x sp. FSDP averages gradients over the ``n_shard`` ranks, which undoes
-    the scale, so the step's gradient is that of sum over ranks of loss_sum / count."""
-    return loss_sum * (n_shard / count)
 
 
 FaultHook = Callable[[int, torch.Tensor], torch.Tensor]
@@ -213,7 +207,7 @@ def _loop(cfg: RunConfig, run: RunLayout, position: tuple[int, int], model, opt,
         micro = [data.model_rows(run.samples(consumed, k, mesh.dp_rank), positions).to(device)
                  for k in range(accum)]  # each [B, L/P]
         # Sync: the target tokens of all micro-batches over dp x sp normalise the loss.
-        counts = torch.tensor([float(sum((b.labels != -100).sum().item() for b in micro))],
+        counts = torch.tensor([float(sum((b.labels != IGNORE_INDEX).sum().item() for b in micro))],
                               dtype=torch.float64, device=device)
         loss_total = torch.zeros((), dtype=torch.float64, device=device)
         correct = answers = 0
@@ -229,7 +223,7 @@ def _loop(cfg: RunConfig, run: RunLayout, position: tuple[int, int], model, opt,
                 if fault_hook is not None and k == 0:
                     loss_sum = fault_hook(step + 1, loss_sum)
                 # the micro-batches' gradients add up to the step's
-                step_loss(loss_sum, n_shard, counts[0]).backward()
+                loss_share(loss_sum, counts[0], n_shard).backward()
                 loss_total += loss_sum.detach().double()
                 with torch.no_grad():
                     c, a = data.answer_accuracy(predictions, b.labels)

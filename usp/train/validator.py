@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..data.dataset import TrainingData
+from ..data.packing import IGNORE_INDEX
 from ..mesh import SPMesh
 from ..run import RunLayout
 from .forward import loss_and_predictions
@@ -45,11 +46,11 @@ def validation_loss(model, val: TrainingData, windows: int, batch_per_dp_rank: i
         ids = torch.arange(first + mesh.dp_rank * b, first + (mesh.dp_rank + 1) * b)
         real = ids < windows
         batch = val.model_windows(torch.where(real, ids, 0).numpy(), positions)
-        batch.labels[~real] = -100  # [B, L/P]: rows past the last window count for nothing
+        batch.labels[~real] = IGNORE_INDEX  # [B, L/P]: rows past the last window count for nothing
         batch = batch.to(device)
         loss_sum, _ = loss_and_predictions(model, batch, positions)
         sums += torch.stack([loss_sum.double(),
-                             (batch.labels != -100).sum().to(torch.float64)])
+                             (batch.labels != IGNORE_INDEX).sum().to(torch.float64)])
     dist.all_reduce(sums, group=mesh.group("dp_sp"))
     model.train()
     return (sums[0] / sums[1].clamp(min=1)).item()
