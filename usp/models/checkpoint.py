@@ -154,8 +154,9 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler,
                     fingerprint: dict | None = None) -> Path:
     """Collective: every rank writes and hashes its shards, rank 0 writes ``extra.pt`` and
     the manifest last, renames ``step_K.tmp`` to ``step_K`` and keeps the ``keep`` newest
-    complete checkpoints (always this one). ``fingerprint``: ``usp.train.fingerprint.run_fingerprint(cfg)``,
-    checked by ``load_checkpoint``. Returns the final directory."""
+    complete checkpoints (always this one). ``fingerprint``: the run's
+    (``usp.train.fingerprint.run_fingerprint(cfg)``), checked by ``load_checkpoint``.
+    Returns the final directory."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step:06d}"
     tmp = root / f"step_{step:06d}.tmp"
@@ -196,8 +197,9 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler,
                     fingerprint: dict | None = None) -> dict:
     """Collective: restore model, optimizer, scheduler and this rank's RNG; returns extra.
 
-    ``fingerprint`` (``usp.train.fingerprint.run_fingerprint(cfg)``): checked against the manifest's with
-    ``check_resume`` before anything is loaded (ValueError on every rank alike)."""
+    ``fingerprint`` (``usp.train.fingerprint.run_fingerprint(cfg)``): checked against the
+    manifest's with ``check_resume`` before anything is loaded (ValueError on every rank
+    alike)."""
     path = Path(path)
     if not (path / "extra.pt").exists():
         raise ValueError(f"{path} is not a complete checkpoint (no extra.pt); resume from "

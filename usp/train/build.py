@@ -1,21 +1,25 @@
 """What a run trains, built on every rank alike: the model (built-in or transformers),
-its FSDP2 sharding over dp x sp, the learning-rate schedule; and the records
+its FSDP2 sharding over dp x sp, the optimizer and learning-rate schedule; and the records
 ``usp-export`` needs from the run directory."""
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from ..attention import usp_attention
 from ..config import MemmapData, OptimConfig, RunConfig, torch_dtype
 from ..data.files import tokenizer_dir
 from ..layout import SequenceLayout
 from ..mesh import SPMesh
 from ..models.export import save_model_config, save_tokenizer
+from ..models.llama import Transformer
+from ..models.offload import ActivationOffload, StreamCopier
 from ..run import RunLayout
 
 
@@ -67,6 +71,40 @@ def _hf_model(cfg: RunConfig, run: RunLayout, mesh: SPMesh, layout: SequenceLayo
     if dist.get_rank() == 0:
         save_config(model.config, cfg.trainer.run_dir)
     return model, model.model.layers
+
+
+def sharded_model(cfg: RunConfig, run: RunLayout, mesh: SPMesh, layout: SequenceLayout,
+                  device: torch.device):
+    """The run's model (``cfg.model``: the built-in ``Transformer``, or a transformers model
+    for ``model.hf``) on ``device``, initialised alike on every rank (``trainer.seed``),
+    attention through usp as ``run`` says, then FSDP2-sharded over dp x sp (collective)."""
+    # FSDP averages gradients over the dp x sp ranks; the loss is normalised by the global
+    # token count and scaled by the rank count (models.tiling.loss_share), so the average
+    # is the exact sum. bf16 is FSDP's mixed precision (bf16 compute, fp32 master weights),
+    # not autocast: the ops that need fp32 upcast themselves (RMSNorm, RoPE, attention LSE
+    # and merge, loss).
+    tc = cfg.trainer
+    if cfg.model.hf is None:
+        attn = partial(usp_attention, mesh=mesh, layout=layout, causal=True,
+                       **run.attention_options())
+        offload = ActivationOffload(StreamCopier(device)) if tc.activation_offload else None
+        model = Transformer(cfg.model, attn, checkpoint_activations=tc.activation_checkpointing,
+                            checkpoint_every=tc.checkpoint_every,
+                            checkpoint_part=tc.checkpoint_part, offload=offload)
+        model.init_weights(tc.seed)
+        blocks = model.layers
+    else:
+        model, blocks = _hf_model(cfg, run, mesh, layout)
+    model.to(device)
+    shard_model(model, mesh.submesh("dp_sp"), run.dtype, blocks)
+    return model
+
+
+def optimizer(oc: OptimConfig, model, steps: int):
+    """(AdamW over ``model``'s parameters, its ``lr_lambda`` schedule over ``steps`` steps)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=oc.lr, betas=(oc.beta1, oc.beta2),
+                            weight_decay=oc.weight_decay)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(oc, steps))
 
 
 def record_for_export(cfg: RunConfig) -> None:

@@ -1,5 +1,6 @@
 """Scoring on data no training step draws: the validation loss of the validation splits
-during the run, and the held-out answer accuracy at its end."""
+during the run (``Validator``: ``should_validate``/``validate``), and the held-out answer
+accuracy at its end (``evaluate``)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..data.dataset import TrainingData
+from ..config import DataConfig, MemmapData
+from ..data.dataset import TrainingData, source_names
 from ..data.packing import IGNORE_INDEX
 from ..mesh import SPMesh
-from ..run import RunLayout
 from .forward import loss_and_predictions
 
 
@@ -56,17 +57,46 @@ def validation_loss(model, val: TrainingData, windows: int, batch_per_dp_rank: i
     return (sums[0] / sums[1].clamp(min=1)).item()
 
 
-def _validate(model, val, run: RunLayout, mesh: SPMesh, positions, device) -> dict:
-    """``val_loss`` and ``val_ppl`` of the validation splits ``val`` [(name, weight, split)];
-    for a blend also each source's (``val_loss/<name>``), and ``val_loss`` is their mean by
-    the blend's weights."""
-    out, total, weights = {}, 0.0, 0.0
-    for name, weight, split in val:
-        loss = validation_loss(model, split, split.eval_windows, run.batch_per_dp_rank, mesh,
-                               positions, device)
-        if len(val) > 1:
-            out[f"val_loss/{name}"] = loss
-        total, weights = total + weight * loss, weights + weight
-    out["val_loss"] = total / weights
-    out["val_ppl"] = math.exp(min(out["val_loss"], 700.0))
-    return out
+class Validator:
+    """``trainer.eval_every``: the validation loss of the validation ``splits``
+    [(name, weight, split)] (``usp.data.dataset.build_validation``) every ``every`` steps and
+    at the last step (``last`` = ``trainer.steps``); none when there are no splits.
+
+    ``should_validate(step)`` for 1-based optimizer step ``step``; ``validate(model)`` is
+    collective over dp x sp."""
+
+    def __init__(self, splits: list, every: int, last: int, batch_per_dp_rank: int,
+                 mesh: SPMesh, positions: torch.Tensor, device: torch.device):
+        self.splits, self.every, self.last = splits, every, last
+        self.batch_per_dp_rank, self.mesh = batch_per_dp_rank, mesh
+        self.positions, self.device = positions, device
+
+    def should_validate(self, step: int) -> bool:
+        return bool(self.splits) and (step == self.last
+                                      or bool(self.every and step % self.every == 0))
+
+    def validate(self, model) -> dict:
+        """``val_loss`` and ``val_ppl``; for a blend also each source's (``val_loss/<name>``),
+        and ``val_loss`` is their mean by the blend's weights."""
+        out, total, weights = {}, 0.0, 0.0
+        for name, weight, split in self.splits:
+            loss = validation_loss(model, split, split.eval_windows, self.batch_per_dp_rank,
+                                   self.mesh, self.positions, self.device)
+            if len(self.splits) > 1:
+                out[f"val_loss/{name}"] = loss
+            total, weights = total + weight * loss, weights + weight
+        out["val_loss"] = total / weights
+        out["val_ppl"] = math.exp(min(out["val_loss"], 700.0))
+        return out
+
+
+def missing_splits(dc: DataConfig, splits: list) -> str | None:
+    """The note for token files some of whose sources have no validation split among
+    ``splits`` (so no ``val_loss`` there), or None."""
+    if not isinstance(dc, MemmapData) or len(splits) >= len(dc.sources()):
+        return None
+    scored = {name for name, _, _ in splits}
+    missing = [p for n, (p, _) in zip(source_names(dc), dc.sources()) if n not in scored]
+    return (f"no validation split {', '.join(f'{p}.val.bin' for p in missing)} (or too "
+            "short for one window): no val_loss there; usp-prepare writes one "
+            "(--val-fraction)")
