@@ -11,7 +11,7 @@ import pytest
 
 from usp.models.export import main
 from usp.models.run_records import MODEL_CONFIG, TOKENIZER_DIR, load_model_config
-from usp.train.trainer import record_for_export
+from usp.train.build import record_for_export
 
 from _export_runs import MODEL, TEXT, corpus, memmap, run_cfg
 

@@ -32,9 +32,6 @@ from .checkpoint import step_dirs, verify_checkpoint
 from .hf_model import hf_config
 from .llama_hf import hf_equivalent, hf_names, zero_filled
 from .run_records import HF_CONFIG_DIR, MODEL_CONFIG, TOKENIZER_DIR, load_model_config
-# re-exported for usp.train.trainer until it imports them from their own modules
-from .hf_model import build_model  # noqa: F401
-from .run_records import save_config, save_model_config, save_tokenizer  # noqa: F401
 
 
 def resolve_checkpoint(path: str | Path, log=lambda line: None) -> Path:
