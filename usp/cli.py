@@ -20,13 +20,14 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from .config import DATA_KINDS, ModelConfig, PlanConfig, RunConfig
+from .config import files as config_files
 from .data.dataset import AUTO, data_vocab
 
 # hydra-core 1.4 warns about version_base="1.3" at every start (three lines on every task of
 # a job); 1.3 semantics are what the configs are written for
 warnings.filterwarnings("ignore", message="The version_base parameter is deprecated")
 
-CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
+CONFIG_DIR = str(config_files.CONFIG_DIR)  # configs/ as the package ships it
 
 
 @dataclass
@@ -70,14 +71,6 @@ def register_schemas() -> None:
 
 
 register_schemas()
-
-
-def _check_config_dir() -> None:
-    if not Path(CONFIG_DIR, "train.yaml").exists():
-        raise SystemExit(
-            f"usp: config directory {CONFIG_DIR} not found; install usp from its source "
-            f"checkout with `pip install -e .`"
-        )
 
 
 def unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
@@ -315,7 +308,6 @@ def _train_main(dcfg) -> None:
 
 
 def train_main() -> None:
-    _check_config_dir()
     _train_main()
 
 
@@ -338,7 +330,6 @@ def _plan(cfg: PlanConfig) -> None:
 
 
 def plan_main() -> None:
-    _check_config_dir()
     _plan_main()
 
 
