@@ -9,7 +9,9 @@ refusals read.
   own lines and exit 1. A key the schema lacks gets ``stray_key``'s "did you mean ...?",
   the same words as ``usp.cli.unknown_keys`` for keys added with ``+``.
 
-``HYDRA_FULL_ERROR=1`` set by the user keeps Hydra's full traceback.
+Hydra is asked to raise what it refuses (``HYDRA_FULL_ERROR=1`` while the app runs), so an
+error of the run itself that nothing caught ends with Python's own traceback and exit 1.
+``HYDRA_FULL_ERROR=1`` set by the user keeps Hydra's exceptions as they are.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import os
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import NoReturn
 
+import yaml
 from hydra.core.config_store import ConfigStore
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
@@ -50,7 +54,7 @@ def unknown_key_error(stray: list[str], where: str = "") -> ValueError:
 def cluster_file_overrides(args: list[str]) -> list[str]:
     """``args`` with each ``cluster=PATH`` (a ``.yaml``/``.yml`` file) replaced by
     ``cluster=path:STEM``, the file stored as that option of the ``cluster`` group; the
-    other arguments as they are. ValueError for a file that is not there."""
+    other arguments as they are. ValueError for a file that is not there or not YAML."""
     out = []
     for arg in args:
         key, eq, value = arg.partition("=")
@@ -61,9 +65,12 @@ def cluster_file_overrides(args: list[str]) -> list[str]:
                 raise ValueError(f"cluster={value}: no such file; give the path of a cluster "
                                  f"YAML (the fields of {CONFIG_DIR / 'cluster' / 'h100_ib.yaml'}) "
                                  f"or one of {known}")
+            try:
+                node = OmegaConf.load(path)
+            except (OSError, yaml.YAMLError) as e:
+                raise ValueError(f"cluster={value}: not a readable YAML file: {e}") from e
             arg = f"{key}=path:{path.stem}"
-            ConfigStore.instance().store(group="cluster", name=f"path:{path.stem}",
-                                         node=OmegaConf.load(path))
+            ConfigStore.instance().store(group="cluster", name=arg.partition("=")[2], node=node)
         out.append(arg)
     return out
 
@@ -87,25 +94,27 @@ def config_error(e: Exception) -> ValueError:
         prefix = name[:len(name) - len(str(cause.key))] if name.endswith(str(cause.key)) else ""
         return unknown_key_error([stray_key(name, cause.key, known, prefix)], where)
     head, _, options = text.partition("\n\nAvailable options in ")
-    said = getattr(cause, "msg", None) or str(cause)
-    if cause is not None and cause is not e and said not in head:
+    said = (getattr(cause, "msg", None) or str(cause)) if cause is not None else ""
+    if said not in head:  # OmegaConf's reason, when Hydra's text leaves it out
         head += "\n" + said
     lines = [line.strip().rstrip(":") for line in head.splitlines()
              if line.strip() and not line.strip().startswith(_DETAILS)]
     if options:  # a group option that is in no config folder
         group, _, names = options.partition(":")
+        folder = group.strip("'")
         lines.append(f"options in {group}: {', '.join(names.split())}; an option of your own: "
-                     f"--config-dir DIR with DIR/{group.strip(chr(39))}/NAME.yaml")
+                     f"--config-dir DIR with DIR/{folder}/NAME.yaml")
     return ValueError("; ".join(lines))
 
 
-def run_app(app: Callable[[], None], refuse: Callable[[Exception], None], args: list[str]) -> None:
+def run_app(app: Callable[[], None], refuse: Callable[[Exception], NoReturn],
+            args: list[str]) -> None:
     """Run the Hydra app ``app`` on the command line ``args`` (rewritten in place by
     ``cluster_file_overrides``); a config it cannot compose goes to ``refuse`` as
     ``config_error``'s ValueError."""
     try:
         args[:] = cluster_file_overrides(args)
-    except (ValueError, OSError, OmegaConfBaseException) as e:  # the file: missing, unreadable
+    except ValueError as e:  # a cluster file missing or unreadable
         refuse(e)
     user = os.environ.get("HYDRA_FULL_ERROR")
     try:
