@@ -1,13 +1,13 @@
 """Command-line entry points: ``usp-train`` and ``usp-plan`` (Hydra).
 
-The only module that touches Hydra/OmegaConf: it composes ``configs/`` (+ ``recipes/``),
-validates against the structured schemas below, and hands typed dataclasses to the library.
+The only modules that touch Hydra/OmegaConf, with ``usp.hydra_app`` (how the app runs and
+how Hydra's refusals read): it composes ``configs/`` (+ ``recipes/``), validates against the
+structured schemas below, and hands typed dataclasses to the library.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import gc
 import sys
 import warnings
@@ -20,13 +20,15 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from .config import DATA_KINDS, ModelConfig, PlanConfig, RunConfig
+from .config import files as config_files
 from .data.dataset import AUTO, data_vocab
+from .hydra_app import run_app, stray_key, unknown_key_error
 
 # hydra-core 1.4 warns about version_base="1.3" at every start (three lines on every task of
 # a job); 1.3 semantics are what the configs are written for
 warnings.filterwarnings("ignore", message="The version_base parameter is deprecated")
 
-CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
+CONFIG_DIR = str(config_files.CONFIG_DIR)  # configs/ as the package ships it
 
 
 @dataclass
@@ -72,32 +74,28 @@ def register_schemas() -> None:
 register_schemas()
 
 
-def _check_config_dir() -> None:
-    if not Path(CONFIG_DIR, "train.yaml").exists():
-        raise SystemExit(
-            f"usp: config directory {CONFIG_DIR} not found; install usp from its source "
-            f"checkout with `pip install -e .`"
-        )
+def unknown_keys(node, prefix: str = "") -> list[str]:
+    """Dotted keys of ``node`` (a DictConfig) that its dataclass schema lacks, also inside
+    dicts and lists of dicts (``data.blend[0].foo``).
 
-
-def unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
-    """Dotted keys of ``node`` that its dataclass schema lacks.
-
-    Hydra's struct mode refuses ``trainer.foo=1``, but ``+trainer.foo=1`` opens the node to
-    add the key and ``OmegaConf.to_object`` then sets it as a stray attribute nobody reads.
+    Hydra refuses ``trainer.foo=1`` itself (``usp.hydra_app.config_error`` words it), but
+    ``+trainer.foo=1`` opens the node to add the key and ``OmegaConf.to_object`` then sets it
+    as a stray attribute nobody reads.
     """
     schema = OmegaConf.get_type(node)
     known = ({f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema)
              else None)
     found = []
     for key in node.keys():
-        name = f"{prefix}{key}"
+        name, child = f"{prefix}{key}", node._get_node(key)
         if known is not None and key not in known:
-            near = difflib.get_close_matches(str(key), sorted(known), n=1)
-            hint = f"did you mean {prefix}{near[0]}?" if near else f"known: {', '.join(sorted(known))}"
-            found.append(f"{name} ({hint})")
-        elif OmegaConf.is_dict(node._get_node(key)):
+            found.append(stray_key(name, key, known, prefix))
+        elif OmegaConf.is_dict(child):
             found += unknown_keys(node[key], f"{name}.")
+        elif OmegaConf.is_list(child) and not child._is_none():
+            for i in range(len(child)):
+                if OmegaConf.is_dict(child._get_node(i)):
+                    found += unknown_keys(child[i], f"{name}[{i}].")
     return found
 
 
@@ -107,8 +105,7 @@ def to_config(dcfg: DictConfig) -> RunConfig:
     ``ValueError``."""
     stray = unknown_keys(dcfg)
     if stray:
-        raise ValueError(f"unknown config key {'; '.join(stray)}: the schema has no such field; "
-                         f"drop the override or fix its name")
+        raise unknown_key_error(stray)
     composed = OmegaConf.to_object(dcfg)
     cls = _LIBRARY_TYPE[type(composed)]
     fields = {f.name: getattr(composed, f.name) for f in dataclasses.fields(cls)}
@@ -317,8 +314,7 @@ def _train_main(dcfg) -> None:
 
 
 def train_main() -> None:
-    _check_config_dir()
-    _train_main()
+    run_app(_train_main, lambda e: _refuse("usp-train", e), sys.argv)
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="plan", version_base="1.3")
@@ -340,8 +336,7 @@ def _plan(cfg: PlanConfig) -> None:
 
 
 def plan_main() -> None:
-    _check_config_dir()
-    _plan_main()
+    run_app(_plan_main, lambda e: _refuse("usp-plan", e), sys.argv)
 
 
 if __name__ == "__main__":  # torchrun -m usp.cli ...

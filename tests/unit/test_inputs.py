@@ -114,6 +114,8 @@ BAD = [
     # keys the schema lacks
     ("+trainer.foo=1", "unknown config key trainer.foo"),
     ("+model.n_kv_head=1", "model.n_kv_head (did you mean model.n_kv_heads?)"),
+    ("data=memmap data.blend=[{path:a}] +data.blend.0.wieght=2",  # inside a list of dicts
+     "unknown config key data.blend[0].wieght (did you mean data.blend[0].weight?)"),
 ]
 
 
