@@ -325,7 +325,7 @@ def causal_lm_loss(logits: torch.Tensor, shift_labels: torch.Tensor,
     count = (shift_labels != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
     if mesh.dp * mesh.sp_size > 1:
         # Sync: the target count over dp x sp normalises every rank's share
-        dist.all_reduce(count, group=mesh.group("dp_sp"))
+        dist.all_reduce(count, group=mesh.group("loss"))
     loss_sum = F.cross_entropy(logits.float().flatten(0, 1), shift_labels.flatten(),
                                ignore_index=IGNORE_INDEX, reduction="sum")
     return loss_share(loss_sum, count.clamp(min=1).to(loss_sum.dtype)), count[0]

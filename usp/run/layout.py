@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..data.indexing import sample_indices
+from ..dims.parallel import ParallelDims
 from ..mesh import SPMesh
 from ..validate import check_degrees, check_placement, check_ranks_per_node
 
@@ -71,11 +72,16 @@ class RunLayout:
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq_len
 
+    @property
+    def dims(self) -> ParallelDims:
+        """The parallel dims of this layout (degrees, placement, a2a stages; messages cut in
+        fragments where an axis crosses hosts over gloo), as the mesh is built from them."""
+        return ParallelDims(dp=self.dp, ring=self.ring, ulysses=self.ulysses,
+                            placement=self.placement, a2a_chunks=self.a2a_chunks)
+
     def build_mesh(self) -> SPMesh:
         """This layout's ``SPMesh`` (collective: every rank of the default group calls it)."""
-        return SPMesh.build(ulysses=self.ulysses, ring=self.ring, dp=self.dp,
-                            placement=self.placement, ranks_per_node=self.ranks_per_node,
-                            a2a_chunks=self.a2a_chunks)
+        return SPMesh.from_dims(self.dims, ranks_per_node=self.ranks_per_node)
 
     def attention_options(self) -> dict:
         """``usp_attention``'s keywords that the run decides (mesh and layout aside; the

@@ -97,7 +97,7 @@ def sharded_model(cfg: RunConfig, run: RunLayout, mesh: SPMesh, layout: Sequence
     else:
         model, blocks = _hf_model(cfg, run, mesh, layout)
     model.to(device)
-    shard_model(model, mesh.submesh("dp_sp"), run.dtype, blocks)
+    shard_model(model, mesh.submesh("fsdp"), run.dtype, blocks)
     return model
 
 

@@ -118,8 +118,8 @@ class Trainer:
                                    self.mesh, self.positions, self.device)
         self.guard = NonFiniteGuard(tc.on_nonfinite)
         self.checkpointer = Checkpointer(tc, run, run_fingerprint(cfg), self.rank)
-        self.dp_sp = self.mesh.group("dp_sp")  # FSDP, the loss's token count, the metrics
-        self.n_shard = self.mesh.submesh("dp_sp").size()
+        self.dp_sp = self.mesh.group("loss")  # the loss's token count, the metrics (dp_sp)
+        self.n_shard = self.mesh.submesh("fsdp").size()
         self.flops = flops_per_token(cfg.model, run.seq_len)
         self.peak_mem = memory_probe(self.device)
         self.logger = self.console = None  # opened by running()

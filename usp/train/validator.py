@@ -29,7 +29,7 @@ def evaluate(model, data: TrainingData, batch_per_dp_rank: int, mesh: SPMesh, po
         _, predictions = loss_and_predictions(model, b, positions)
         correct, answers = data.answer_accuracy(predictions, b.labels)
         hits += torch.tensor([correct, answers], dtype=torch.float64, device=device)
-    dist.all_reduce(hits, group=mesh.group("dp_sp"))
+    dist.all_reduce(hits, group=mesh.group("loss"))
     model.train()
     return (hits[0] / hits[1].clamp(min=1)).item()
 
@@ -53,7 +53,7 @@ def validation_loss(model, val: TrainingData, windows: int, batch_per_dp_rank: i
         loss_sum, _ = loss_and_predictions(model, batch, positions)
         sums += torch.stack([loss_sum.double(),
                              (batch.labels != IGNORE_INDEX).sum().to(torch.float64)])
-    dist.all_reduce(sums, group=mesh.group("dp_sp"))
+    dist.all_reduce(sums, group=mesh.group("loss"))
     model.train()
     return (sums[0] / sums[1].clamp(min=1)).item()
 
