@@ -154,8 +154,9 @@ def _under_submitit() -> bool:
     return under_submitit(os.environ)
 
 
-def run_training(cfg: RunConfig) -> None:
+def run_training(cfg: RunConfig, run_dir: str | None = None) -> None:
     """Launch: torchrun/Slurm environment if present, else spawn ``trainer.nprocs`` local ranks.
+    ``run_dir``: where the run writes when ``trainer.run_dir`` is not set (Hydra's folder).
 
     The run's layout (``usp.run.RunLayout``) is resolved once, before any process starts
     training: here, in the parent of the spawned ranks; under torchrun/Slurm by rank 0 before
@@ -177,7 +178,8 @@ def run_training(cfg: RunConfig) -> None:
         nprocs = cfg.trainer.nprocs
         _, device = choose_device(cfg.trainer.device, nprocs, torch.cuda.is_available(),
                                   torch.cuda.device_count())  # the run's device, decided once
-        run = resolve_run(cfg, nprocs, device, say=say)  # refuse bad layouts/data before spawning
+        # refuse bad layouts/data before spawning
+        run = resolve_run(cfg, nprocs, device, run_dir=run_dir, say=say)
         code = run_local(_local_worker, nprocs, cfg, run, device_type=run.device,
                          max_restarts=cfg.trainer.max_restarts, timeout_s=cfg.trainer.timeout_s)
         if code:  # the ranks' own exit code, e.g. preempted after a forwarded SIGTERM
@@ -200,16 +202,15 @@ def run_training(cfg: RunConfig) -> None:
     def decide():
         _, device = choose_device(cfg.trainer.device, 1, torch.cuda.is_available(),
                                   torch.cuda.device_count())  # the run's device, decided once
-        run = resolve_run(cfg, info["world"], device, scheduler_hosts=slurm, say=said.append)
-        return run, cfg.trainer.run_dir
+        # every rank composed its own config; rank 0's run directory is the run's
+        return resolve_run(cfg, info["world"], device, scheduler_hosts=slurm, run_dir=run_dir,
+                           say=said.append)
 
     def check(decided):
-        # every rank composed its own config; rank 0's run directory is the run's
-        cfg.trainer.run_dir = decided[1]
-        check_task(cfg, decided[0])  # this task on rank 0's layout, its device included
+        check_task(cfg, decided)  # this task on rank 0's layout, its device included
 
     store = rendezvous_store(info, cfg.trainer.timeout_s)
-    run, cfg.trainer.run_dir = decide_together(store, info, decide, check, cfg.trainer.timeout_s)
+    run = decide_together(store, info, decide, check, cfg.trainer.timeout_s)
     for text in said:
         say(text)
     _train_launched(cfg, info, run, store)
@@ -302,9 +303,7 @@ def _train_main(dcfg) -> None:
 
     try:
         cfg: RunConfig = to_config(dcfg)
-        if cfg.trainer.run_dir is None:
-            cfg.trainer.run_dir = HydraConfig.get().runtime.output_dir
-        run_training(cfg)
+        run_training(cfg, run_dir=HydraConfig.get().runtime.output_dir)
     except JobError:  # under submitit: already said, the result carries it
         raise
     except (ValueError, FileNotFoundError) as e:  # refused before launch: no traceback

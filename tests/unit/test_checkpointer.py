@@ -11,11 +11,10 @@ import usp.train.checkpointer as ckr
 from usp.config import TrainerConfig
 from usp.train.checkpointer import Checkpointer, Position
 
-RUN = SimpleNamespace(global_batch=8, dp=2, grad_accum=2, batch_per_dp_rank=2)
-
-
-def _checkpointer(rank=0, **trainer) -> Checkpointer:
-    return Checkpointer(TrainerConfig(**{"steps": 10, "run_dir": "run", **trainer}), RUN, {"model.dim": 64}, rank)
+def _checkpointer(rank=0, run_dir="run", **trainer) -> Checkpointer:
+    run = SimpleNamespace(global_batch=8, dp=2, grad_accum=2, batch_per_dp_rank=2,
+                          run_dir=run_dir)  # the layout's run directory, not the config's
+    return Checkpointer(TrainerConfig(**{"steps": 10, **trainer}), run, {"model.dim": 64}, rank)
 
 
 def test_saves_every_ckpt_every_steps_at_stop_after_and_at_the_last():

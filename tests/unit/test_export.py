@@ -23,14 +23,14 @@ def test_a_run_records_its_model_config_and_its_datas_tokenizer(tmp_path):
 
     tok = corpus(tmp_path / "data" / "corpus")
     cfg = run_cfg(tmp_path / "run", data=memmap(tmp_path / "data" / "corpus.bin"))
-    record_for_export(cfg)
+    record_for_export(cfg, tmp_path / "run")
     assert load_model_config(tmp_path / "run") == cfg.model
     copy = AutoTokenizer.from_pretrained(str(tmp_path / "run" / TOKENIZER_DIR))
     assert copy(TEXT[1]).input_ids == tok(TEXT[1]).input_ids
-    record_for_export(cfg)  # a resumed run replaces the copy
+    record_for_export(cfg, tmp_path / "run")  # a resumed run replaces the copy
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [MODEL_CONFIG, TOKENIZER_DIR]
 
-    record_for_export(run_cfg(tmp_path / "recall"))  # synthetic tokens: no tokenizer
+    record_for_export(run_cfg(tmp_path / "recall"), tmp_path / "recall")  # no tokenizer
     assert sorted(p.name for p in (tmp_path / "recall").iterdir()) == [MODEL_CONFIG]
     assert load_model_config(tmp_path / "nowhere") is None
 

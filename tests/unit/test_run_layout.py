@@ -61,6 +61,17 @@ def test_resolved_layout_holds_every_decision():
         run.ulysses = 4
 
 
+def test_the_run_directory_is_decided_into_the_layout_not_into_the_config(tmp_path):
+    cfg = _cfg()
+    assert cfg.trainer.run_dir is None
+    run = resolve_run(cfg, 8, "cpu", run_dir=str(tmp_path / "hydra"))  # the launcher's folder
+    assert run.run_dir == str(tmp_path / "hydra") and cfg.trainer.run_dir is None
+    assert resolve_run(cfg, 8, "cpu").run_dir is None  # a layout to plan with
+    mine = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, run_dir="mine"))
+    assert resolve_run(mine, 8, "cpu", run_dir=str(tmp_path)).run_dir == "mine"  # set: it wins
+    assert run.dims.world == 8 and (run.dims.ring, run.dims.ulysses) == (run.ring, run.ulysses)
+
+
 def test_layout_refuses_degrees_that_do_not_make_its_world():
     run = resolve_run(_cfg(), 8, "cpu")
     with pytest.raises(ValueError, match="ulysses"):

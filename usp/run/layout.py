@@ -19,7 +19,8 @@ class RunLayout:
     ulysses all-to-alls; ``ranks_per_node``: simulated nodes (None: the hosts the ranks run
     on place them); ``device``: "cpu" or "cuda", decided once by the launcher
     (``usp.launch.choose_device``); ``dtype``: ``trainer.dtype``; ``grad_accum``:
-    micro-batches per optimizer step.
+    micro-batches per optimizer step; ``run_dir``: the folder of its checkpoints, metrics
+    and records (``trainer.run_dir``, else the launcher's: Hydra's output folder).
     """
 
     world: int
@@ -37,6 +38,7 @@ class RunLayout:
     seq_len: int
     batch_per_dp_rank: int
     grad_accum: int = 1  # micro-batches per optimizer step
+    run_dir: str | None = None  # where the run writes: rank 0's, decided once (resolve_run)
 
     def __post_init__(self) -> None:
         if check_degrees(self.world, self.ulysses, self.ring, self.dp) != self.dp:

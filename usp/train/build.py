@@ -70,7 +70,7 @@ def _hf_model(cfg: RunConfig, run: RunLayout, mesh: SPMesh, layout: SequenceLayo
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     hf.patch(model, mesh, layout, **run.attention_options())
     if dist.get_rank() == 0:
-        save_config(model.config, cfg.trainer.run_dir)
+        save_config(model.config, run.run_dir)
     return model, model.model.layers
 
 
@@ -108,12 +108,12 @@ def optimizer(oc: OptimConfig, model, steps: int):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(oc, steps))
 
 
-def record_for_export(cfg: RunConfig) -> None:
+def record_for_export(cfg: RunConfig, run_dir: str) -> None:
     """Rank 0, at the start of a run: what ``usp-export`` needs besides the checkpoints, in
     the run directory: the model group (``model_config.json``) and, for token files with a
     tokenizer (``data.path`` + ``.tokenizer``), a copy of it (``tokenizer/``)."""
-    save_model_config(cfg.model, cfg.trainer.run_dir)
+    save_model_config(cfg.model, run_dir)
     if isinstance(cfg.data, MemmapData):
         first = cfg.data.sources()[0][0]  # a blend's sources share one tokenizer
         if tokenizer_dir(first).is_dir():
-            save_tokenizer(tokenizer_dir(first), cfg.trainer.run_dir)
+            save_tokenizer(tokenizer_dir(first), run_dir)

@@ -31,7 +31,7 @@ class Position:
 
 
 class Checkpointer:
-    """The checkpoints of one run in ``trainer.run_dir/checkpoints`` (``save``/``load`` are
+    """The checkpoints of one run in ``run.run_dir/checkpoints`` (``save``/``load`` are
     collective: every rank calls them).
 
     A step ends with a checkpoint every ``trainer.ckpt_every`` steps, at the last step
@@ -40,7 +40,7 @@ class Checkpointer:
     ``trainer.resume`` is set."""
 
     def __init__(self, tc: TrainerConfig, run: RunLayout, fingerprint: dict, rank: int):
-        self.run_dir = Path(tc.run_dir)
+        self.run_dir = Path(run.run_dir)
         self.every, self.keep, self.resume = tc.ckpt_every, tc.keep_checkpoints, tc.resume
         self.last, self.stop_after, self.seed = tc.steps, tc.stop_after, tc.seed
         self.run, self.fingerprint, self.rank = run, fingerprint, rank

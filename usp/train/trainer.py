@@ -75,6 +75,9 @@ def _resolved(cfg: RunConfig, run: RunLayout | None) -> RunLayout:
     if run is None:
         # rank 0 prints the planner's table
         run = resolve_run_group(cfg, "cuda" if dist.get_backend() == "nccl" else "cpu")
+    if run.run_dir is None:
+        raise ValueError("the run has no run directory: set trainer.run_dir=PATH (usp-train "
+                         "takes Hydra's output folder when it is not set)")
     if run.world != dist.get_world_size():
         raise ValueError(f"the run was laid out for {run.world} ranks but this group has "
                          f"{dist.get_world_size()}; resolve it for this launch "
@@ -106,7 +109,7 @@ class Trainer:
         self.positions = layout.positions(self.device)  # global ids of this rank's tokens
         if self.rank == 0:
             print(self.mesh.describe(), flush=True)
-            record_for_export(cfg)
+            record_for_export(cfg, run.run_dir)
         self.model = sharded_model(cfg, run, self.mesh, layout, self.device)
         self.opt, self.sched = optimizer(cfg.optim, self.model, tc.steps)
         self.data = build_dataset(cfg.data, cfg.model)
@@ -136,7 +139,7 @@ class Trainer:
         """Opens the metrics (from step ``at.step``) and the console for the block; closes
         them, the model and the mesh (``close``) however it ends."""
         cfg = self.cfg
-        self.logger = MetricsLogger(cfg.logging, Path(cfg.trainer.run_dir), self.rank,
+        self.logger = MetricsLogger(cfg.logging, Path(self.run.run_dir), self.rank,
                                     {**asdict(cfg), "layout": asdict(self.run)},
                                     resume_step=at.step)
         self.console = Console(self.rank, cfg.trainer.log_every, cfg.logging.progress,
@@ -305,7 +308,7 @@ class Trainer:
             tail += f", held-out answer accuracy {summary['eval_acc']:.3f} ({n} answers)"
         if "val_loss" in summary:
             tail += f", val loss {summary['val_loss']:.4f} (ppl {summary['val_ppl']:.2f})"
-        run_dir = Path(self.cfg.trainer.run_dir).resolve()
+        run_dir = Path(self.run.run_dir).resolve()
         print(f"done: step {summary.get('step', at.step)}, loss "
               f"{summary.get('loss', float('nan')):.4f}{tail}; run directory {run_dir}"
               + (f" (plot {plot.name})" if plot else ""), flush=True)
