@@ -174,7 +174,7 @@ LLAMA = ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_h
 
 
 def test_many_dropped_layouts_are_summarised_by_rule(h100):
-    from usp.planner.plan import RULES
+    from usp.planner.ranking import RULES
 
     # 1024 ranks, one sequence in all (global_batch=1): every dp > 1 cannot take a share
     p = plan(LLAMA, h100, 1 << 20, global_batch=1)

@@ -14,7 +14,8 @@ from .cost import AttentionCost, StepCost, attention_cost, estimate
 from .detect import DetectReport, detect_topology
 from .draw import MeshDrawing, draw_mesh
 from .memory import CheckpointPolicy, MemorySplit, max_seq_len, memory_split
-from .plan import Candidate, Dropped, Plan, plan
+from .plan import plan
+from .ranking import Candidate, Dropped, Plan
 
 __all__ = [
     "AttentionCost",

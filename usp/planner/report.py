@@ -7,7 +7,8 @@ from .batch import grad_accum_steps
 from .detect import DetectReport
 from .draw import draw_mesh
 from .memory import CheckpointPolicy, size
-from .plan import Plan, plan
+from .plan import plan
+from .ranking import Plan
 
 
 def config_degree(value, name: str) -> int | None:
