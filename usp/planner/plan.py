@@ -2,9 +2,10 @@
 ones with the rule that refused them, rank the rest by predicted step time per sequence
 (layouts with more dp ranks run more sequences per step).
 
-Every layout runs ``batch_per_dp_rank`` sequences per dp rank (a global batch of
-``batch_per_dp_rank x dp``, as the trainer does), or with ``global_batch`` fixed, that many
-split over dp. Memory is ``memory.memory_split`` (state, activations, attention, MLP and
+What it is asked besides the model, the cluster and the length is three objects
+(``options``): which layouts (``Search``), the batch each runs (``BatchSpec``: per dp rank,
+as the trainer does, or a fixed global batch split over dp), how every rank runs the step
+(``StepPolicy``). Memory is ``memory.memory_split`` (state, activations, attention, MLP and
 logits terms under the model's ``loss_chunk``/``mlp_tiles`` and the checkpoint policy).
 
 Rules, in order (each a ``ValueError`` text kept in ``Plan.dropped``):
@@ -18,13 +19,13 @@ feasible but is noted, and pays for its all-to-all on the inter-node link in the
 from __future__ import annotations
 
 from ..config import ModelConfig
-from ..validate import check_degrees, check_placement, check_seq_len
-from ..dims.counts import divisors
+from ..validate import check_degrees, check_seq_len
 from ..dims.heads import check_heads, head_split
 from ..config.cluster import GiB, ClusterSpec
 from .cluster import group_span
 from .cost import StepCost, choose_a2a_chunks, estimate
-from .memory import CheckpointPolicy, MemorySplit, memory_split, size
+from .memory import MemorySplit, size
+from .options import BatchSpec, Search, StepPolicy
 from .ranking import Candidate, Dropped, Plan, group_dropped
 
 
@@ -38,122 +39,69 @@ FIXES = {  # what lowers each memory term, for the memory rule's message
 }
 
 
-def plan(
-    model: ModelConfig,
-    cluster: ClusterSpec,
-    seq_len: int,
-    nodes: int | None = None,
-    world: int | None = None,
-    balance: str = "zigzag",
-    *,
-    ulysses: int | None = None,
-    ring: int | None = None,
-    dp: int | None = None,
-    batch_per_dp_rank: int = 1,
-    global_batch: int | None = None,
-    dtype_bytes: int = 2,
-    causal: bool = True,
-    fsdp: bool = True,
-    placement: str = "ulysses_inner",
-    act_checkpoint: bool = True,
-    checkpoint: CheckpointPolicy | None = None,
-    kernel: str = "torch",
-    device: str = "cuda",
-    mem_fraction: float = 0.9,
-    a2a_chunks: int | str = 1,
-) -> Plan:
-    """Rank every ``dp x ring x ulysses = world`` layout for sequences of ``seq_len`` tokens
-    on ``cluster`` (``nodes`` of it, or ``world`` ranks; default the whole cluster). Fix any
-    degree by passing it; the others are searched.
-
-    Batch: ``batch_per_dp_rank`` sequences on every dp rank (the trainer's
-    ``data.batch_per_dp_rank``), or ``global_batch`` sequences split over dp (dp that do
-    not divide it are dropped). ``checkpoint``: the activation checkpoint policy (default
-    ``act_checkpoint`` on every block); ``kernel``/``device``: the attention kernel whose
-    work buffers the memory counts (``memory.attention_buffers``). A layout fits when its
-    peak memory (``memory.memory_split``) is at most ``mem_fraction`` of ``mem_bytes``.
-    ``a2a_chunks``: pipeline stages of the ulysses all-to-alls for every layout, or
-    ``"auto"``: each layout's ``best_a2a_chunks`` (its ``cost.a2a_chunks`` says which).
-    Raises ``ValueError`` listing every reason when no layout is feasible.
-    """
-    check_placement(placement)
-    if batch_per_dp_rank < 1 or (global_batch is not None and global_batch < 1):
-        raise ValueError(f"batch_per_dp_rank={batch_per_dp_rank} and global_batch="
-                         f"{global_batch} must be >= 1 (global_batch may be None)")
-    policy = checkpoint or CheckpointPolicy(enabled=act_checkpoint)
-    K = cluster.ranks_per_node
-    if world is None:
-        world = (nodes or cluster.nodes) * K
-    elif nodes is not None and nodes * K != world:
-        raise ValueError(f"world {world} != nodes {nodes} x ranks_per_node {K}; pass one of them")
-    if world > K and world % K:
-        raise ValueError(f"world {world} is not a whole number of {K}-GPU nodes")
-    cluster = cluster.replace(nodes=max(1, world // K))
-    budget = mem_fraction * cluster.mem_bytes
-    mem_kw = dict(dtype_bytes=dtype_bytes, fsdp=fsdp, policy=policy, kernel=kernel,
-                  device=device)
-
-    fixed = {k: v for k, v in (("dp", dp), ("ring", ring), ("ulysses", ulysses)) if v is not None}
-    for k, v in fixed.items():
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"{k} degree must be a positive integer or None (auto), got {v!r}")
-    if ulysses is not None and ring is not None:
-        check_degrees(world, ulysses, ring, dp)  # raises, naming the degrees and a fix
-    prod = (dp or 1) * (ring or 1) * (ulysses or 1)
-    if world % prod:
-        raise ValueError(
-            f"fixed degrees {fixed} multiply to {prod}, which does not divide world {world}; "
-            f"fix degrees whose product divides {world} or leave them unset"
-        )
-
-    candidates: list[Candidate] = []
-    dropped: list[Dropped] = []
-    for u in [ulysses] if ulysses is not None else divisors(world):
-        for r in [ring] if ring is not None else divisors(world // u):
-            d = world // (u * r)
-            if dp is not None and d != dp:
-                continue  # not a layout with the fixed dp
-            rule = "degrees"  # the check running now, kept with a refusal
-            try:
-                check_degrees(world, u, r, d)
-                rule = "batch"
-                if global_batch is not None and global_batch % d:
-                    raise ValueError(
-                        f"global batch {global_batch} sequences does not split over dp {d}; "
-                        f"use a batch that is a multiple of {d} or a larger sequence-parallel group"
-                    )
-                batch = batch_per_dp_rank if global_batch is None else global_batch // d
-                rule = "heads"
-                check_heads(model.n_heads, model.n_kv_heads, u)
-                rule = "seq_len"
-                check_seq_len(seq_len, u, r, balance)
-                rule = "a2a_chunks"
-                chunks = choose_a2a_chunks(
-                    1 if u == 1 else a2a_chunks, cluster, seq_len, model.n_heads,
-                    model.n_kv_heads, model.head_dim, u, r, dp=d, dtype_bytes=dtype_bytes,
-                    causal=causal, balance=balance, placement=placement,
-                    n_fwd=2 if policy.enabled else 1)
-                rule = "memory"
-                cost = estimate(
-                    model, cluster, seq_len, d, r, u, global_batch=batch * d,
-                    dtype_bytes=dtype_bytes, causal=causal, fsdp=fsdp, balance=balance,
-                    placement=placement, act_checkpoint=policy.enabled, a2a_chunks=chunks,
-                )
-                mem = memory_split(model, seq_len, d, r, u, batch=batch, **mem_kw)
-                _check_memory(mem, budget, mem_fraction, cluster, d)
-            except ValueError as e:
-                dropped.append(Dropped(d, r, u, str(e), rule))
-                continue
-            candidates.append(Candidate(d, r, u, cost, _notes(model, cluster, cost, placement),
-                                        mem, batch))
+def plan(model: ModelConfig, cluster: ClusterSpec, seq_len: int, *, world: int | None = None,
+         search: Search = Search(), batch: BatchSpec = BatchSpec(),
+         step: StepPolicy = StepPolicy()) -> Plan:
+    """Rank every ``dp x ring x ulysses = world`` layout that ``search`` allows for sequences
+    of ``seq_len`` tokens on ``cluster`` (``world`` ranks of it, default all of its nodes),
+    each layout running ``batch`` with every rank under ``step``. Raises ``ValueError``
+    listing every reason when no layout is feasible."""
+    cluster, world = _sized(cluster, world)
+    search.check_world(world)
+    judged = [_judge(model, cluster, seq_len, world, layout, search, batch, step)
+              for layout in search.layouts(world)]
+    candidates = [c for c in judged if isinstance(c, Candidate)]
+    dropped = [d for d in judged if isinstance(d, Dropped)]
     if not candidates:
         why = "; ".join(f"{rule} refused {len(ds)} (e.g. {ds[0].line()})"
                         for rule, ds in group_dropped(dropped).items())
         raise ValueError(f"no feasible layout for world {world}, seq_len {seq_len}: {why}")
     candidates.sort(key=lambda c: (c.seq_s, -c.ulysses))  # time per sequence
-    per_rank = batch_per_dp_rank if global_batch is None else None
-    return Plan(world, seq_len, cluster, model, candidates, dropped, per_rank, balance,
-                global_batch, budget, mem_kw)
+    return Plan(world, seq_len, cluster, model, candidates, dropped, search, batch, step)
+
+
+def _sized(cluster: ClusterSpec, world: int | None) -> tuple[ClusterSpec, int]:
+    """(the cluster cut to the nodes ``world`` ranks fill, ``world``; default every rank)."""
+    K = cluster.ranks_per_node
+    if world is None:
+        world = cluster.nodes * K
+    if world > K and world % K:
+        raise ValueError(f"world {world} is not a whole number of {K}-GPU nodes")
+    return cluster.replace(nodes=max(1, world // K)), world
+
+
+def _judge(model: ModelConfig, cluster: ClusterSpec, seq_len: int, world: int,
+           layout: tuple[int, int, int], search: Search, batch: BatchSpec,
+           step: StepPolicy) -> Candidate | Dropped:
+    """One ``(dp, ring, ulysses)`` through the rules in order (``ranking.RULES``): priced as
+    a ``Candidate``, or ``Dropped`` with the first rule that refused it and its message."""
+    d, r, u = layout
+    rule = "degrees"  # the check running now, kept with a refusal
+    try:
+        check_degrees(world, u, r, d)
+        rule = "batch"
+        b = batch.for_dp(d)
+        rule = "heads"
+        check_heads(model.n_heads, model.n_kv_heads, u)
+        rule = "seq_len"
+        check_seq_len(seq_len, u, r, search.balance)
+        rule = "a2a_chunks"
+        ckpt = step.checkpoint.enabled
+        chunks = choose_a2a_chunks(
+            1 if u == 1 else search.a2a_chunks, cluster, seq_len, model.n_heads,
+            model.n_kv_heads, model.head_dim, u, r, dp=d, dtype_bytes=step.dtype_bytes,
+            causal=step.causal, balance=search.balance, placement=search.placement,
+            n_fwd=2 if ckpt else 1)
+        rule = "memory"
+        cost = estimate(
+            model, cluster, seq_len, d, r, u, global_batch=b * d, dtype_bytes=step.dtype_bytes,
+            causal=step.causal, fsdp=step.fsdp, balance=search.balance,
+            placement=search.placement, act_checkpoint=ckpt, a2a_chunks=chunks)
+        mem = step.memory(model, seq_len, d, r, u, b)
+        _check_memory(mem, step.budget(cluster), step.mem_fraction, cluster, d)
+    except ValueError as e:
+        return Dropped(d, r, u, str(e), rule)
+    return Candidate(d, r, u, cost, _notes(model, cluster, cost, search.placement), mem, b)
 
 
 def _check_memory(mem: MemorySplit, budget: float, mem_fraction: float, cluster: ClusterSpec,

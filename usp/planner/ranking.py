@@ -12,7 +12,8 @@ from ..dims.counts import divisors
 from ..dims.heads import head_split
 from ..config.cluster import ClusterSpec
 from .cost import StepCost
-from .memory import MemorySplit, max_seq_len, memory_split, size
+from .memory import MemorySplit, max_seq_len, size
+from .options import BatchSpec, Search, StepPolicy
 
 
 @dataclass
@@ -90,11 +91,14 @@ class Plan:
     model: ModelConfig
     candidates: list[Candidate]
     dropped: list[Dropped]
-    batch_per_dp_rank: int | None = 1  # None: ``fixed_global_batch`` split over dp
-    balance: str = "zigzag"
-    fixed_global_batch: int | None = None
-    budget: float = 0.0  # bytes per rank a layout may use
-    memory_kw: dict = field(default_factory=dict)  # memory_split's keywords for this plan
+    search: Search  # the layouts it was asked to rank
+    batch: BatchSpec  # the sequences each layout runs (``Candidate.batch`` per dp rank)
+    step: StepPolicy  # how every rank runs the step
+
+    @property
+    def budget(self) -> float:
+        """Bytes per rank a layout may use."""
+        return self.step.budget(self.cluster)
 
     @property
     def best(self) -> Candidate:
@@ -110,7 +114,8 @@ class Plan:
         longest sequence whose peak fits that budget with the same layout and features."""
         c = c or self.best
         longest = max_seq_len(self.model, self.budget, c.dp, c.ring, c.ulysses,
-                              balance=self.balance, batch=c.batch, **self.memory_kw)
+                              balance=self.search.balance, batch=c.batch,
+                              **self.step.memory_kw())
         return (f"memory per rank ({c.label()}), peak at {c.memory.peak_at}:\n"
                 f"  {c.memory.line(self.budget)}\n"
                 f"longest seq_len that fits this layout: {longest} "
@@ -133,8 +138,7 @@ class Plan:
                              f"x dp {c.dp} = {step} tokens); use a multiple of {step}")
         grads = 4 * self.model.num_params()  # FSDP holds them unsharded, in fp32, between
         for b in sorted(divisors(per_rank), reverse=True):  # micro-batches
-            peak = memory_split(self.model, self.seq_len, c.dp, c.ring, c.ulysses, batch=b,
-                                **self.memory_kw).total
+            peak = self.step.memory(self.model, self.seq_len, c.dp, c.ring, c.ulysses, b).total
             if per_rank // b > 1:
                 peak += grads
             if peak <= self.budget:
@@ -205,7 +209,7 @@ class Plan:
         c0 = self.cluster
         head = (
             f"plan: world {self.world} ({c0.nodes} x {c0.ranks_per_node} on {c0.name}), "
-            f"seq_len {self.seq_len}, {self._batch_text()}, {self.balance}"
+            f"seq_len {self.seq_len}, {self.batch.text()}, {self.search.balance}"
         )
         rows = [head, f"{'#':>2} {'dp':>3} {'ring':>4} {'ulysses':>7} {'step_s':>9} "
                 f"{'vs best':>8} {'comm':>6} {'mem/rank':>9}  notes"]
@@ -225,9 +229,3 @@ class Plan:
             rows += [f"   {d.dp:>3} {d.ring:>4} {d.ulysses:>7}  {d.reason}" for d in self.dropped]
         rows.append(f"reason: {self.reason}")
         return "\n".join(rows)
-
-
-    def _batch_text(self) -> str:
-        if self.batch_per_dp_rank is None:
-            return f"global batch {self.fixed_global_batch}"
-        return f"batch {self.batch_per_dp_rank} per dp rank"
