@@ -413,6 +413,22 @@ def test_fixed_degrees(h100):
         plan(LLAMA3_8B, h100, M, search=Search(ulysses=8, ring=8))
 
 
+def test_plan_options_refuse_bad_values_when_made():
+    """``Search`` and ``BatchSpec`` check themselves, so a bad value fails before any
+    layout is judged; ``Search.layouts`` keeps only the fixed degrees."""
+    with pytest.raises(ValueError, match=r"ring degree must be a positive integer .*got 0"):
+        Search(ring=0)
+    with pytest.raises(ValueError, match="placement"):
+        Search(placement="bogus")
+    with pytest.raises(ValueError, match=r"batch_per_dp_rank=0 and global_batch=None must"):
+        BatchSpec(per_dp_rank=0)
+    with pytest.raises(ValueError, match="global batch 6 sequences does not split over dp 4"):
+        BatchSpec(global_batch=6).for_dp(4)
+    assert BatchSpec(global_batch=8).for_dp(4) == 2 and BatchSpec(3).for_dp(4) == 3
+    assert Search(dp=2).layouts(8) == [(2, 4, 1), (2, 2, 2), (2, 1, 4)]
+    assert len(Search().layouts(8)) == 10  # every (dp, ring, ulysses) with product 8
+
+
 def test_world_and_nodes(h100):
     assert plan(LLAMA3_8B, h100.replace(nodes=1), 1 << 17).world == 8
     assert plan(LLAMA3_8B, h100, 1 << 17, world=16).cluster.nodes == 2
