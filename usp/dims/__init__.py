@@ -8,7 +8,7 @@ the ulysses exchange run them, nobody re-derives them.
   fragments, with the mesh axes named by role (batch, sequence, loss, fsdp).
 - ``placement``: where each global rank sits in the grid (``mesh_ranks``, ``node_order``).
 - ``heads``: which heads each ulysses rank computes (``head_split``, ``check_heads``).
-- ``counts``: near-equal parts of a count (``even_counts``).
+- ``counts``: near-equal parts of a count (``even_counts``) and its ``divisors``.
 - ``tokens``: which global positions each rank holds (``Ownership``, ``segment_ranges``).
 - ``stages``: the ulysses all-to-all's pipeline stages (``check_a2a_chunks``,
   ``default_a2a_chunks``, ``head_chunks``).
