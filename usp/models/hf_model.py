@@ -14,7 +14,7 @@ _CONFIG_CLASS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "Mis
 # transformers config key -> the ModelConfig field it comes from (for mismatch messages)
 _FIELD = {"vocab_size": "vocab_size", "hidden_size": "dim", "num_hidden_layers": "n_layers",
           "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
-          "intermediate_size": "ffn_dim", "rms_norm_eps": "norm_eps",
+          "intermediate_size": "ffn_dim", "head_dim": "head_dim", "rms_norm_eps": "norm_eps",
           "tie_word_embeddings": "tie_embeddings", "sliding_window": "sliding_window",
           "layer_types": "full_attention_every"}
 
@@ -29,7 +29,7 @@ def hf_config(mc: ModelConfig):
         raise ValueError(f"model.hf={mc.hf!r} is not one of {', '.join(_CONFIG_CLASS)}")
     kw = dict(vocab_size=mc.vocab_size, hidden_size=mc.dim, intermediate_size=mc.ffn_dim,
               num_hidden_layers=mc.n_layers, num_attention_heads=mc.n_heads,
-              num_key_value_heads=mc.n_kv_heads, rms_norm_eps=mc.norm_eps,
+              num_key_value_heads=mc.n_kv_heads, head_dim=mc.head_dim, rms_norm_eps=mc.norm_eps,
               tie_word_embeddings=mc.tie_embeddings, use_cache=False, attention_dropout=0.0,
               rope_parameters=rope_parameters(mc.rope_theta, mc.rope_scaling))
     scaling = mc.rope_scaling or {}
