@@ -94,6 +94,8 @@ def test_every_group_option_composes_to_its_values(group):
     """Each option becomes its group's dataclass holding the schema defaults overlaid with
     exactly what the file sets (a cluster: what the planner's own reader makes of it)."""
     for option in GROUPS[group]:
+        if (group, option) == ("model", "pretrained"):  # needs a checkpoint: test_pretrained.py
+            continue
         got = getattr(_compose(overrides=["~recipe", f"{group}={option}"]), group)
         cls = _schema(group, option)
         want = (load_cluster(option) if group == "cluster"

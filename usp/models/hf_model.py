@@ -14,7 +14,7 @@ _CONFIG_CLASS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "Mis
 # transformers config key -> the ModelConfig field it comes from (for mismatch messages)
 _FIELD = {"vocab_size": "vocab_size", "hidden_size": "dim", "num_hidden_layers": "n_layers",
           "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
-          "intermediate_size": "ffn_dim", "head_dim": "head_dim", "rms_norm_eps": "norm_eps",
+          "intermediate_size": "ffn_dim", "rms_norm_eps": "norm_eps",
           "tie_word_embeddings": "tie_embeddings", "sliding_window": "sliding_window",
           "layer_types": "full_attention_every"}
 
@@ -63,6 +63,9 @@ def check_pretrained(mc: ModelConfig) -> None:
     diff = [f"{key}: {getattr(have, key, None)} there, {getattr(want, key, None)} from "
             f"model.{field}" for key, field in _FIELD.items()
             if getattr(have, key, None) != getattr(want, key, None)]
+    head_dim = getattr(have, "head_dim", None) or have.hidden_size // have.num_attention_heads
+    if head_dim != mc.head_dim:
+        diff.append(f"head_dim: {head_dim} there, {mc.head_dim} from model.head_dim")
     theta = (have.rope_parameters or {}).get("rope_theta")
     if theta != mc.rope_theta:
         diff.append(f"rope_theta: {theta} there, {mc.rope_theta} from model.rope_theta")

@@ -25,6 +25,7 @@ from ..layout import SequenceLayout
 from ..mesh import SPMesh
 from ..models.llama import Transformer, flops_per_token
 from ..models.offload import ActivationOffload, StreamCopier
+from ..models.pretrained import load_state
 from ..models.tiling import lm_loss
 from ..models.checkpoint import choose_checkpoint, load_checkpoint, run_fingerprint, save_checkpoint
 from ..models.export import save_model_config, save_tokenizer
@@ -249,6 +250,8 @@ def train(cfg: RunConfig, run: RunLayout | None = None, fault_hook: FaultHook | 
                             checkpoint_every=tc.checkpoint_every,
                             checkpoint_part=tc.checkpoint_part, offload=offload)
         model.init_weights(tc.seed)
+        if cfg.model.pretrained is not None:  # the checkpoint's weights (usp.models.pretrained)
+            model.load_state_dict(load_state(cfg.model))
         blocks = model.layers
     else:
         model, blocks = _hf_model(cfg, run, mesh, layout)
