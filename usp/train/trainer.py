@@ -172,6 +172,18 @@ def _validate(model, val, run: RunLayout, mesh: SPMesh, positions, device) -> di
     return out
 
 
+def validate_at_start(model, val, run: RunLayout, mesh: SPMesh, positions, device,
+                      logger: MetricsLogger) -> None:
+    """Score the validation splits before the first step (``trainer.eval_every`` set): the
+    ``step: 0`` record of metrics.jsonl and wandb, and its console line (rank 0), so a run
+    shows where its model starts (a pretrained one: the checkpoint's own loss)."""
+    record = {"step": 0, **_validate(model, val, run, mesh, positions, device)}
+    logger.log(record)
+    if dist.get_rank() == 0:
+        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                       for k, v in record.items()), flush=True)
+
+
 def _hf_model(cfg: RunConfig, run: RunLayout, mesh: SPMesh, layout: SequenceLayout):
     """(transformers model, its decoder layers): built on every rank alike, its attention
     routed through usp as ``run`` says; rank 0 writes its config to ``run_dir/hf_config``
@@ -297,6 +309,8 @@ def train(cfg: RunConfig, run: RunLayout | None = None, fault_hook: FaultHook | 
     run_dir = Path(tc.run_dir)
     logger = MetricsLogger(cfg.logging, run_dir, rank, {**asdict(cfg), "layout": asdict(run)},
                            resume_step=start)
+    if val and tc.eval_every and start == 0:
+        validate_at_start(model, val, run, mesh, positions, device, logger)
     bar = None
     if rank == 0 and cfg.logging.progress and sys.stderr.isatty():
         # a terminal gets the bar; a job's log file (Slurm, nohup) the step lines alone
