@@ -72,3 +72,51 @@ def test_step_0_val_loss_is_transformers_and_the_run_trains(runs, name):
     assert all(np.isfinite(x["loss"]) for x in recs[1:])
     if name == "llama_yarn":
         assert "rope_theta 500000 -> 2e+06" in r.stdout
+
+
+def _usp_logits(run_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    """usp's logits [B, L, V] of the run's final checkpoint (the built-in model, one process)."""
+    import functools
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from usp.attention import local_attention
+    from usp.models.checkpoint import latest_checkpoint
+    from usp.models.llama import Transformer
+    from usp.models.run_records import load_model_config
+
+    model = Transformer(load_model_config(run_dir), functools.partial(local_attention, causal=True))
+    sd = model.state_dict()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load({"model": sd}, checkpoint_id=str(latest_checkpoint(run_dir)), no_dist=True)
+    with torch.no_grad():
+        return model.eval()(tokens, torch.arange(tokens.shape[1]))
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama_yarn"])
+def test_the_export_is_the_checkpoints_architecture_with_the_new_rope(runs, name, tmp_path):
+    """usp-export writes the architecture the run came from (a Qwen2 keeps its biases), the
+    run's rope_theta / rope_parameters, max_position_embeddings = the trained (or YaRN's
+    scaled) length and the data's tokenizer; transformers reproduces usp's logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from usp.models.export import main
+
+    root, ckpts, _ = runs
+    assert main([str(root / name), str(tmp_path / "out")]) == 0
+    hc = AutoConfig.from_pretrained(tmp_path / "out")
+    kind, _, rope = RUNS[name]
+    assert hc.model_type == kind
+    if rope is not None:
+        assert hc.rope_parameters == rope and hc.max_position_embeddings == 32  # 4 x 8
+    else:
+        assert hc.max_position_embeddings == L and hc.layer_types[0] == "full_attention"
+    assert AutoTokenizer.from_pretrained(tmp_path / "out") is not None
+    tokens = torch.randint(0, 90, (2, L), generator=torch.Generator().manual_seed(3))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = model(input_ids=tokens).logits
+    want = _usp_logits(root / name, tokens)
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5

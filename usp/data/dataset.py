@@ -109,6 +109,15 @@ def data_vocab(dc: DataConfig) -> int:
     return int(metas[0][1]["vocab_size"])
 
 
+def data_eos_id(dc: DataConfig) -> int | None:
+    """The id usp-prepare ended each document with (the token files' ``eos_id``; a blend's
+    first source), None for the recall task and files prepared with ``--no-eos``."""
+    if not isinstance(dc, MemmapData):
+        return None
+    eos = _meta(dc.sources()[0][0]).get("eos_id")
+    return None if eos is None else int(eos)
+
+
 def check_vocab(dc: DataConfig, mc: ModelConfig) -> None:
     """Refuse a model whose vocabulary is smaller than the token files' (ValueError with
     both numbers and the fix); reads only the metadata, so every task of a launch can run

@@ -19,10 +19,12 @@ _FIELD = {"vocab_size": "vocab_size", "hidden_size": "dim", "num_hidden_layers":
           "layer_types": "full_attention_every"}
 
 
-def hf_config(mc: ModelConfig):
+def hf_config(mc: ModelConfig, max_positions: int | None = None):
     """The transformers config (``LlamaConfig`` / ``Qwen2Config`` / ``MistralConfig`` for
     ``mc.hf``) of ``mc``'s shape: no KV cache, no attention dropout. Windows: qwen2 marks
-    each layer in ``layer_types`` (``mc.layer_window``); mistral windows every layer."""
+    each layer in ``layer_types`` (``mc.layer_window``); mistral windows every layer.
+    ``max_position_embeddings``: YaRN's scaled length (transformers derives the factor from
+    it), else ``max_positions`` (the trained length) when given."""
     import transformers
 
     if mc.hf not in _CONFIG_CLASS:
@@ -33,6 +35,8 @@ def hf_config(mc: ModelConfig):
               tie_word_embeddings=mc.tie_embeddings, use_cache=False, attention_dropout=0.0,
               rope_parameters=rope_parameters(mc.rope_theta, mc.rope_scaling))
     scaling = mc.rope_scaling or {}
+    if max_positions is not None:
+        kw.update(max_position_embeddings=max_positions)
     if scaling.get("rope_type") == "yarn":  # transformers reads the factor from these too
         kw.update(max_position_embeddings=round(
             scaling["factor"] * scaling["original_max_position_embeddings"]))

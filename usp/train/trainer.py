@@ -28,10 +28,10 @@ from ..models.offload import ActivationOffload, StreamCopier
 from ..models.pretrained import load_state
 from ..models.tiling import lm_loss
 from ..models.checkpoint import choose_checkpoint, load_checkpoint, run_fingerprint, save_checkpoint
-from ..models.export import save_model_config, save_tokenizer
+from ..models.export import save_export_facts, save_model_config, save_tokenizer, save_tokenizer_files
 from .faults import NonFiniteGuard, Preempted, Preemption
 from .metrics import MetricsLogger, PeakMemory
-from ..data.dataset import TrainingData, build_dataset, build_validation, source_names
+from ..data.dataset import TrainingData, build_dataset, build_validation, data_eos_id, source_names
 from ..run import RunLayout, resolve_run_group
 
 
@@ -202,13 +202,21 @@ def _hf_model(cfg: RunConfig, run: RunLayout, mesh: SPMesh, layout: SequenceLayo
 
 def record_for_export(cfg: RunConfig) -> None:
     """Rank 0, at the start of a run: what ``usp-export`` needs besides the checkpoints, in
-    the run directory: the model group (``model_config.json``) and, for token files with a
-    tokenizer (``data.path`` + ``.tokenizer``), a copy of it (``tokenizer/``)."""
+    the run directory: the model group (``model_config.json``), for token files with a
+    tokenizer (``data.path`` + ``.tokenizer``) a copy of it (``tokenizer/``; else a
+    pretrained checkpoint's tokenizer files), the trained length and the data's EOS id
+    (``export.json``)."""
     save_model_config(cfg.model, cfg.trainer.run_dir)
+    tokenizer = False
     if isinstance(cfg.data, MemmapData):
         first = cfg.data.sources()[0][0]  # a blend's sources share one tokenizer
         if tokenizer_dir(first).is_dir():
             save_tokenizer(tokenizer_dir(first), cfg.trainer.run_dir)
+            tokenizer = True
+    # export: the pretrained directory's tokenizer, the trained length, the data's EOS id
+    if not tokenizer and cfg.model.pretrained is not None:
+        save_tokenizer_files(cfg.model.pretrained, cfg.trainer.run_dir)
+    save_export_facts(cfg.trainer.run_dir, cfg.data.seq_len, data_eos_id(cfg.data))
 
 
 FaultHook = Callable[[int, torch.Tensor], torch.Tensor]
