@@ -176,8 +176,8 @@ BAD = {  # what is done to a copy of the mistral run -> (what follows RUN, the e
     "damaged run": (lambda run: _damage(run / LAST), "", "none of the 1 checkpoints under"),
     "no model config": (lambda run: (run / MODEL_CONFIG).unlink(), "",
                         "has no model config: neither model_config.json"),
-    "unknown model field": (lambda run: _model_config(run, rope_scaling={"factor": 8.0}), "",
-                            "fields this usp does not know (rope_scaling)"),
+    "unknown model field": (lambda run: _model_config(run, partial_rotary_factor=0.5), "",
+                            "fields this usp does not know (partial_rotary_factor)"),
     "other shape": (lambda run: _model_config(run, n_layers=3), "",
                     "does not fit MistralForCausalLM: 9 weights the model config asks for "
                     "are not in the checkpoint"),
