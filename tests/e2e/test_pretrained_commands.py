@@ -71,7 +71,7 @@ def test_step_0_val_loss_is_transformers_and_the_run_trains(runs, name):
     assert "step=0 val_loss=" in r.stdout
     assert all(np.isfinite(x["loss"]) for x in recs[1:])
     if name == "llama_yarn":
-        assert "rope_theta 500000 -> 2e+06" in r.stdout
+        assert "rope_theta 500000 -> 2000000" in r.stdout
 
 
 def _usp_logits(run_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
@@ -120,3 +120,47 @@ def test_the_export_is_the_checkpoints_architecture_with_the_new_rope(runs, name
         got = model(input_ids=tokens).logits
     want = _usp_logits(root / name, tokens)
     assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+
+
+def _bad_dirs(root: Path, good: Path) -> dict[str, Path]:
+    import shutil
+
+    dirs = {name: root / "bad" / name for name in ("empty", "no_weights", "gpt2", "damaged",
+                                                   "small_vocab")}
+    dirs["empty"].mkdir(parents=True)
+    for name in ("no_weights", "gpt2", "damaged", "small_vocab"):
+        dirs[name].mkdir(parents=True)
+        shutil.copy(good / "config.json", dirs[name])
+    (dirs["gpt2"] / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (dirs["damaged"] / "model.safetensors").write_bytes(
+        (good / "model.safetensors").read_bytes()[:5000])
+    cfg = json.loads((good / "config.json").read_text())
+    (dirs["small_vocab"] / "config.json").write_text(json.dumps({**cfg, "vocab_size": 64}))
+    shutil.copy(good / "model.safetensors", dirs["small_vocab"])
+    return dirs
+
+
+REFUSED = {  # name -> (directory, extra overrides, the error's words)
+    "empty": ("empty", [], "no config.json there"),
+    "no_weights": ("no_weights", [], r"has no weights (*.safetensors)"),
+    "gpt2": ("gpt2", [], "is a 'gpt2' model; usp maps llama, qwen2, mistral"),
+    "damaged": ("damaged", [], "model.safetensors is damaged"),
+    "shape": ("mistral", ["model.n_heads=8"], "n_heads: 8 set, 4 in the checkpoint"),
+    "vocab": ("small_vocab", [], "is larger than the embedding"),
+    "rope_type": ("mistral", ["model.rope_scaling={rope_type:ntk,factor:2}"],
+                  "rope_scaling.rope_type='ntk' is not one of"),
+    "factor": ("mistral", ["model.rope_scaling={rope_type:linear}"],
+               "with rope_type linear needs factor"),
+}
+
+
+def test_bad_checkpoints_are_refused_once_before_any_rank_with_nothing_written(runs):
+    root, ckpts, _ = runs
+    dirs = {**_bad_dirs(root, ckpts["mistral"]), "mistral": ckpts["mistral"]}
+    calls = [("train_main", _args(root, f"refused_{name}", dirs[d], extra))
+             for name, (d, extra, _) in REFUSED.items()]
+    for (name, (_, _, words)), r in zip(REFUSED.items(), run_commands(calls, root / "bad")):
+        assert r.returncode == 2, (name, r.stderr[-2000:])
+        lines = [x for x in r.stderr.splitlines() if "usp-train: error:" in x]
+        assert len(lines) == 1 and words in lines[0], (name, r.stderr[-2000:])
+        assert not (root / f"refused_{name}").exists(), name

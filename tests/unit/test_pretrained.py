@@ -185,3 +185,15 @@ def test_a_run_records_the_checkpoints_tokenizer_and_the_datas_eos(ckpts, tmp_pa
     meta.write_text(json.dumps({**json.loads(meta.read_text()), "eos_id": 2}))
     record_for_export(run_cfg(tmp_path / "bytes", data=memmap(tmp_path / "data")))
     assert load_export_facts(tmp_path / "bytes")["eos_token_id"] == 2
+
+
+def test_start_notes_report_the_rope_change_and_warn_when_nothing_is_extended(ckpts):
+    from usp.models.pretrained import start_notes
+
+    raised = start_notes(pretrained_config(ckpts["llama"], rope_theta=8e6), seq_len=64)
+    assert "rope_theta 500000 -> 8000000" in raised and not any("warning" in n for n in raised)
+    short = start_notes(pretrained_config(ckpts["llama"]), seq_len=16)  # original: 16
+    assert [n for n in short if n.startswith("warning")] == [
+        "warning: model.rope_scaling.original_max_position_embeddings=16 >= data.seq_len=16: "
+        "this run extends nothing beyond the original context; raise data.seq_len or lower "
+        "the scaling"]

@@ -202,7 +202,7 @@ def start_notes(mc: ModelConfig, seq_len: int) -> list[str]:
     have = checkpoint_fields(mc.pretrained, mc.hf)
     notes = [f"model.pretrained={mc.pretrained} ({have['arch'] or mc.hf})"]
     if have["rope_theta"] != mc.rope_theta:
-        notes.append(f"rope_theta {have['rope_theta']:g} -> {mc.rope_theta:g}")
+        notes.append(f"rope_theta {have['rope_theta']:.10g} -> {mc.rope_theta:.10g}")
     if have["rope_scaling"] != mc.rope_scaling:
         notes.append(f"rope_scaling {have['rope_scaling']} -> {mc.rope_scaling}")
     old = (mc.rope_scaling or {}).get("original_max_position_embeddings")
