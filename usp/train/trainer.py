@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
 import sys
@@ -25,7 +26,7 @@ from ..layout import SequenceLayout
 from ..mesh import SPMesh
 from ..models.llama import Transformer, flops_per_token
 from ..models.offload import ActivationOffload, StreamCopier
-from ..models.pretrained import load_state
+from ..models.shard_load import load_shards
 from ..models.tiling import lm_loss
 from ..models.checkpoint import choose_checkpoint, load_checkpoint, run_fingerprint, save_checkpoint
 from ..models.export import save_export_facts, save_model_config, save_tokenizer, save_tokenizer_files
@@ -266,17 +267,21 @@ def train(cfg: RunConfig, run: RunLayout | None = None, fault_hook: FaultHook | 
         attn = partial(usp_attention, mesh=mesh, layout=layout, causal=True,
                        **run.attention_options())
         offload = ActivationOffload(StreamCopier(device)) if tc.activation_offload else None
-        model = Transformer(cfg.model, attn, checkpoint_activations=tc.activation_checkpointing,
-                            checkpoint_every=tc.checkpoint_every,
-                            checkpoint_part=tc.checkpoint_part, offload=offload)
-        model.init_weights(tc.seed)
-        if cfg.model.pretrained is not None:  # the checkpoint's weights (usp.models.pretrained)
-            model.load_state_dict(load_state(cfg.model))
+        # model.pretrained: built without weights, each rank reads its shard after sharding
+        with torch.device("meta") if cfg.model.pretrained else contextlib.nullcontext():
+            model = Transformer(cfg.model, attn, checkpoint_activations=tc.activation_checkpointing,
+                                checkpoint_every=tc.checkpoint_every,
+                                checkpoint_part=tc.checkpoint_part, offload=offload)
+        if cfg.model.pretrained is None:
+            model.init_weights(tc.seed)
         blocks = model.layers
     else:
         model, blocks = _hf_model(cfg, run, mesh, layout)
-    model.to(device)
+    if cfg.model.hf is not None or cfg.model.pretrained is None:
+        model.to(device)
     shard_model(model, mesh.submesh("dp_sp"), run.dtype, blocks)
+    if cfg.model.hf is None and cfg.model.pretrained is not None:
+        load_shards(model, cfg.model, device)  # usp.models.shard_load: this rank's rows only
     oc = cfg.optim
     opt = torch.optim.AdamW(model.parameters(), lr=oc.lr, betas=(oc.beta1, oc.beta2),
                             weight_decay=oc.weight_decay)
