@@ -139,12 +139,12 @@ def to_config(dcfg: DictConfig) -> RunConfig:
 
 
 def _reads_vocab(model: dict, data) -> bool:
-    """The data's vocabulary is needed: ``vocab_size=auto``, or token files (with a
-    checkpoint: its embedding must cover them)."""
+    """The data's vocabulary is needed: ``vocab_size=auto``, or token files with a checkpoint
+    read for ``auto`` keys (its embedding must cover them)."""
     from .config import MemmapData
 
-    if model["pretrained"] is not None:
-        return isinstance(data, MemmapData)
+    if model["pretrained"] is not None:  # read with the checkpoint (a stated shape: neither)
+        return isinstance(data, MemmapData) and AUTO in model.values()
     return model["vocab_size"] == AUTO
 
 
