@@ -197,3 +197,17 @@ def test_start_notes_report_the_rope_change_and_warn_when_nothing_is_extended(ck
         "warning: model.rope_scaling.original_max_position_embeddings=16 >= data.seq_len=16: "
         "this run extends nothing beyond the original context; raise data.seq_len or lower "
         "the scaling"]
+
+
+def test_a_stated_shape_meets_the_data_vocabulary_rule_of_the_checkpoint(ckpts, tmp_path):
+    """A recipe's stated shape (no auto key) is checked against the data in preflight, with
+    the checkpoint's fix, not model.vocab_size=auto's."""
+    from _export_runs import corpus, memmap
+
+    from usp.data.dataset import check_vocab
+
+    corpus(tmp_path / "data")  # ~90 ids
+    mc = replace(pretrained_config(ckpts["mistral"]), vocab_size=64)
+    with pytest.raises(ValueError, match=r"> the embedding of model.pretrained=.* \(64 rows\).*"
+                                         r"checkpoint's tokenizer"):
+        check_vocab(memmap(tmp_path / "data"), mc)

@@ -126,6 +126,12 @@ def check_vocab(dc: DataConfig, mc: ModelConfig) -> None:
         have = data_vocab(dc)
         if have > mc.vocab_size:
             where = dc.path or ", ".join(p for p, _ in dc.sources())
+            if mc.pretrained is not None:  # the checkpoint's embedding is fixed
+                raise ValueError(
+                    f"dataset {where} has vocab_size {have} > the embedding of model.pretrained"
+                    f"={mc.pretrained} ({mc.vocab_size} rows): its ids would index past it; "
+                    "prepare the data with the checkpoint's tokenizer (usp-prepare "
+                    "--tokenizer DIR)")
             raise ValueError(
                 f"dataset {where} has vocab_size {have} > model.vocab_size {mc.vocab_size}: "
                 f"its ids would index past the embedding; set model.vocab_size={have} (or "
