@@ -85,7 +85,7 @@ def _rank(ckpt: str, mode: str, out: str) -> None:
     from usp.models.llama import Transformer
     from usp.models.pretrained import load_state, pretrained_config
     from usp.models.shard_load import load_shards
-    from usp.train.trainer import shard_model
+    from usp.train.build import shard_model
 
     mc = pretrained_config(ckpt)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))

@@ -7,8 +7,8 @@ and its worker processes) does not pay for importing it.
 from importlib import import_module
 
 _EXPORTS = {"usp_attention": ".attention", "CommStats": ".comm", "SequenceLayout": ".layout",
-            "SPMesh": ".mesh"}
-__all__ = ["SPMesh", "SequenceLayout", "usp_attention", "CommStats"]
+            "SPMesh": ".mesh", "ParallelDims": ".dims.parallel"}
+__all__ = ["SPMesh", "SequenceLayout", "usp_attention", "CommStats", "ParallelDims"]
 __version__ = "0.1.0"
 
 

@@ -10,23 +10,15 @@ from __future__ import annotations
 import torch
 
 from .comm import RingComm
+from .dims.heads import check_heads, head_split
+from .dims.stages import HeadChunk, check_a2a_chunks, default_a2a_chunks, head_chunks
 from .kernels import Kernel, get_kernel
 from .layout import SequenceLayout
 from .masks import check_masks, gather_segment_ids
 from .mesh import SPMesh
 from .ring import RingAttention, RingPlan, ring_backward, ring_forward
-from .ulysses import (
-    HeadChunk,
-    HeadToSeq,
-    SeqToHead,
-    _Axis,
-    _by_seq_chunk,
-    check_a2a_chunks,
-    default_a2a_chunks,
-    head_chunks,
-)
+from .ulysses import HeadToSeq, SeqToHead, _Axis, _by_seq_chunk
 from .validate import RING_IMPLS, check_kernel, check_ring_impl
-from .ulysses import check_heads, head_split
 
 __all__ = ["RING_IMPLS", "PipelinedAttention", "attention_stages", "check_inputs",
            "local_attention", "usp_attention"]
@@ -73,9 +65,10 @@ def check_inputs(q, k, v, mesh: SPMesh, layout: SequenceLayout) -> None:
 
 def attention_stages(mesh: SPMesh, num_q_heads: int, num_kv_heads: int,
                      a2a_chunks: int | None = None, ring_impl: str = "usp") -> int:
-    """The pipeline stages a ``usp_attention`` call on ``mesh`` runs: ``a2a_chunks`` when
-    given, else the mesh's setting for these heads (``ulysses.default_a2a_chunks``), 1 with
-    ``ring_impl="ring_flash_attn"``. Raises ValueError when the heads cannot take them."""
+    """The pipeline stages a ``usp_attention`` call on ``mesh`` runs: the mesh's setting
+    (``mesh.a2a_chunks``, ``usp.dims.stages.default_a2a_chunks`` for these heads) unless the
+    call overrides it with ``a2a_chunks``; 1 with ``ring_impl="ring_flash_attn"``. Raises
+    ValueError when the heads cannot take them."""
     if a2a_chunks is None:
         if ring_impl == "ring_flash_attn":
             return 1
@@ -117,31 +110,21 @@ def usp_attention(
       window. K/V travel only the ring hops that reach into the window
       (``usp.planner.traffic.windowed_ring_hops``; with zigzag every hop, see there).
 
-    ``a2a_chunks``: pipeline stages for the ulysses all-to-alls (``PipelinedAttention``);
-    1 to at most the query heads of a ulysses rank (``ulysses.check_a2a_chunks``). Same
-    bytes and results, ``a2a_chunks`` times as many messages; without a ulysses group
-    there is nothing to hide and it has no effect. None (default): the mesh's setting
-    (``SPMesh.build(a2a_chunks=...)``, ``"auto"`` unless given: 1 inside a host, pipelined
-    when a ulysses group crosses hosts; ``ulysses.default_a2a_chunks``). Not with
-    ``ring_impl="ring_flash_attn"`` (its default is 1). The mesh also says whether the
-    messages travel in pieces (``SPMesh.piece_bytes_for``).
+    Pipeline stages of the ulysses all-to-alls (``PipelinedAttention``): the mesh carries
+    them (``SPMesh.build(a2a_chunks=...)``; ``"auto"`` unless given: 1 inside a host,
+    pipelined when a ulysses group crosses hosts, ``usp.dims.stages.default_a2a_chunks``;
+    usp-train puts the planner's count there). ``a2a_chunks`` overrides them for this call:
+    1 to at most the query heads of a ulysses rank (``usp.dims.stages.check_a2a_chunks``).
+    Same bytes and results, that many times as many messages; no effect without a ulysses
+    group; 1 with ``ring_impl="ring_flash_attn"``. The mesh also says whether the messages
+    travel in fragments (``SPMesh.fragment_bytes_for``).
 
     Every query sees at least its own key, so no output row is undefined. Blocks a mask
     leaves empty are skipped. The ``torch`` and ``reference`` kernels take both masks,
     ``flash_attn`` takes ``window`` only; ``ring_impl="ring_flash_attn"`` takes neither.
     """
-    check_inputs(q, k, v, mesh, layout)
-    check_masks(segment_ids, window, batch=q.shape[0], seq_len=q.shape[1], device=q.device,
-                kernel=kernel, ring_impl=ring_impl)
-    dev, dtype, d = q.device.type, q.dtype, q.shape[-1]
-    if isinstance(kernel, str):
-        check_kernel(kernel, dev, dtype, d, ring_impl, causal, layout.balance)
-    else:  # a Kernel object answers for itself; the ring engine is still checked
-        check_ring_impl(ring_impl, dev, dtype, d, causal, layout.balance)
-    a2a_chunks = attention_stages(mesh, q.shape[2], k.shape[2], a2a_chunks, ring_impl)
-    if a2a_chunks > 1 and ring_impl == "ring_flash_attn":
-        raise ValueError(f"a2a_chunks={a2a_chunks} pipelines the usp ring only; use "
-                         f"ring_impl='usp' or a2a_chunks=1 with ring_flash_attn")
+    stages = _check_call(q, k, v, mesh, layout, causal, kernel, ring_impl, segment_ids,
+                         window, a2a_chunks)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if mesh.sp_size > 1:  # once per signature: every SP rank must make the same call
         kname = kernel if isinstance(kernel, str) else type(kernel).__name__
@@ -149,25 +132,15 @@ def usp_attention(
                         "ring_impl, scale, window, segment_ids given, a2a_chunks)",
                         (tuple(q.shape), tuple(k.shape), str(q.dtype), layout.seq_len,
                          layout.balance, causal, kname, ring_impl, scale, window,
-                         segment_ids is not None, a2a_chunks))
+                         segment_ids is not None, stages))
     kern = get_kernel(kernel)
     ids = None if segment_ids is None else gather_segment_ids(segment_ids, layout)  # [B, L]
-    u = mesh.ulysses
-    axis = None
-    if u > 1:
-        axis = _Axis(u, mesh.group("ulysses"), mesh.to_group_rank("ulysses"), mesh.comm,
-                     mesh.piece_bytes_for("ulysses"))
-    comm = None
-    if mesh.ring > 1 and ring_impl == "usp":
-        # the ring's own group: P2P on the world group would queue behind (and on
-        # NCCL, serialise with) FSDP's collectives
-        comm = RingComm(mesh.axis_ranks("ring"), mesh.ring_rank, mesh.group("ring"), mesh.comm,
-                        piece_bytes=mesh.piece_bytes_for("ring"))
+    axis, comm = _exchanges(mesh, ring_impl)
     plan = RingPlan(mesh.ring_rank, mesh.ring, layout.segment_len, causal, layout.balance,
                     window, ids)
     ring = (comm, plan, kern, scale, mesh.comm)  # ring_forward's arguments after q, k, v
-    if axis is not None and a2a_chunks > 1:
-        return PipelinedAttention.apply(q, k, v, axis, a2a_chunks, ring)  # [B, L/P, Hq, d]
+    if axis is not None and stages > 1:
+        return PipelinedAttention.apply(q, k, v, axis, stages, ring)  # [B, L/P, Hq, d]
     if axis is not None:
         # [B, L/P, H, d] -> [B, L/r, H/u, d]: all tokens of the ring segment, some heads
         q, k, v = SeqToHead.apply(q, k, v, axis)
@@ -182,6 +155,40 @@ def usp_attention(
     return out
 
 
+def _check_call(q, k, v, mesh: SPMesh, layout: SequenceLayout, causal: bool, kernel,
+                ring_impl: str, segment_ids, window, a2a_chunks) -> int:
+    """Every rule for one ``usp_attention`` call, before any collective; returns its
+    pipeline stages (``attention_stages``)."""
+    check_inputs(q, k, v, mesh, layout)
+    check_masks(segment_ids, window, batch=q.shape[0], seq_len=q.shape[1], device=q.device,
+                kernel=kernel, ring_impl=ring_impl)
+    dev, dtype, d = q.device.type, q.dtype, q.shape[-1]
+    if isinstance(kernel, str):
+        check_kernel(kernel, dev, dtype, d, ring_impl, causal, layout.balance)
+    else:  # a Kernel object answers for itself; the ring engine is still checked
+        check_ring_impl(ring_impl, dev, dtype, d, causal, layout.balance)
+    stages = attention_stages(mesh, q.shape[2], k.shape[2], a2a_chunks, ring_impl)
+    if stages > 1 and ring_impl == "ring_flash_attn":
+        raise ValueError(f"a2a_chunks={stages} pipelines the usp ring only; use "
+                         f"ring_impl='usp' or a2a_chunks=1 with ring_flash_attn")
+    return stages
+
+
+def _exchanges(mesh: SPMesh, ring_impl: str) -> tuple[_Axis | None, RingComm | None]:
+    """The call's ulysses exchange (None without a ulysses group) and ring transport (None
+    without a ring, or when ring-flash-attn brings its own)."""
+    axis = comm = None
+    if mesh.ulysses > 1:
+        axis = _Axis(mesh.ulysses, mesh.group("ulysses"), mesh.to_group_rank("ulysses"),
+                     mesh.comm, mesh.fragment_bytes_for("ulysses"))
+    if mesh.ring > 1 and ring_impl == "usp":
+        # the ring's own group: P2P on the world group would queue behind (and on
+        # NCCL, serialise with) FSDP's collectives
+        comm = RingComm(mesh.axis_ranks("ring"), mesh.ring_rank, mesh.group("ring"), mesh.comm,
+                        fragment_bytes=mesh.fragment_bytes_for("ring"))
+    return axis, comm
+
+
 def _heads(x: torch.Tensor, r: tuple[int, int]) -> torch.Tensor:
     return x[:, :, r[0] : r[1]]  # [B, T, H, d] -> [B, T, heads r, d]
 
@@ -192,7 +199,7 @@ def _width(r: tuple[int, int]) -> int:
 
 class PipelinedAttention(torch.autograd.Function):
     """q [B, L/P, Hq, d], k/v [B, L/P, Hkv, d] -> out [B, L/P, Hq, d]: SeqToHead, ring,
-    HeadToSeq over the heads of ``ulysses.head_chunks`` stages, each all-to-all posted
+    HeadToSeq over the heads of ``usp.dims.stages.head_chunks`` stages, each all-to-all posted
     asynchronously so that it travels while another stage's ring pass computes.
 
     apply(q, k, v, axis, chunks, ring) with ``ring`` = ``ring_forward``'s arguments after

@@ -1,13 +1,13 @@
 """Command-line entry points: ``usp-train`` and ``usp-plan`` (Hydra).
 
-The only module that touches Hydra/OmegaConf: it composes ``configs/`` (+ ``recipes/``),
-validates against the structured schemas below, and hands typed dataclasses to the library.
+The only modules that touch Hydra/OmegaConf, with ``usp.hydra_app`` (how the app runs and
+how Hydra's refusals read): it composes ``configs/`` (+ ``recipes/``), validates against the
+structured schemas below, and hands typed dataclasses to the library.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import gc
 import sys
 import warnings
@@ -20,14 +20,16 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from .config import DATA_KINDS, ModelConfig, PlanConfig, RunConfig
+from .config import files as config_files
 from .data.dataset import AUTO, data_vocab
+from .hydra_app import run_app, stray_key, unknown_key_error
 from .models.pretrained import fill_model
 
 # hydra-core 1.4 warns about version_base="1.3" at every start (three lines on every task of
 # a job); 1.3 semantics are what the configs are written for
 warnings.filterwarnings("ignore", message="The version_base parameter is deprecated")
 
-CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
+CONFIG_DIR = str(config_files.CONFIG_DIR)  # configs/ as the package ships it
 
 
 @dataclass
@@ -88,32 +90,28 @@ def register_schemas() -> None:
 register_schemas()
 
 
-def _check_config_dir() -> None:
-    if not Path(CONFIG_DIR, "train.yaml").exists():
-        raise SystemExit(
-            f"usp: config directory {CONFIG_DIR} not found; install usp from its source "
-            f"checkout with `pip install -e .`"
-        )
+def unknown_keys(node, prefix: str = "") -> list[str]:
+    """Dotted keys of ``node`` (a DictConfig) that its dataclass schema lacks, also inside
+    dicts and lists of dicts (``data.blend[0].foo``).
 
-
-def unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
-    """Dotted keys of ``node`` that its dataclass schema lacks.
-
-    Hydra's struct mode refuses ``trainer.foo=1``, but ``+trainer.foo=1`` opens the node to
-    add the key and ``OmegaConf.to_object`` then sets it as a stray attribute nobody reads.
+    Hydra refuses ``trainer.foo=1`` itself (``usp.hydra_app.config_error`` words it), but
+    ``+trainer.foo=1`` opens the node to add the key and ``OmegaConf.to_object`` then sets it
+    as a stray attribute nobody reads.
     """
     schema = OmegaConf.get_type(node)
     known = ({f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema)
              else None)
     found = []
     for key in node.keys():
-        name = f"{prefix}{key}"
+        name, child = f"{prefix}{key}", node._get_node(key)
         if known is not None and key not in known:
-            near = difflib.get_close_matches(str(key), sorted(known), n=1)
-            hint = f"did you mean {prefix}{near[0]}?" if near else f"known: {', '.join(sorted(known))}"
-            found.append(f"{name} ({hint})")
-        elif OmegaConf.is_dict(node._get_node(key)):
+            found.append(stray_key(name, key, known, prefix))
+        elif OmegaConf.is_dict(child):
             found += unknown_keys(node[key], f"{name}.")
+        elif OmegaConf.is_list(child) and not child._is_none():
+            for i in range(len(child)):
+                if OmegaConf.is_dict(child._get_node(i)):
+                    found += unknown_keys(child[i], f"{name}[{i}].")
     return found
 
 
@@ -123,8 +121,7 @@ def to_config(dcfg: DictConfig) -> RunConfig:
     ``ValueError``."""
     stray = unknown_keys(dcfg)
     if stray:
-        raise ValueError(f"unknown config key {'; '.join(stray)}: the schema has no such field; "
-                         f"drop the override or fix its name")
+        raise unknown_key_error(stray)
     composed = OmegaConf.to_object(dcfg)
     cls = _LIBRARY_TYPE[type(composed)]
     fields = {f.name: getattr(composed, f.name) for f in dataclasses.fields(cls)}
@@ -186,8 +183,9 @@ def _under_submitit() -> bool:
     return under_submitit(os.environ)
 
 
-def run_training(cfg: RunConfig) -> None:
+def run_training(cfg: RunConfig, run_dir: str | None = None) -> None:
     """Launch: torchrun/Slurm environment if present, else spawn ``trainer.nprocs`` local ranks.
+    ``run_dir``: where the run writes when ``trainer.run_dir`` is not set (Hydra's folder).
 
     The run's layout (``usp.run.RunLayout``) is resolved once, before any process starts
     training: here, in the parent of the spawned ranks; under torchrun/Slurm by rank 0 before
@@ -209,7 +207,8 @@ def run_training(cfg: RunConfig) -> None:
         nprocs = cfg.trainer.nprocs
         _, device = choose_device(cfg.trainer.device, nprocs, torch.cuda.is_available(),
                                   torch.cuda.device_count())  # the run's device, decided once
-        run = resolve_run(cfg, nprocs, device, say=say)  # refuse bad layouts/data before spawning
+        # refuse bad layouts/data before spawning
+        run = resolve_run(cfg, nprocs, device, run_dir=run_dir, say=say)
         code = run_local(_local_worker, nprocs, cfg, run, device_type=run.device,
                          max_restarts=cfg.trainer.max_restarts, timeout_s=cfg.trainer.timeout_s)
         if code:  # the ranks' own exit code, e.g. preempted after a forwarded SIGTERM
@@ -232,16 +231,15 @@ def run_training(cfg: RunConfig) -> None:
     def decide():
         _, device = choose_device(cfg.trainer.device, 1, torch.cuda.is_available(),
                                   torch.cuda.device_count())  # the run's device, decided once
-        run = resolve_run(cfg, info["world"], device, scheduler_hosts=slurm, say=said.append)
-        return run, cfg.trainer.run_dir
+        # every rank composed its own config; rank 0's run directory is the run's
+        return resolve_run(cfg, info["world"], device, scheduler_hosts=slurm, run_dir=run_dir,
+                           say=said.append)
 
     def check(decided):
-        # every rank composed its own config; rank 0's run directory is the run's
-        cfg.trainer.run_dir = decided[1]
-        check_task(cfg, decided[0])  # this task on rank 0's layout, its device included
+        check_task(cfg, decided)  # this task on rank 0's layout, its device included
 
     store = rendezvous_store(info, cfg.trainer.timeout_s)
-    run, cfg.trainer.run_dir = decide_together(store, info, decide, check, cfg.trainer.timeout_s)
+    run = decide_together(store, info, decide, check, cfg.trainer.timeout_s)
     for text in said:
         say(text)
     _train_launched(cfg, info, run, store)
@@ -334,9 +332,7 @@ def _train_main(dcfg) -> None:
 
     try:
         cfg: RunConfig = to_config(dcfg)
-        if cfg.trainer.run_dir is None:
-            cfg.trainer.run_dir = HydraConfig.get().runtime.output_dir
-        run_training(cfg)
+        run_training(cfg, run_dir=HydraConfig.get().runtime.output_dir)
     except JobError:  # under submitit: already said, the result carries it
         raise
     except (ValueError, FileNotFoundError) as e:  # refused before launch: no traceback
@@ -346,8 +342,7 @@ def _train_main(dcfg) -> None:
 
 
 def train_main() -> None:
-    _check_config_dir()
-    _train_main()
+    run_app(_train_main, lambda e: _refuse("usp-train", e), sys.argv)
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="plan", version_base="1.3")
@@ -369,8 +364,7 @@ def _plan(cfg: PlanConfig) -> None:
 
 
 def plan_main() -> None:
-    _check_config_dir()
-    _plan_main()
+    run_app(_plan_main, lambda e: _refuse("usp-plan", e), sys.argv)
 
 
 if __name__ == "__main__":  # torchrun -m usp.cli ...

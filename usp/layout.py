@@ -1,15 +1,7 @@
-"""Which global tokens each rank owns.
+"""Which global tokens this rank holds, on a mesh: shard, gather, global positions.
 
-The sequence of length L is first cut into ring segments, then each segment is split
-contiguously across the ulysses group (so the ulysses all-to-all reassembles exactly one
-ring segment, in order).
-
-- ``contiguous``: ring rank i owns tokens [i*L/r, (i+1)*L/r).
-- ``zigzag``: the sequence is cut into 2r chunks of L/(2r); ring rank i owns chunks i and
-  2r-1-i, so every ring rank has the same amount of causal work.
-
-Example, L=16, ring=2, ulysses=2, zigzag: chunks of 4 -> ring 0 owns [0:4]+[12:16],
-ring 1 owns [4:8]+[8:12]; (ring 0, ulysses 1) holds tokens 12..15.
+The arithmetic of who holds token t is ``usp.dims.tokens`` (``Ownership``, pure, no mesh);
+a ``SequenceLayout`` applies it to this rank's coordinates and moves tensors by it.
 """
 
 from __future__ import annotations
@@ -18,38 +10,32 @@ import torch
 import torch.distributed as dist
 
 from .comm import on_wire
+from .dims.tokens import Ownership, position_tensor
 from .mesh import SPMesh
-from .validate import check_seq_len
 
 
 class SequenceLayout:
     """Token ownership for one sequence length on one mesh.
 
     ``shard`` / ``gather`` convert between the global ``[..., L, ...]`` tensor and this
-    rank's ``[..., L/P, ...]`` piece (P = ring x ulysses); ``positions()`` gives the global
-    position ids of this rank's tokens (not contiguous under zigzag), for RoPE.
+    rank's ``[..., L/P, ...]`` share (P = ring x ulysses); ``positions()`` gives the global
+    position ids of this rank's tokens (not contiguous under zigzag), for RoPE. ``owner``
+    is the mesh-free ``usp.dims.tokens.Ownership`` it applies.
     """
 
     def __init__(self, mesh: SPMesh, seq_len: int, balance: str = "zigzag"):
-        check_seq_len(seq_len, mesh.ulysses, mesh.ring, balance)
-        self.mesh, self.seq_len, self.balance = mesh, seq_len, balance
-        self.local_len = seq_len // mesh.sp_size
-        self.segment_len = seq_len // mesh.ring
+        self.mesh = mesh
+        self.owner = Ownership(seq_len, mesh.ring, mesh.ulysses, balance)  # checks seq_len
+        self.seq_len, self.balance = seq_len, balance
+        self.local_len, self.segment_len = self.owner.local_len, self.owner.segment_len
 
     def segment_indices(self, ring_rank: int) -> torch.Tensor:
         """Global positions of ring rank ``ring_rank``'s segment, in segment order: [L/r]."""
-        r, L = self.mesh.ring, self.seq_len
-        if self.balance == "contiguous":
-            return torch.arange(ring_rank * L // r, (ring_rank + 1) * L // r)
-        c = L // (2 * r)
-        first = torch.arange(ring_rank * c, (ring_rank + 1) * c)
-        second = torch.arange((2 * r - 1 - ring_rank) * c, (2 * r - ring_rank) * c)
-        return torch.cat([first, second])
+        return position_tensor(self.owner.segment(ring_rank))
 
     def indices(self, ring_rank: int, ulysses_rank: int) -> torch.Tensor:
         """Global positions held by the rank at (ring_rank, ulysses_rank): [L/P]."""
-        n = self.local_len
-        return self.segment_indices(ring_rank)[ulysses_rank * n : (ulysses_rank + 1) * n]
+        return position_tensor(self.owner.ranges(ring_rank, ulysses_rank))
 
     def positions(self, device: torch.device | str | None = None) -> torch.Tensor:
         """Global position ids of this rank's tokens: LongTensor [L/P]."""

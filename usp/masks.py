@@ -12,8 +12,8 @@ key *inside one block* is a kernel call's "no contribution" (out 0, LSE -inf, wh
 ``usp.ring.merge`` folds in as nothing).
 
 ``block_pieces`` is the one function that turns the rule into kernel calls for one
-(query block, key block) pair. A block is a list of runs of consecutive global positions
-(``usp.ring.segment_runs``: one run per ring segment, two under zigzag). Each run pair is
+(query block, key block) pair. A block is a list of spans of consecutive global positions
+(``usp.ring.segment_spans``: one span per ring segment, two under zigzag). Each span pair is
 trimmed to the rows and keys that see anything; if the rule then leaves it whole, causal
 or empty it is one call or none; otherwise (a window edge, document boundaries) it is cut
 in halves at global multiples of ``tile_size``, recursively, down to tiles computed with
@@ -37,9 +37,9 @@ import torch
 
 from .kernels import supported_masks
 
-Run = tuple[int, int, int]  # (offset in the block, first global position, length)
+Span = tuple[int, int, int]  # (offset in the block, first global position, length)
 MASK_KINDS = ("window", "segment_ids")
-TILE = 256  # tile edge for masked run pairs (tokens)
+TILE = 256  # tile edge for masked span pairs (tokens)
 
 
 def bounds(causal: bool, window: int | None) -> tuple[int | None, int | None]:
@@ -50,8 +50,8 @@ def bounds(causal: bool, window: int | None) -> tuple[int | None, int | None]:
 
 
 def tile_size(window: int | None, segments: bool) -> int | None:
-    """Tile edge for run pairs the mask cuts: ~window/4 (32..256), 256 for documents alone,
-    None when nothing but causal order is asked (run pairs are never cut then)."""
+    """Tile edge for span pairs the mask cuts: ~window/4 (32..256), 256 for documents alone,
+    None when nothing but causal order is asked (span pairs are never cut then)."""
     if window is None:
         return TILE if segments else None
     return max(32, min(TILE, 1 << max(0, (window // 4).bit_length() - 1)))
@@ -130,8 +130,8 @@ class Piece:
         return not self.causal and self.mask is None
 
 
-def _tile(q: Run, k: Run, lo, hi, q_ids, k_ids) -> Piece | None:
-    """The call for one (query run, key run) pair, trimmed to what is visible; None: skip.
+def _tile(q: Span, k: Span, lo, hi, q_ids, k_ids) -> Piece | None:
+    """The call for one (query span, key span) pair, trimmed to what is visible; None: skip.
     ``q_ids``/``k_ids``: the blocks' document ids [B, block len] or None."""
     qo, qa, m = q
     ko, kc, n = k
@@ -174,20 +174,20 @@ def _first_last(flags: torch.Tensor) -> tuple[int, int]:
     return int(idx[0]), int(idx[-1]) + 1
 
 
-def _halves(run: Run, tile: int) -> list[Run]:
-    """``run`` cut in two near its middle, at a global multiple of ``tile`` when one lies
+def _halves(span: Span, tile: int) -> list[Span]:
+    """``span`` cut in two near its middle, at a global multiple of ``tile`` when one lies
     inside (so query and key blocks of the same positions are cut alike); whole if short."""
-    off, start, n = run
+    off, start, n = span
     if n <= tile:
-        return [run]
+        return [span]
     mid = round((start + n / 2) / tile) * tile
     if not start < mid < start + n:
         mid = start + n // 2
     return [(off, start, mid - start), (off + mid - start, mid, start + n - mid)]
 
 
-def _quad(q: Run, k: Run, lo, hi, q_ids, k_ids, tile: int | None, out: list) -> None:
-    """Pieces of one run pair: whole, causal or empty as it stands (documents: when the
+def _quad(q: Span, k: Span, lo, hi, q_ids, k_ids, tile: int | None, out: list) -> None:
+    """Pieces of one span pair: whole, causal or empty as it stands (documents: when the
     rows and keys share no id, or all carry one id), else (a window edge, document
     boundaries) cut in halves, recursively, down to tiles of ``tile`` that carry a mask."""
     p = _tile(q, k, lo, hi, None, None)  # positions alone, trimmed to what is visible
@@ -204,7 +204,7 @@ def _quad(q: Run, k: Run, lo, hi, q_ids, k_ids, tile: int | None, out: list) -> 
         if p.mask is None and bool(((qlo == qhi) & (klo == khi) & (qlo == klo)).all()):
             out.append(p)  # one document on both sides: the positions decide alone
             return
-    q = (p.qs.start, q[1] + p.qs.start - q[0], p.qs.stop - p.qs.start)  # the trimmed runs
+    q = (p.qs.start, q[1] + p.qs.start - q[0], p.qs.stop - p.qs.start)  # the trimmed spans
     k = (p.ks.start, k[1] + p.ks.start - k[0], p.ks.stop - p.ks.start)
     if q[2] <= tile and k[2] <= tile:
         p = _tile(q, k, lo, hi, q_ids, k_ids)
@@ -239,32 +239,32 @@ def _merge(pieces: list[Piece], k_barrier: int | None) -> list[Piece]:
     return sorted(cols, key=lambda p: (p.qs.start, p.ks.start))
 
 
-def _increasing(runs) -> bool:
-    return all(b[1] >= a[1] + a[2] for a, b in zip(runs, runs[1:]))
+def _increasing(spans) -> bool:
+    return all(b[1] >= a[1] + a[2] for a, b in zip(spans, spans[1:]))
 
 
-def block_pieces(q_runs, k_runs, lo: int | None, hi: int | None, q_ids=None, k_ids=None,
+def block_pieces(q_spans, k_spans, lo: int | None, hi: int | None, q_ids=None, k_ids=None,
                  tile: int | None = None, merge_diagonal: bool = True,
                  k_barrier: int | None = None) -> list[Piece]:
     """THE visibility decision: the kernel calls that cover exactly the visible pairs of a
-    query block (runs ``q_runs``, document ids ``q_ids`` [B, Sq] or None) against a key
-    block (``k_runs``, ``k_ids``), under ``bounds`` (lo, hi). Empty list: skip the block.
+    query block (spans ``q_spans``, document ids ``q_ids`` [B, Sq] or None) against a key
+    block (``k_spans``, ``k_ids``), under ``bounds`` (lo, hi). Empty list: skip the block.
 
-    ``tile``: the smallest piece a masked run pair is cut into (``tile_size``); None: no
+    ``tile``: the smallest piece a masked span pair is cut into (``tile_size``); None: no
     cutting (causal order alone); ``merge_diagonal``: a block
     against itself under plain causal order is one causal call; ``k_barrier``: no merged
     call crosses this key offset (the ring's backward splits its diagonal there).
     """
-    if (merge_diagonal and q_ids is None and lo == 0 and q_runs == k_runs
-            and _increasing(q_runs)):
-        last = q_runs[-1]
-        span = last[1] + last[2] - q_runs[0][1]
-        if hi is None or hi >= span - 1:
+    if (merge_diagonal and q_ids is None and lo == 0 and q_spans == k_spans
+            and _increasing(q_spans)):
+        last = q_spans[-1]
+        extent = last[1] + last[2] - q_spans[0][1]  # first to last position
+        if hi is None or hi >= extent - 1:
             size = last[0] + last[2]
             return [Piece(slice(0, size), slice(0, size), causal=True)]
     pieces: list[Piece] = []
-    for q in q_runs:
-        for k in k_runs:
+    for q in q_spans:
+        for k in k_spans:
             _quad(q, k, lo, hi, q_ids, k_ids, tile, pieces)
     return _merge(pieces, k_barrier)
 

@@ -3,95 +3,91 @@
 One object describes the sequence-parallel layout and owns its DeviceMesh and groups; it
 is passed explicitly to whoever needs a group.
 
-Topology: ranks are grouped by the host they run on (an all-gather of host names, or a
-simulated ``ranks_per_node`` for tests and CPU runs), then laid out node-major. With the
-default ``placement="ulysses_inner"`` the ulysses axis is innermost, so ulysses groups sit
-inside a node and ring groups join the same local rank on different nodes (rail-aligned).
-``placement="ring_inner"`` swaps the two, for experiments.
+What the mesh is, is data decided before it: ``usp.dims.parallel.ParallelDims`` (degrees,
+placement, a2a stages, message fragments, axes by role). Where each rank sits is
+``usp.dims.placement.mesh_ranks`` on the hosts the ranks report (an all-gather of host
+names, or a simulated ``ranks_per_node`` for tests and CPU runs).
 """
 
 from __future__ import annotations
 
-import atexit
 import gc
 import socket
 import warnings
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .comm import GLOO_PIECE_BYTES, CommStats, check_agreement
-from .compat import flatten_mesh, process_group_alive, release_device_mesh
-from .validate import (check_a2a_setting, check_degrees, check_piece_bytes, check_placement,
-                       check_ranks_per_node)
-
-AXES = ("dp", "ring", "ulysses")
-
-
-def node_order(hosts: list[str]) -> list[list[int]]:
-    """Group global ranks by host: nodes ordered by their lowest rank, ranks ascending."""
-    nodes: dict[str, list[int]] = {}
-    for rank, host in enumerate(hosts):
-        nodes.setdefault(host, []).append(rank)
-    return list(nodes.values())
-
-
-def mesh_ranks(
-    hosts: list[str], dp: int, ring: int, ulysses: int, placement: str = "ulysses_inner"
-) -> torch.Tensor:
-    """Global ranks arranged as a [dp, ring, ulysses] tensor for the given host of each rank."""
-    order = torch.tensor([r for node in node_order(hosts) for r in node])
-    if placement == "ulysses_inner":
-        return order.reshape(dp, ring, ulysses)
-    return order.reshape(dp, ulysses, ring).transpose(1, 2).contiguous()
-
-
-def spanning_groups(ranks: torch.Tensor, hosts: list[str], axis: int) -> list[list[int]]:
-    """Groups along ``axis`` of the [dp, ring, ulysses] rank tensor that span several hosts."""
-    groups = ranks.movedim(axis, -1).reshape(-1, ranks.shape[axis]).tolist()
-    return [g for g in groups if len({hosts[r] for r in g}) > 1]
+from .comm import GLOO_FRAGMENT_BYTES, CommStats, check_agreement
+from .compat import flatten_mesh, release_device_mesh
+from .dims.parallel import ROLES, ParallelDims
+from .dims.placement import AXES, mesh_ranks, node_order, simulated_hosts, spanning_groups
+from .mesh_exit import Owned, destroy_groups
+from .validate import check_ranks_per_node
 
 
 @dataclass
 class SPMesh:
     """A ``dp x ring x ulysses`` layout of the ranks and its process groups.
 
-    Build with ``SPMesh.build(ulysses=..., ring=...)`` after ``dist.init_process_group``.
+    Build with ``SPMesh.build(ulysses=..., ring=...)`` (or ``SPMesh.from_dims(dims)``) after
+    ``dist.init_process_group``; ``dims`` (``ParallelDims``) holds the degrees and settings.
     ``ulysses_rank``/``ring_rank``/``dp_rank`` are this rank's mesh coordinates; the
     sequence-parallel rank is ``sp_rank = ring_rank * ulysses + ulysses_rank``.
 
-    The mesh also carries how its ulysses all-to-alls travel, which ``usp_attention`` uses
-    when the call does not say: ``a2a_chunks`` (pipeline stages: an int, or ``"auto"``,
-    see ``usp.ulysses.default_a2a_chunks``), and how messages of each axis travel:
-    ``piece_bytes_for(axis)``, the largest message piece, or None for whole messages (see
-    ``build``).
+    The mesh also carries how its ulysses all-to-alls travel, which ``usp_attention`` reads:
+    ``a2a_chunks`` (pipeline stages: an int, or ``"auto"``, see
+    ``usp.dims.stages.default_a2a_chunks``), and how messages of each axis travel:
+    ``fragment_bytes_for(axis)``, the largest message fragment, or None for whole messages
+    (see ``build``). Groups are asked by axis (dp, ring, ulysses, sp, dp_sp) or by role
+    (batch, sequence, loss, fsdp: ``usp.dims.parallel``).
 
     ``mesh.close()`` (or a ``with SPMesh.build(...) as mesh:`` block) before
     ``dist.destroy_process_group()`` frees its groups at once; a mesh left open is released
     when the interpreter exits, before its shutdown starts (see ``close`` for why).
     """
 
-    ulysses: int
-    ring: int
-    dp: int
-    placement: str
+    dims: ParallelDims
     ranks: torch.Tensor  # [dp, ring, ulysses] global ranks
     hosts: list[str]  # host of each global rank
     device_mesh: DeviceMesh | None = None
     flat_meshes: dict[str, DeviceMesh] = field(default_factory=dict)  # sp, dp_sp
     comm: CommStats = field(default_factory=CommStats)
-    a2a_chunks: int | str = "auto"
-    piece_bytes: int | str | None = "auto"
     _cache: dict = field(default_factory=dict, repr=False)
     _closed: bool = field(default=False, repr=False)
-    _owned: _Owned | None = field(default=None, repr=False, compare=False)
+    _owned: Owned | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.device_mesh is not None:  # released at interpreter exit unless closed first
-            self._owned = _Owned.track(self)
+            self._owned = Owned.track(self)
+
+    # ---- the dims -----------------------------------------------------------------
+    @property
+    def ulysses(self) -> int:
+        return self.dims.ulysses
+
+    @property
+    def ring(self) -> int:
+        return self.dims.ring
+
+    @property
+    def dp(self) -> int:
+        return self.dims.dp
+
+    @property
+    def placement(self) -> str:
+        return self.dims.placement
+
+    @property
+    def a2a_chunks(self) -> int | str:
+        """Pipeline stages of the ulysses all-to-alls: an int, or ``"auto"``."""
+        return self.dims.a2a_chunks
+
+    @property
+    def fragment_bytes(self) -> int | str | None:
+        return self.dims.fragment_bytes
 
     # ---- construction -------------------------------------------------------------
     @classmethod
@@ -105,51 +101,67 @@ class SPMesh:
         hosts: list[str] | None = None,
         device_type: str | None = None,
         a2a_chunks: int | str = "auto",
-        piece_bytes: int | str | None = "auto",
+        fragment_bytes: int | str | None = "auto",
     ) -> "SPMesh":
-        """Discover hosts, lay ranks out and create the DeviceMesh (collective: all ranks call).
+        """``from_dims`` of ``ParallelDims`` for this world (collective: all ranks call).
 
-        Simulation, for tests and CPU runs: ``ranks_per_node`` makes nodes of that many
-        consecutive ranks; ``hosts`` gives the host name of every rank explicitly.
-        ``a2a_chunks``: the attention calls' default pipeline depth (an int, or ``"auto"``:
-        1 while every ulysses group stays inside a host, else pipelined; usp-train passes
-        the planner's count). ``piece_bytes``: ``"auto"`` cuts the ulysses and ring
-        messages of an axis whose groups cross hosts over gloo into pieces of
-        ``comm.GLOO_PIECE_BYTES`` (large two-way TCP exchanges run under the link rate),
-        and sends the others whole; an int sets the piece size everywhere, None never cuts.
-        Invalid degrees raise ``ValueError`` before any collective runs.
+        ``dp`` is derived when None. ``a2a_chunks``: the attention calls' pipeline depth (an
+        int, or ``"auto"``: 1 while every ulysses group stays inside a host, else pipelined;
+        usp-train passes the planner's count). ``fragment_bytes``: ``"auto"`` cuts the
+        ulysses and ring messages of an axis whose groups cross hosts over gloo into
+        fragments of ``comm.GLOO_FRAGMENT_BYTES`` (large two-way TCP exchanges run under the
+        link rate), and sends the others whole; an int sets the fragment size everywhere,
+        None never cuts. Invalid degrees raise ``ValueError`` before any collective runs.
         """
         if not dist.is_initialized():
             raise RuntimeError("SPMesh.build needs torch.distributed.init_process_group first")
+        dims = ParallelDims.for_world(dist.get_world_size(), ulysses, ring, dp,
+                                      placement=placement, a2a_chunks=a2a_chunks,
+                                      fragment_bytes=fragment_bytes)
+        return cls.from_dims(dims, ranks_per_node, hosts, device_type)
+
+    @classmethod
+    def from_dims(cls, dims: ParallelDims, ranks_per_node: int | None = None,
+                  hosts: list[str] | None = None, device_type: str | None = None) -> "SPMesh":
+        """Discover hosts, lay ranks out and create the DeviceMesh of ``dims`` (collective:
+        all ranks call, with the same arguments; checked before any group is made).
+
+        Simulation, for tests and CPU runs: ``ranks_per_node`` makes nodes of that many
+        consecutive ranks; ``hosts`` gives the host name of every rank explicitly.
+        ``device_type``: the DeviceMesh's (default: cuda under NCCL, else cpu).
+        """
+        if not dist.is_initialized():
+            raise RuntimeError("SPMesh.from_dims needs torch.distributed.init_process_group "
+                               "first")
         world = dist.get_world_size()
-        dp = check_degrees(world, ulysses, ring, dp)
-        check_placement(placement)
+        if dims.world != world:
+            raise ValueError(f"dp ({dims.dp}) x ring ({dims.ring}) x ulysses ({dims.ulysses}) "
+                             f"= {dims.world} != world size {world}; use ParallelDims."
+                             f"for_world({world}, ...) or SPMesh.build")
         check_ranks_per_node(world, ranks_per_node)
-        check_a2a_setting(a2a_chunks)
-        check_piece_bytes(piece_bytes)
         if hosts is not None and len(hosts) != world:
             raise ValueError(f"hosts lists {len(hosts)} ranks but the world size is {world}")
         # different degrees per rank would build mismatched groups and hang: agree first
+        d = dims
         check_agreement("SPMesh.build(ulysses, ring, dp, placement, ranks_per_node, hosts, "
-                        "a2a_chunks, piece_bytes)", (ulysses, ring, dp, placement,
-                                                     ranks_per_node, hosts, a2a_chunks,
-                                                     piece_bytes))
+                        "a2a_chunks, fragment_bytes)",
+                        (d.ulysses, d.ring, d.dp, d.placement, ranks_per_node, hosts,
+                         d.a2a_chunks, d.fragment_bytes))
         hosts = list(hosts) if hosts is not None else cls._discover_hosts(world, ranks_per_node)
-        ranks = mesh_ranks(hosts, dp, ring, ulysses, placement)
+        ranks = torch.tensor(mesh_ranks(hosts, d.dp, d.ring, d.ulysses, d.placement))
         if device_type is None:
             device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         dm = DeviceMesh(device_type, ranks, mesh_dim_names=AXES)
         flat = {"sp": flatten_mesh(dm[("ring", "ulysses")], "sp"),
                 "dp_sp": flatten_mesh(dm, "dp_sp")}
-        mesh = cls(ulysses, ring, dp, placement, ranks, hosts, dm, flat, a2a_chunks=a2a_chunks,
-                   piece_bytes=piece_bytes)
+        mesh = cls(dims, ranks, hosts, dm, flat)
         mesh._warn_if_ulysses_spans_nodes()
         return mesh
 
     @staticmethod
     def _discover_hosts(world: int, ranks_per_node: int | None) -> list[str]:
         if ranks_per_node is not None:
-            return [f"sim-node{r // ranks_per_node}" for r in range(world)]
+            return simulated_hosts(world, ranks_per_node)
         hosts: list[str] = [""] * world
         dist.all_gather_object(hosts, socket.gethostname())
         return hosts
@@ -161,7 +173,7 @@ class SPMesh:
             raise ValueError(f"crosses_hosts takes an axis of {AXES}, got {axis!r}")
         key = ("crosses", axis)
         if key not in self._cache:  # asked on every attention call: computed once
-            self._cache[key] = bool(spanning_groups(self.ranks, self.hosts, AXES.index(axis)))
+            self._cache[key] = bool(spanning_groups(self.ranks.tolist(), self.hosts, axis))
         return self._cache[key]
 
     @property
@@ -169,16 +181,16 @@ class SPMesh:
         """Whether some ulysses group of the mesh spans several hosts."""
         return self.crosses_hosts("ulysses")
 
-    def piece_bytes_for(self, axis: str) -> int | None:
-        """The largest piece of one message to one peer on ``axis`` (ulysses or ring), or
-        None when messages go whole: ``piece_bytes`` when it is a number; for ``"auto"``,
-        ``comm.GLOO_PIECE_BYTES`` when the axis's groups cross hosts over gloo."""
-        if self.piece_bytes != "auto":
-            return self.piece_bytes
-        key = ("pieces", axis)
+    def fragment_bytes_for(self, axis: str) -> int | None:
+        """The largest fragment of one message to one peer on ``axis`` (ulysses or ring), or
+        None when messages go whole: ``fragment_bytes`` when it is a number; for ``"auto"``,
+        ``comm.GLOO_FRAGMENT_BYTES`` when the axis's groups cross hosts over gloo."""
+        if self.fragment_bytes != "auto":
+            return self.fragment_bytes
+        key = ("fragments", axis)
         if key not in self._cache:  # asked on every attention call: decided once
             gloo = self.crosses_hosts(axis) and dist.get_backend(self.group(axis)) == "gloo"
-            self._cache[key] = GLOO_PIECE_BYTES if gloo else None
+            self._cache[key] = GLOO_FRAGMENT_BYTES if gloo else None
         return self._cache[key]
 
     def _warn_if_ulysses_spans_nodes(self) -> None:
@@ -222,7 +234,7 @@ class SPMesh:
 
     @property
     def sp_size(self) -> int:
-        return self.ring * self.ulysses
+        return self.dims.sp
 
     @property
     def sp_rank(self) -> int:
@@ -230,16 +242,19 @@ class SPMesh:
 
     # ---- groups -----------------------------------------------------------------------
     def submesh(self, axis: str) -> DeviceMesh:
-        """1-D DeviceMesh of ``axis``: dp, ring, ulysses, sp (= ring x ulysses) or dp_sp."""
+        """1-D DeviceMesh of ``axis``: dp, ring, ulysses, sp (= ring x ulysses) or dp_sp, or
+        of the axis that serves a role (batch, sequence, loss, fsdp)."""
         self._check_open()
+        axis = ROLES.get(axis, axis)
         if axis in self.flat_meshes:
             return self.flat_meshes[axis]
         return self.device_mesh[axis]
 
     def group(self, axis: str) -> dist.ProcessGroup:
-        """Process group of ``axis``: dp, ring, ulysses, sp (= ring x ulysses) or dp_sp."""
+        """Process group of ``axis``: dp, ring, ulysses, sp (= ring x ulysses) or dp_sp, or
+        of the axis that serves a role (batch, sequence, loss, fsdp)."""
         self._check_open()
-        key = ("group", axis)
+        key = ("group", ROLES.get(axis, axis))
         if key not in self._cache:  # slicing the DeviceMesh costs ~1 ms; asked every layer
             self._cache[key] = self.submesh(axis).get_group()
         return self._cache[key]
@@ -293,26 +308,7 @@ class SPMesh:
             lines.append(f"  {self.hosts[node[0]]}: " + " ".join(cells))
         return "\n".join(lines)
 
-    # ---- teardown -------------------------------------------------------------------
-    # Why (torch 2.13, CPython 3.11, from a core dump of the abort): a gloo ProcessGroup
-    # runs worker threads (``pt_gloo_runloop``) that are joined only when the
-    # ProcessGroup object is freed; ``pg.shutdown()``, which
-    # ``dist.destroy_process_group()`` calls, leaves them running. The groups this mesh
-    # made are held by ``_cache`` and by the DeviceMesh's group registry; the DeviceMesh
-    # sits in a root <-> flattened mesh cycle (``compat.release_device_mesh``) and
-    # FSDP/DTensor state can keep it alive longer still, so they live until interpreter
-    # shutdown. A worker drops its last reference to a finished collective only after the
-    # caller's ``wait()`` has returned; when that collective (``layout.gather``'s
-    # all_gather) holds tensors that Python created, the drop needs the GIL. If the worker
-    # runs late on a busy machine, the main thread is already in ``Py_FinalizeEx``, which
-    # answers the worker's GIL request with ``pthread_exit``; its forced unwind meets the
-    # noexcept ``~AsyncAllgatherWork``: std::terminate, "terminate called without an
-    # active exception", SIGABRT. Freeing the groups while the interpreter is alive joins
-    # the workers first (the ProcessGroup's pybind holder, IntrusivePtrNoGilDestructor,
-    # releases the GIL while it joins, so a worker waiting for it can finish).
-    # A mesh never closed is released by ``_release_unclosed_at_exit``, an ``atexit``
-    # handler: atexit handlers run in ``Py_FinalizeEx`` before it marks the interpreter
-    # finalizing, so a worker's GIL request is still answered normally there.
+    # ---- teardown (why: usp.mesh_exit) ---------------------------------------------
     def close(self, barrier: bool = True) -> None:
         """Release the DeviceMesh and every process group this mesh created.
 
@@ -340,7 +336,7 @@ class SPMesh:
         if dist.is_initialized():  # False when the caller destroyed the world first
             if barrier:
                 dist.barrier()  # every rank is past its last collective on the subgroups
-            self._destroy_groups()
+            destroy_groups([self.device_mesh, *self.flat_meshes.values()])
         self._drop_references()
         gc.collect()  # DeviceMesh objects sit in reference cycles: free them now
 
@@ -350,18 +346,6 @@ class SPMesh:
         self.device_mesh = None
         self.flat_meshes = {}
         self._cache.clear()
-
-    def _destroy_groups(self) -> None:
-        # this rank's groups of the mesh in creation order (dp, ring, ulysses, sp, dp_sp),
-        # without the default group, which an axis spanning the whole world reuses
-        found: list[dist.ProcessGroup] = []
-        meshes = [self.device_mesh, *self.flat_meshes.values()]
-        for pg in (g for dm in meshes if dm is not None for g in dm.get_all_groups()):
-            if pg is not dist.group.WORLD and all(pg is not f for f in found):
-                found.append(pg)
-        for pg in reversed(found):  # the same order on every rank
-            if process_group_alive(pg):  # not destroyed elsewhere
-                dist.destroy_process_group(pg)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -381,68 +365,3 @@ class SPMesh:
         # after an exception a peer may be blocked in another collective: a barrier here
         # would turn this rank's error into a hang, so only the local release runs
         self.close(barrier=exc_type is None)
-
-
-# ---- release at interpreter exit ----------------------------------------------------------
-
-class _Owned:
-    """Weak references to an SPMesh and to the DeviceMeshes it made.
-
-    The DeviceMeshes are followed on their own: once the SPMesh itself is freed (a script
-    that keeps it in ``main()``'s frame), its root and flattened DeviceMeshes live on in
-    their reference cycle, holding the groups, until a garbage collection.
-    """
-
-    _unclosed: dict[int, _Owned] = {}  # by id(record); pruned of dead records on track()
-    _handler_registered = False
-
-    __slots__ = ("mesh", "device_meshes")
-
-    def __init__(self, mesh: SPMesh) -> None:
-        self.mesh = weakref.ref(mesh)
-        self.device_meshes = [weakref.ref(dm)
-                              for dm in [mesh.device_mesh, *mesh.flat_meshes.values()]]
-
-    @classmethod
-    def track(cls, mesh: SPMesh) -> _Owned:
-        for key, rec in list(cls._unclosed.items()):
-            if rec.mesh() is None and all(r() is None for r in rec.device_meshes):
-                del cls._unclosed[key]
-        rec = cls(mesh)
-        cls._unclosed[id(rec)] = rec
-        if not cls._handler_registered:
-            cls._handler_registered = True
-            atexit.register(_release_unclosed_at_exit)
-        return rec
-
-    def untrack(self) -> None:
-        self._unclosed.pop(id(self), None)
-
-    def release(self) -> None:
-        """Drop every reference the mesh and its DeviceMeshes hold to process groups."""
-        mesh = self.mesh()
-        if mesh is not None and not mesh._closed:
-            mesh._closed = True
-            mesh._drop_references()
-        for ref in self.device_meshes:
-            release_device_mesh(ref())
-
-
-def _release_unclosed_at_exit() -> None:
-    """``atexit``: release every SPMesh not closed, and the DeviceMeshes it made.
-
-    No collective and no ``destroy_process_group`` here (a peer may be gone already): only
-    references are dropped, then ``gc.collect()`` frees the DeviceMesh cycles. After the
-    caller's ``dist.destroy_process_group()`` nothing else holds the groups, so they are
-    freed, and their gloo workers joined, now, while the interpreter is intact. When the
-    world was not destroyed, torch still holds the groups: then nothing changes for them.
-    """
-    records = list(_Owned._unclosed.values())
-    _Owned._unclosed.clear()
-    for rec in records:
-        try:
-            rec.release()
-        except Exception as e:  # noqa: BLE001 - never fail the exit; say why instead
-            warnings.warn(f"usp: releasing an SPMesh at exit failed: {e!r}", stacklevel=1)
-    if records:
-        gc.collect()

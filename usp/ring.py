@@ -7,7 +7,7 @@ in flight, and merges the partial result into the running (out, lse) in fp32.
 
 Which calls a block needs (none, one whole or causal call, masked tiles) is
 ``usp.masks.block_pieces``'s answer, asked per step by ``RingPlan`` on the segments' global
-positions (``segment_runs``, from the layout); the ring never decides visibility itself.
+positions (``segment_spans``, from the layout); the ring never decides visibility itself.
 The plan also says how far K/V travel (``ring_hops``): r - 1 hops, or fewer when a sliding
 window leaves the farther blocks empty for every rank.
 
@@ -24,41 +24,36 @@ given: a benchmark can see the blocks a mask skips.
 from __future__ import annotations
 
 from functools import lru_cache
-from types import SimpleNamespace
 
 import torch
 
 from .comm import CommStats, RingComm
+from .dims.tokens import position_tensor, segment_ranges
 from .kernels import Kernel
-from .layout import SequenceLayout
-from .masks import Piece, Run, block_pieces, bounds, tile_size
+from .masks import Piece, Span, block_pieces, bounds, tile_size
 
 
 @lru_cache(maxsize=256)
 def segment_positions(seq_len: int, ring: int, balance: str, ring_rank: int) -> torch.Tensor:
     """Global positions of ring rank ``ring_rank``'s segment, in segment order: [L/r] (CPU,
-    shared: do not modify). The ulysses degree does not change them: a 1 x ring layout
-    gives them."""
-    lay = SequenceLayout(SimpleNamespace(ring=ring, ulysses=1, sp_size=ring), seq_len, balance)
-    return lay.segment_indices(ring_rank)
+    shared: do not modify; ``usp.dims.tokens.segment_ranges``)."""
+    return position_tensor(segment_ranges(seq_len, ring, balance, ring_rank))
 
 
 @lru_cache(maxsize=256)
-def segment_runs(seq_len: int, ring: int, balance: str, ring_rank: int) -> tuple[Run, ...]:
-    """The segment's positions as runs of consecutive positions, in segment order."""
-    pos = segment_positions(seq_len, ring, balance, ring_rank).tolist()
-    runs, first = [], 0
-    for i in range(1, len(pos) + 1):
-        if i == len(pos) or pos[i] != pos[i - 1] + 1:
-            runs.append((first, pos[first], i - first))
-            first = i
-    return tuple(runs)
+def segment_spans(seq_len: int, ring: int, balance: str, ring_rank: int) -> tuple[Span, ...]:
+    """The segment's positions as spans of consecutive positions, in segment order."""
+    spans, offset = [], 0
+    for r in segment_ranges(seq_len, ring, balance, ring_rank):
+        spans.append((offset, r.start, len(r)))
+        offset += len(r)
+    return tuple(spans)
 
 
-def _split_at(runs, offset: int) -> list[Run]:
-    """Runs cut at block offset ``offset``."""
+def _split_at(spans, offset: int) -> list[Span]:
+    """Spans cut at block offset ``offset``."""
     out = []
-    for off, start, n in runs:
+    for off, start, n in spans:
         if off < offset < off + n:
             out += [(off, start, offset - off), (offset, start + offset - off, off + n - offset)]
         else:
@@ -74,8 +69,8 @@ def ring_hops(seq_len: int, ring: int, balance: str, causal: bool, window: int |
     lo, hi = bounds(causal, window)
     for step in range(ring - 1, 0, -1):
         for rank in range(ring):
-            q = segment_runs(seq_len, ring, balance, rank)
-            k = segment_runs(seq_len, ring, balance, (rank - step) % ring)
+            q = segment_spans(seq_len, ring, balance, rank)
+            k = segment_spans(seq_len, ring, balance, (rank - step) % ring)
             if block_pieces(q, k, lo, hi, merge_diagonal=False):
                 return step
     return 0
@@ -108,8 +103,8 @@ class RingPlan:
         self.ids = None if segment_ids is None else segment_ids.cpu()  # planned on the host
         self._steps: dict = {}
 
-    def runs(self, ring_rank: int) -> tuple[Run, ...]:
-        return segment_runs(self.seq_len, self.size, self.balance, ring_rank)
+    def spans(self, ring_rank: int) -> tuple[Span, ...]:
+        return segment_spans(self.seq_len, self.size, self.balance, ring_rank)
 
     def _ids(self, ring_rank: int):
         if self.ids is None:
@@ -118,7 +113,7 @@ class RingPlan:
         return self.ids.index_select(1, pos)
 
     def _pieces(self, src: int, **kw) -> list[Piece]:
-        return block_pieces(self.runs(self.rank), self.runs(src), self.lo, self.hi,
+        return block_pieces(self.spans(self.rank), self.spans(src), self.lo, self.hi,
                             self._ids(self.rank), self._ids(src), self.tile, **kw)
 
     def step(self, s: int) -> list[Piece]:
@@ -138,8 +133,8 @@ class RingPlan:
         h = seg // 2
         if h == 0:
             return self.diagonal(), []
-        runs = _split_at(self.runs(self.rank), h)
-        pieces = block_pieces(runs, runs, self.lo, self.hi, *(2 * [self._ids(self.rank)]),
+        spans = _split_at(self.spans(self.rank), h)
+        pieces = block_pieces(spans, spans, self.lo, self.hi, *(2 * [self._ids(self.rank)]),
                               self.tile, merge_diagonal=False, k_barrier=h)
         later = [p for p in pieces if p.ks.stop <= h and not p.causal]
         return [p for p in pieces if p.ks.stop > h or p.causal], later
@@ -235,7 +230,7 @@ def ring_backward(dout, q, k, v, out, lse, comm: RingComm | None, plan: RingPlan
     own = torch.stack([k, v])  # [2, B, S, Hkv, d]
     dkv_own = torch.zeros(own.shape, dtype=torch.float32, device=q.device)
 
-    def run(pieces, kv, dkv):
+    def accumulate(pieces, kv, dkv):
         for p in pieces:
             grads = _backward(kernel, dout, q, kv[0], kv[1], out, lse, p, scale)
             dq[:, p.qs] += grads[0]
@@ -245,7 +240,7 @@ def ring_backward(dout, q, k, v, out, lse, comm: RingComm | None, plan: RingPlan
     now, later = plan.diagonal_split() if hops else (plan.diagonal(), [])
     _count(stats, "backward", 0, now + later)
     kv_pending = comm.start(own, tag=0) if hops else None
-    run(now, own, dkv_own)
+    accumulate(now, own, dkv_own)
     acc_pending = None  # the accumulator in flight to the next rank
     for step in range(1, hops + 1):
         kv = kv_pending.wait()
@@ -253,14 +248,14 @@ def ring_backward(dout, q, k, v, out, lse, comm: RingComm | None, plan: RingPlan
         acc = torch.zeros(own.shape, dtype=torch.float32, device=q.device)
         pieces = plan.step(step)
         _count(stats, "backward", step, pieces)
-        run(pieces, kv, acc)
+        accumulate(pieces, kv, acc)
         if acc_pending is not None:  # the same block's shares of the ranks before us
             acc += acc_pending.wait()
         if step < hops or hops == size - 1:  # on to the next rank (the owner after r-1 hops)
             acc_pending = comm.start(acc, tag=1)
         else:  # home to the owner, ``hops`` ranks back
             acc_pending = comm.start(acc, tag=1, shift=size - hops)
-    run(later, own, dkv_own)  # while our own accumulator makes its last hop
+    accumulate(later, own, dkv_own)  # while our own accumulator makes its last hop
     if acc_pending is not None:
         dkv_own += acc_pending.wait()
     return dq.to(q.dtype), dkv_own[0].to(k.dtype), dkv_own[1].to(v.dtype)

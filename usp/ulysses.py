@@ -3,10 +3,10 @@
 Forward of attention uses ``SeqToHead`` (q, k, v in ONE fused all-to-all) and
 ``HeadToSeq`` (the output back). Each is the other's backward.
 
-Heads: ulysses rank j computes the query heads ``head_split(Hq, Hkv, u).q_ranges[j]`` and
-receives exactly the KV heads those use (``kv_heads[j]``). When the heads divide evenly
-that is Hq/u query heads and max(Hkv/u, 1) KV heads per rank; otherwise the counts differ
-between ranks (6 heads on 4 ranks: 2, 2, 1, 1). A KV head used by several ranks is sent to
+Heads: ulysses rank j computes the query heads ``head_split(Hq, Hkv, u).q_ranges[j]``
+(``usp.dims.heads``) and receives exactly the KV heads those use (``kv_heads[j]``). When
+the heads divide evenly that is Hq/u query heads and max(Hkv/u, 1) KV heads per rank;
+otherwise the counts differ between ranks (6 heads on 4 ranks: 2, 2, 1, 1). A KV head used by several ranks is sent to
 each of them (replicated only that far) and its gradients are summed on the way home.
 
 Send buffers are packed per destination as contiguous blocks ([q-block | k-block |
@@ -18,147 +18,14 @@ byte is sent that the receiver does not use.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
-from itertools import pairwise
 from math import prod
 
 import torch
 import torch.distributed as dist
 
-from .comm import CommStats, InFlight, all_to_all_start, on_wire, piece_count, post_all_to_all
-
-
-# ---- the head split: which heads each ulysses rank computes ---------------------------
-
-
-@dataclass(frozen=True)
-class HeadSplit:
-    """Which heads each ulysses rank computes (``head_split`` makes it).
-
-    Rank j computes query heads ``q_ranges[j] = (start, stop)`` and receives the KV heads
-    ``kv_heads[j]`` (global ids, ascending): exactly those its query heads use, no more.
-    Each rank's heads keep the kernels' GQA rule locally: local query head i uses local
-    KV head ``i // (q_counts[j] // kv_counts[j])``.
-    """
-
-    num_q_heads: int
-    num_kv_heads: int
-    q_ranges: tuple[tuple[int, int], ...]
-    kv_heads: tuple[tuple[int, ...], ...]
-
-    @property
-    def ulysses(self) -> int:
-        return len(self.q_ranges)
-
-    @property
-    def q_counts(self) -> tuple[int, ...]:
-        return tuple(b - a for a, b in self.q_ranges)
-
-    @property
-    def kv_counts(self) -> tuple[int, ...]:
-        return tuple(len(kv) for kv in self.kv_heads)
-
-    @property
-    def even(self) -> bool:
-        """Every rank holds as many query heads and as many KV heads as every other."""
-        return len(set(self.q_counts)) == 1 and len(set(self.kv_counts)) == 1
-
-    @property
-    def imbalance(self) -> float:
-        """Most query heads on one rank / mean per rank (1.0 when even): the attention
-        compute of the slowest ulysses rank relative to an even split."""
-        return max(self.q_counts) * self.ulysses / self.num_q_heads
-
-
-def _kv_of_range(a: int, b: int, group: int) -> tuple[int, ...] | None:
-    """KV heads used by query heads [a, b) when each KV head serves equally many of them
-    (the local GQA rule), else None."""
-    first, last = a // group, (b - 1) // group
-    runs = {min(b, (g + 1) * group) - max(a, g * group) for g in range(first, last + 1)}
-    return tuple(range(first, last + 1)) if len(runs) == 1 else None
-
-
-def _tile(hq: int, u: int, pieces: dict, max_q: int, max_kv: int) -> list[int] | None:
-    """Cuts 0 = c0 < ... < cu = hq into u pieces of <= max_q query heads and <= max_kv KV
-    heads with the fewest KV heads in total (ties: larger pieces on lower ranks); None if
-    no such tiling exists. ``pieces[(a, b)]``: KV heads of the valid piece [a, b)."""
-    inf = float("inf")
-    best = [[inf] * (hq + 1) for _ in range(u + 1)]  # best[j][b]: j pieces cover [0, b)
-    prev = [[0] * (hq + 1) for _ in range(u + 1)]
-    best[0][0] = 0
-    for j in range(1, u + 1):
-        for b in range(j, hq + 1):
-            for a in range(b - 1, max(j - 1, b - max_q) - 1, -1):  # later cut wins ties
-                kv = pieces.get((a, b))
-                if kv is None or len(kv) > max_kv or best[j - 1][a] + len(kv) >= best[j][b]:
-                    continue
-                best[j][b], prev[j][b] = best[j - 1][a] + len(kv), a
-    if best[u][hq] == inf:
-        return None
-    cuts = [hq]
-    for j in range(u, 0, -1):
-        cuts.append(prev[j][cuts[-1]])
-    return cuts[::-1]
-
-
-@lru_cache(maxsize=256)
-def head_split(num_q_heads: int, num_kv_heads: int, ulysses: int) -> HeadSplit:
-    """The one rule for dividing heads over the ulysses group.
-
-    Each rank gets a contiguous range of query heads and exactly the KV heads that range
-    uses; a range must keep the local GQA rule (every KV head in it serves equally many of
-    its query heads), so a range either lies inside one KV group, straddles two groups with
-    equal halves, or holds whole groups. Among such splits it takes, in order: the fewest
-    query heads on the busiest rank (attention compute), the fewest KV heads on the rank
-    that receives most (ring and all-to-all bytes), the fewest KV heads in total; ties put
-    the larger ranges on the lower ranks. When the heads divide evenly this is the plain
-    even split (``hq/u`` query heads, ``max(hkv/u, 1)`` KV heads per rank).
-
-    Examples: 28 query / 4 KV heads on 8 ranks: 4,3,4,3,... query heads, one KV head each;
-    8/2 on 3 ranks: 3,2,3 query heads, the middle rank with both KV heads; 6/6 on 4 ranks:
-    2,2,1,1. Raises ValueError when some rank would get no query head or the query heads
-    are not a multiple of the KV heads.
-    """
-    hq, hkv, u = num_q_heads, num_kv_heads, ulysses
-    if hq < 1 or hkv < 1:
-        raise ValueError(f"head counts must be positive, got q={hq}, kv={hkv}")
-    if hq % hkv != 0:
-        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
-    if not isinstance(u, int) or u < 1:
-        raise ValueError(f"ulysses degree must be a positive integer, got {u!r}")
-    if u > hq:
-        raise ValueError(
-            f"ulysses degree ({u}) > query heads ({hq}): every ulysses rank needs at least "
-            f"one query head; use ulysses <= {hq} and move the rest of the parallelism to ring"
-        )
-    group = hq // hkv
-    pieces = {(a, b): kv for a in range(hq) for b in range(a + 1, hq + 1)
-              if (kv := _kv_of_range(a, b, group)) is not None}
-    for max_q in sorted({b - a for a, b in pieces if (b - a) * u >= hq}):
-        if _tile(hq, u, pieces, max_q, hkv) is None:
-            continue
-        cuts = next(c for k in range(1, hkv + 1) if (c := _tile(hq, u, pieces, max_q, k)))
-        ranges = tuple(pairwise(cuts))
-        return HeadSplit(hq, hkv, ranges, tuple(pieces[r] for r in ranges))
-    raise AssertionError("unreachable: whole KV groups or pieces of one group always tile")
-
-
-def check_heads(num_q_heads: int, num_kv_heads: int, ulysses: int) -> int:
-    """Check that the heads can be divided over the ulysses group (``head_split``).
-
-    Returns the most KV heads any ulysses rank receives: ``num_kv_heads / ulysses`` when
-    the KV heads split evenly, 1 when ``ulysses`` is a multiple of the KV heads (each KV
-    head then goes to the ranks whose query heads use it, replicated only that far).
-    """
-    return max(head_split(num_q_heads, num_kv_heads, ulysses).kv_counts)
-
-
-def head_imbalance(num_q_heads: int, num_kv_heads: int, ulysses: int) -> float:
-    """Most query heads on one ulysses rank / mean per rank for ``head_split``'s split:
-    1.0 when the heads divide evenly (6 heads on 4 ranks: 2 / 1.5 = 1.33). The busiest
-    rank's attention compute is ``imbalance x Hq/u`` heads' worth."""
-    return head_split(num_q_heads, num_kv_heads, ulysses).imbalance
+from .comm import CommStats, InFlight, all_to_all_start, on_wire, fragment_count, post_all_to_all
+from .dims.heads import HeadSplit, head_split
 
 
 @lru_cache(maxsize=64)
@@ -175,101 +42,15 @@ def kv_send_index(split: HeadSplit, device: torch.device) -> torch.Tensor | None
     return torch.tensor(heads, dtype=torch.long, device=device)
 
 
-@dataclass(frozen=True)
-class HeadChunk:
-    """One pipeline stage of one ulysses rank: global head ranges as (start, stop).
-
-    ``q``: the query heads it computes; ``kv``: the KV heads they use; ``kv_first``: those
-    of ``kv`` that no earlier stage of the rank used (they travel with this stage);
-    ``kv_last``: those no later stage uses (their gradients travel back with this stage).
-    """
-
-    q: tuple[int, int]
-    kv: tuple[int, int]
-    kv_first: tuple[int, int]
-    kv_last: tuple[int, int]
-
-
-def _even(n: int, parts: int) -> list[int]:
-    """``n`` split into ``parts`` near-equal counts, the larger first."""
-    return [n // parts + (i < n % parts) for i in range(parts)]
-
-
-def check_a2a_chunks(chunks, num_q_heads: int, num_kv_heads: int, ulysses: int) -> int:
-    """Check a pipeline depth for the ulysses all-to-all; returns it. Raises ValueError
-    unless 1 <= ``chunks`` <= the most query heads a ulysses rank holds (``head_split``)."""
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"a2a_chunks must be an integer >= 1, got {chunks!r}")
-    most = max(head_split(num_q_heads, num_kv_heads, ulysses).q_counts)
-    if chunks > most:
-        raise ValueError(
-            f"a2a_chunks={chunks} > {most} query heads per ulysses rank ({num_q_heads} query "
-            f"heads over ulysses {ulysses}): a stage needs at least one head; use "
-            f"a2a_chunks <= {most}")
-    return chunks
-
-
-# Stages of ``a2a_chunks="auto"`` when a ulysses group crosses hosts and no planner count is
-# given, capped by the heads a rank holds: the measured best with one rank per core (the
-# stand-in for one GPU per rank) across the simulated 300 mbit link (docs/measurements.md).
-AUTO_STAGES_ACROSS_HOSTS = 4
-
-
-def default_a2a_chunks(setting, crosses_hosts: bool, num_q_heads: int, num_kv_heads: int,
-                       ulysses: int) -> int:
-    """The pipeline depth a mesh's ``a2a_chunks`` setting means for these heads: an int is
-    checked (``check_a2a_chunks``); ``"auto"`` is 1 when every ulysses group stays inside a
-    host, else ``AUTO_STAGES_ACROSS_HOSTS`` or the most query heads a rank holds if fewer."""
-    if setting != "auto":
-        return check_a2a_chunks(setting, num_q_heads, num_kv_heads, ulysses)
-    if not crosses_hosts or ulysses == 1:
-        return 1
-    most = max(head_split(num_q_heads, num_kv_heads, ulysses).q_counts)
-    return min(AUTO_STAGES_ACROSS_HOSTS, most)
-
-
-@lru_cache(maxsize=64)
-def head_chunks(split: HeadSplit, chunks: int) -> tuple[tuple[HeadChunk, ...], ...]:
-    """Each ulysses rank's heads cut into ``chunks`` pipeline stages: [rank][stage].
-
-    Stages follow KV groups so each keeps the local GQA rule: with at least as many KV
-    heads as stages a stage holds whole KV groups; with fewer, each KV group's query
-    heads are cut into near-equal pieces (the KV head then serves several stages, and
-    travels with the first). A rank with fewer query heads than stages gets empty stages.
-    """
-    out = []
-    for (q0, q1), kv_heads in zip(split.q_ranges, split.kv_heads):
-        nq, nkv, k0 = q1 - q0, len(kv_heads), kv_heads[0]
-        g = nq // nkv  # local query heads per local KV head
-        if nkv >= chunks:
-            sizes = [n * g for n in _even(nkv, chunks)]
-        else:
-            sizes = [s for per_group in _even(chunks, nkv) for s in _even(g, per_group)]
-        bounds, a = [], 0
-        for n in sizes:  # local query ranges -> the local KV heads each uses
-            bounds.append((a, a + n, a // g, -(-(a + n) // g) if n else a // g))
-            a += n
-        stages, seen = [], 0
-        for t, (a, b, ka, kb) in enumerate(bounds):
-            later = min([la for _, _, la, lb in bounds[t + 1:] if lb > la] or [kb])
-            first = (max(ka, seen), max(kb, seen))  # not used by an earlier stage
-            last = (ka, max(ka, min(kb, later)))  # not used by a later stage
-            stages.append(HeadChunk((q0 + a, q0 + b), (k0 + ka, k0 + kb),
-                                    (k0 + first[0], k0 + first[1]), (k0 + last[0], k0 + last[1])))
-            seen = max(seen, kb)
-        out.append(tuple(stages))
-    return tuple(out)
-
-
 def all_to_all_v_start(send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int],
                        group: dist.ProcessGroup | None, to_group_rank: list[int] | None,
                        stats: CommStats, axis: str = "ulysses",
-                       piece_bytes: int | None = None) -> InFlight:
+                       fragment_bytes: int | None = None) -> InFlight:
     """Post an exchange of chunks of different sizes: ``send`` is 1-D, its chunk c
     (``send_sizes[c]`` elements, in coordinate order) goes to coordinate c. ``wait()``
     returns 1-D [sum recv_sizes], chunk c (``recv_sizes[c]`` elements) from coordinate c.
     ``to_group_rank`` as in ``comm.all_to_all``. Records the bytes sent to other ranks.
-    ``piece_bytes``: cut the exchange into pieces so that no chunk's piece exceeds it
+    ``fragment_bytes``: cut the exchange into fragments so that no chunk's fragment exceeds it
     (``comm.post_all_to_all``); every rank must then have the same largest chunk.
     """
     device = send.device
@@ -292,7 +73,8 @@ def all_to_all_v_start(send: torch.Tensor, send_sizes: list[int], recv_sizes: li
     largest = max(*send_sizes, *recv_sizes) * wire.element_size()
     return post_all_to_all(wire, wire.new_empty(sum(recv_sizes)), group, stats, axis,
                            (wire.numel() - own) * wire.element_size(), finish,
-                           recv_sizes, send_sizes, pieces=piece_count(largest, piece_bytes))
+                           recv_sizes, send_sizes,
+                           fragments=fragment_count(largest, fragment_bytes))
 
 
 class _Axis:
@@ -300,21 +82,21 @@ class _Axis:
 
     ``split`` is the call's ``head_split``: ``SeqToHead`` (or ``PipelinedAttention``) sets
     it from the q/k head counts and ``HeadToSeq`` reads it (one ``_Axis`` per call).
-    ``piece_bytes``: the largest piece of one message to one peer (``comm.post_all_to_all``;
-    the mesh's ``piece_bytes_for("ulysses")``), used when the split is even, so that every rank cuts
-    its messages alike; None: messages go whole.
+    ``fragment_bytes``: the largest fragment of one message to one peer
+    (``comm.post_all_to_all``; the mesh's ``fragment_bytes_for("ulysses")``), used when the
+    split is even, so that every rank cuts its messages alike; None: messages go whole.
     """
 
     def __init__(self, size, group, to_group_rank, stats: CommStats,
-                 piece_bytes: int | None = None):
+                 fragment_bytes: int | None = None):
         self.size, self.group, self.to_group_rank, self.stats = size, group, to_group_rank, stats
-        self.piece_bytes = piece_bytes
+        self.fragment_bytes = fragment_bytes
         self.split: HeadSplit | None = None
 
     @property
-    def _pieces(self) -> int | None:
-        """``piece_bytes`` when every rank's blocks are alike (an even split), else None."""
-        return self.piece_bytes if self.split is not None and self.split.even else None
+    def _fragments(self) -> int | None:
+        """``fragment_bytes`` when every rank's blocks are alike (an even split), else None."""
+        return self.fragment_bytes if self.split is not None and self.split.even else None
 
     @property
     def rank(self) -> int:
@@ -344,7 +126,7 @@ class _Axis:
                 off += n
             # [u(src), ...] back: per source, its [q | k | v] block
             return _Exchange(all_to_all_start(buf, self.group, self.to_group_rank, self.stats,
-                                              piece_bytes=self._pieces), recv, None)
+                                              fragment_bytes=self._fragments), recv, None)
         send_sizes = [sum(p[j].numel() for p in send) for j in range(u)]
         buf = send[0][0].new_empty(sum(send_sizes))  # [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]
         off = 0
@@ -355,7 +137,7 @@ class _Axis:
         recv_sizes = [sum(prod(shapes[i]) for shapes in recv) for i in range(u)]
         return _Exchange(all_to_all_v_start(buf, send_sizes, recv_sizes, self.group,
                                             self.to_group_rank, self.stats,
-                                            piece_bytes=self._pieces), recv, recv_sizes)
+                                            fragment_bytes=self._fragments), recv, recv_sizes)
 
 
 class _Exchange:

@@ -79,7 +79,7 @@ def check_ranks_per_node(world_size: int, ranks_per_node: int | None,
 
 def check_a2a_setting(chunks, who: str = "a2a_chunks") -> None:
     """``chunks`` is a pipeline depth for the ulysses all-to-alls: an int >= 1 or "auto"
-    (the heads' own limit is ``ulysses.check_a2a_chunks``)."""
+    (the heads' own limit is ``usp.dims.stages.check_a2a_chunks``)."""
     if chunks != "auto" and (isinstance(chunks, bool) or not isinstance(chunks, int)
                              or chunks < 1):
         raise ValueError(f"{who}={chunks!r} must be an integer >= 1 or auto; use {who}=auto "
@@ -87,12 +87,12 @@ def check_a2a_setting(chunks, who: str = "a2a_chunks") -> None:
                          f"(blocking all-to-alls)")
 
 
-def check_piece_bytes(piece_bytes) -> None:
-    """``piece_bytes`` is a message piece size: a positive int, ``"auto"`` or None (whole)."""
-    if piece_bytes not in (None, "auto") and (isinstance(piece_bytes, bool)
-                                               or not isinstance(piece_bytes, int)
-                                               or piece_bytes < 1):
-        raise ValueError(f"piece_bytes={piece_bytes!r} must be a positive number of bytes, "
+def check_fragment_bytes(fragment_bytes) -> None:
+    """``fragment_bytes`` is a message fragment size: a positive int, ``"auto"`` or None (whole)."""
+    if fragment_bytes not in (None, "auto") and (isinstance(fragment_bytes, bool)
+                                               or not isinstance(fragment_bytes, int)
+                                               or fragment_bytes < 1):
+        raise ValueError(f"fragment_bytes={fragment_bytes!r} must be a positive number of bytes, "
                          f"auto or None (messages whole)")
 
 

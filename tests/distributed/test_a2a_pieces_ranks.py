@@ -1,5 +1,5 @@
-"""Messages cut into pieces (``SPMesh.build(piece_bytes=...)``) and the crossing defaults,
-on gloo ranks: pieced exchanges return exactly what whole ones do (even and uneven blocks,
+"""Messages cut into fragments (``SPMesh.build(fragment_bytes=...)``) and the crossing defaults,
+on gloo ranks: fragmented exchanges return exactly what whole ones do (even and uneven blocks,
 ulysses and ring), with the same bytes in more calls; ``usp_attention``'s default on a
 mesh whose ulysses group crosses hosts pipelines and cuts messages, and stays
 bit-identical to the explicit call."""
@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from usp import SequenceLayout, SPMesh, usp_attention
-from usp.comm import GLOO_PIECE_BYTES, CommStats, all_to_all_start
+from usp.comm import GLOO_FRAGMENT_BYTES, CommStats, all_to_all_start
 from usp.launch import spawn_local
 from usp.ulysses import all_to_all_v_start
 
@@ -18,7 +18,7 @@ def _exchanges():
     x = torch.arange(n * 1000, dtype=torch.float32).reshape(n, 1000) + 10_000 * me
     whole, cut = CommStats(), CommStats()
     a = all_to_all_start(x, None, None, whole).wait()
-    b = all_to_all_start(x, None, None, cut, piece_bytes=1024).wait()  # 4000 B per peer
+    b = all_to_all_start(x, None, None, cut, fragment_bytes=1024).wait()  # 4000 B per peer
     assert torch.equal(a, b)
     assert torch.equal(a[1 - me], torch.arange(1000.0) + 1000 * me + 10_000 * (1 - me))
     assert (whole.calls["ulysses"], cut.calls["ulysses"]) == (1, 4)
@@ -30,7 +30,7 @@ def _exchanges():
     whole, cut = CommStats(), CommStats()
     a = all_to_all_v_start(send, send_sizes, recv_sizes, None, None, whole).wait()
     b = all_to_all_v_start(send, send_sizes, recv_sizes, None, None, cut,
-                           piece_bytes=1000).wait()  # largest block 3600 B: 4 pieces
+                           fragment_bytes=1000).wait()  # largest block 3600 B: 4 fragments
     assert torch.equal(a, b)
     assert torch.equal(a[:recv_sizes[0]] if me == 0 else a[recv_sizes[0]:],
                        send[:7] if me == 0 else send[300:])  # the block kept at home
@@ -47,13 +47,13 @@ def _attention(mesh, lay, q, k, v, dout, **kw):
     return got, dict(mesh.comm.bytes), mesh.comm.calls["ulysses"]
 
 
-def _defaults_and_pieces():
+def _defaults_and_fragments():
     inside = SPMesh.build(ulysses=2, ring=1, ranks_per_node=2)
     across = SPMesh.build(ulysses=2, ring=1, ranks_per_node=1)  # u=2 spans two "hosts"
-    tiny = SPMesh.build(ulysses=2, ring=1, ranks_per_node=1, piece_bytes=512)
-    assert (inside.a2a_chunks, inside.piece_bytes_for("ulysses")) == ("auto", None)
+    tiny = SPMesh.build(ulysses=2, ring=1, ranks_per_node=1, fragment_bytes=512)
+    assert (inside.a2a_chunks, inside.fragment_bytes_for("ulysses")) == ("auto", None)
     assert across.ulysses_crosses_hosts and not across.crosses_hosts("ring")
-    assert across.piece_bytes_for("ulysses") == GLOO_PIECE_BYTES
+    assert across.fragment_bytes_for("ulysses") == GLOO_FRAGMENT_BYTES
     g = torch.Generator().manual_seed(3)
     L, d = 64, 16
     for hq, hkv in ((8, 8), (8, 2), (6, 6)):  # 6/6 over u=2: 3 heads a rank, 3 stages
@@ -78,15 +78,15 @@ def _defaults_and_pieces():
         mesh.close()
 
 
-def _ring_pieces(ring: int, window):
-    """Ring messages in pieces (an exchange on the ring group) against whole P2P messages:
+def _ring_fragments(ring: int, window):
+    """Ring messages in fragments (an exchange on the ring group) against whole P2P messages:
     the same bits, bytes and kernel calls, more ring calls; ``window`` makes the
     accumulators jump home over several ranks."""
-    whole = SPMesh.build(ulysses=1, ring=ring, ranks_per_node=1, piece_bytes=None)
-    cut = SPMesh.build(ulysses=1, ring=ring, ranks_per_node=1, piece_bytes=300)
+    whole = SPMesh.build(ulysses=1, ring=ring, ranks_per_node=1, fragment_bytes=None)
+    cut = SPMesh.build(ulysses=1, ring=ring, ranks_per_node=1, fragment_bytes=300)
     auto = SPMesh.build(ulysses=1, ring=ring, ranks_per_node=1)
-    assert auto.piece_bytes_for("ring") == GLOO_PIECE_BYTES  # the ring crosses hosts
-    assert auto.piece_bytes_for("ulysses") is None  # no ulysses group to cross
+    assert auto.fragment_bytes_for("ring") == GLOO_FRAGMENT_BYTES  # the ring crosses hosts
+    assert auto.fragment_bytes_for("ulysses") is None  # no ulysses group to cross
     g = torch.Generator().manual_seed(5)
     L = 16 * ring
     q, dout = (torch.randn(2, L, 4, 8, generator=g) for _ in range(2))
@@ -107,13 +107,13 @@ def _ring_pieces(ring: int, window):
 
 def _world2():
     _exchanges()
-    _defaults_and_pieces()
-    _ring_pieces(2, None)
+    _defaults_and_fragments()
+    _ring_fragments(2, None)
     dist.barrier()
 
 
 def _world4():
-    _ring_pieces(4, 20)  # contiguous: 2 hops of 3, the accumulator goes home 2 ranks back
+    _ring_fragments(4, 20)  # contiguous: 2 hops of 3, the accumulator goes home 2 ranks back
     dist.barrier()
 
 

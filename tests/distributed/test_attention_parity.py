@@ -39,14 +39,14 @@ def _placement_worker():
     # the reference kernel, the ring_inner placement, and a host order that makes mesh
     # coordinates differ from process-group ranks (exercises the all-to-all reordering).
     # Each ulysses group but the second crosses hosts, so these run the crossing defaults:
-    # 4 pipelined stages (8 query heads over u=2); the last also cuts messages in pieces.
+    # 4 pipelined stages (8 query heads over u=2); the last also cuts messages into fragments.
     case = dict(batch=1, seq_len=32, hq=8, hkv=2, d=8, causal=True, balance="zigzag",
                 dtype=torch.float32)
     for kw in (
         dict(ranks_per_node=2, placement="ring_inner"),
         dict(hosts=["b", "a", "a", "b"]),
         dict(hosts=["b", "a", "a", "b"], placement="ring_inner"),
-        dict(hosts=["b", "a", "a", "b"], placement="ring_inner", piece_bytes=100),
+        dict(hosts=["b", "a", "a", "b"], placement="ring_inner", fragment_bytes=100),
     ):
         mesh = SPMesh.build(ulysses=2, ring=2, **kw)
         for kernel in ("torch", "reference"):

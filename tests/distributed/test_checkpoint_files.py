@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import usp.models.checkpoint as ck
+from usp.train.fingerprint import run_fingerprint
 from usp.launch import spawn_local
 
 from _checkpoint_cfg import run_cfg
@@ -60,9 +61,9 @@ def template(tmp_path_factory) -> Path:
     """A run directory with step_000001..3, written by 2 gloo ranks; next to it
     ``collective``, where the same 2 ranks ran ``_collective`` on a damaged copy."""
     root = tmp_path_factory.mktemp("ckpt")
-    changed = ck.run_fingerprint(run_cfg(optim={"lr": 1e-3}))
+    changed = run_fingerprint(run_cfg(optim={"lr": 1e-3}))
     spawn_local(_write_then_choose, 2, str(root / "run"), str(root / "collective"),
-                ck.run_fingerprint(run_cfg()), changed)
+                run_fingerprint(run_cfg()), changed)
     return root / "run"
 
 
@@ -86,7 +87,7 @@ def test_manifest_lists_every_file_with_size_and_sha256(template):
     for name, rec in manifest["files"].items():
         data = (path / name).read_bytes()
         assert rec == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
-    assert manifest["step"] == 3 and manifest["fingerprint"] == ck.run_fingerprint(run_cfg())
+    assert manifest["step"] == 3 and manifest["fingerprint"] == run_fingerprint(run_cfg())
 
 
 def _truncate(path):

@@ -22,17 +22,17 @@ def _staging_worker():
     mesh = SPMesh.build(ulysses=2, ring=2, ranks_per_node=2)
     direct = check_case(mesh, **case)
     staged = []
-    real = usp.comm.stage_through_host
+    real = usp.comm.wire.stage_through_host
 
     def always(device_type, backend):  # what a CUDA tensor on gloo gets
         staged.append(backend)
         return True
 
-    usp.comm.stage_through_host = always
+    usp.comm.wire.stage_through_host = always
     try:
         via_host = check_case(mesh, **case)  # all-to-all, ring P2P and layout.gather
     finally:
-        usp.comm.stage_through_host = real
+        usp.comm.wire.stage_through_host = real
     assert staged and set(staged) == {"gloo"}, staged
     assert via_host == direct  # the same max errors as the direct path
 

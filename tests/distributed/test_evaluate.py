@@ -1,4 +1,4 @@
-"""Held-out evaluation (``usp.train.trainer.evaluate``) on the real data path across ranks.
+"""Held-out evaluation (``usp.train.validator.evaluate``) on the real data path across ranks.
 
 The models are oracles: the recall task puts every answer right after its query, so
 predicting the next token of the global sequence (gathered over the SP group) answers
@@ -16,7 +16,8 @@ from usp.launch import spawn_local
 from usp.layout import SequenceLayout
 from usp.mesh import SPMesh
 from usp.data.dataset import build_dataset
-from usp.train.trainer import RunConfig, evaluate
+from usp.config import RunConfig
+from usp.train.validator import evaluate
 
 EVAL_BATCHES = 3
 LAYOUTS = [(1, 2, 2), (2, 1, 2)]  # (dp, ulysses, ring) on 4 ranks

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from usp import SequenceLayout, SPMesh
+from usp.dims.parallel import ParallelDims
 from usp.launch import spawn_local
 
 
@@ -24,6 +25,10 @@ def _mesh_worker():
     assert len({m.hosts[r] for r in ring}) == 2
     assert sorted(dist.get_process_group_ranks(m.group("sp"))) == [0, 1, 2, 3]
     assert (m.ring_rank, m.ulysses_rank) == (node, rank % 2)
+    # groups by role: the axis that serves it (usp.dims.parallel.ROLES)
+    assert m.group("sequence") is m.group("sp") and m.group("fsdp") is m.group("dp_sp")
+    assert m.group("loss") is m.group("dp_sp") and m.group("batch") is m.group("dp")
+    assert m.dims == ParallelDims(dp=1, ring=2, ulysses=2)
 
     # ring_inner: the reverse, and a warning that ulysses crosses nodes
     with warnings.catch_warnings(record=True) as caught:
@@ -51,6 +56,8 @@ def _mesh_worker():
         ):
             with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
                 SPMesh.build(**kw)
+        with pytest.raises(ValueError, match=r"= 2 != world size 4; use ParallelDims"):
+            SPMesh.from_dims(ParallelDims(dp=1, ring=1, ulysses=2))
     finally:
         dist.all_gather_object = real
 

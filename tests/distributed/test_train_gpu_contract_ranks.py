@@ -18,7 +18,7 @@ def _mixed_precision_worker():
 
     from usp.attention import local_attention
     from usp.models.llama import Transformer
-    from usp.train.trainer import shard_model
+    from usp.train.build import shard_model
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)

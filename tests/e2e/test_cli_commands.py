@@ -66,3 +66,27 @@ def test_usp_plan_cli(tmp_path):
     assert "choice: dp 1 x ring 4 x ulysses 8" in res.stdout
     assert "reason:" in res.stdout
     assert png.stat().st_size > 1000
+
+
+def test_a_users_own_config_folder(tmp_path):
+    """docs/configuration.md's example: a cluster file and a recipe of one's own, by
+    ``--config-dir`` or ``hydra.searchpath``; ``cluster=`` also takes the file's path."""
+    import yaml
+    from _cli import run_commands
+
+    own = tmp_path / "my_configs"
+    (own / "cluster").mkdir(parents=True)
+    (own / "recipe").mkdir()
+    spec = yaml.safe_load((ROOT / "configs" / "cluster" / "h100_ib.yaml").read_text())
+    (own / "cluster" / "my_h200.yaml").write_text(yaml.safe_dump(
+        spec | {"name": "my_h200", "nodes": 2, "mem_bytes": 150323855360}))
+    (own / "recipe" / "llama3_8b_256k_mine.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - override /model: llama3_8b\n"
+        "  - override /cluster: my_h200\ndata:\n  seq_len: 262144\n")
+    calls = [("plan_main", ["--config-dir", str(own), "recipe=llama3_8b_256k_mine"]),
+             ("plan_main", [f"hydra.searchpath=[file://{own}]", "recipe=llama3_8b_256k_mine"]),
+             ("plan_main", [f"cluster={own / 'cluster' / 'my_h200.yaml'}", "model=llama3_8b",
+                            "data.seq_len=262144"])]
+    for res in run_commands(calls, tmp_path, timeout=300):
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert res.stdout.startswith("plan: world 16 (2 x 8 on my_h200), seq_len 262144"), res.stdout

@@ -7,6 +7,10 @@ import pytest
 TRAIN_REFUSED = [
     ("trainer.steps=0", "trainer.steps=0 must be >= 1"),  # was: rc 0, loss nan
     ("+trainer.foo=1", "unknown config key trainer.foo"),  # was: ignored
+    # Hydra's own refusals (were: its lines, a "use +trainer.step=5" hint, exit 1)
+    ("trainer.step=5", "unknown config key trainer.step (did you mean trainer.steps?)"),
+    ("model=nosuch", "Could not find 'model/nosuch'; options in 'model': hf_llama, "),
+    ("cluster=nowhere/mine.yaml", "cluster=nowhere/mine.yaml: no such file"),
 ]
 PLAN_REFUSED = "data.seq_len=1001"  # odd: no zigzag layout splits it
 

@@ -11,8 +11,8 @@ import torch
 
 from usp import usp_attention
 from usp.planner.traffic import attention_bytes
-from usp.ulysses import check_a2a_chunks, head_chunks
-from usp.ulysses import head_split
+from usp.dims.stages import check_a2a_chunks, head_chunks
+from usp.dims.heads import head_split
 
 # ---- the stage plan ------------------------------------------------------------------------
 
@@ -102,7 +102,7 @@ def test_ring_bytes_grow_only_with_shared_kv_heads():
 
 
 def test_default_chunks_follow_the_hosts():
-    from usp.ulysses import AUTO_STAGES_ACROSS_HOSTS, default_a2a_chunks
+    from usp.dims.stages import AUTO_STAGES_ACROSS_HOSTS, default_a2a_chunks
     from usp.validate import check_a2a_setting
 
     assert AUTO_STAGES_ACROSS_HOSTS == 4

@@ -4,13 +4,14 @@ field is named and refused, a changed parallel layout is accepted."""
 import pytest
 
 import usp.models.checkpoint as ck
+from usp.train.fingerprint import run_fingerprint
 
 from _checkpoint_cfg import run_cfg
 
 
 def test_check_resume_names_every_changed_key():
-    saved = ck.run_fingerprint(run_cfg())
-    now = ck.run_fingerprint(run_cfg(optim={"lr": 1e-3}, data={"seq_len": 256},
+    saved = run_fingerprint(run_cfg())
+    now = run_fingerprint(run_cfg(optim={"lr": 1e-3}, data={"seq_len": 256},
                                   model={"dim": 128}))
     with pytest.raises(ValueError) as err:
         ck.check_resume(saved, now)
@@ -26,11 +27,11 @@ def test_check_resume_names_every_changed_key():
                                   {"model": {"n_layers": 3}}])
 def test_check_resume_refuses_each_fingerprint_field(over):
     with pytest.raises(ValueError, match="cannot resume"):
-        ck.check_resume(ck.run_fingerprint(run_cfg()), ck.run_fingerprint(run_cfg(**over)))
+        ck.check_resume(run_fingerprint(run_cfg()), run_fingerprint(run_cfg(**over)))
 
 
 def test_check_resume_accepts_a_changed_parallel_layout():
-    saved = ck.run_fingerprint(run_cfg(u=2, r=2))
+    saved = run_fingerprint(run_cfg(u=2, r=2))
     for u, r in ((4, 1), (1, 4), (1, 1)):
-        ck.check_resume(saved, ck.run_fingerprint(run_cfg(u=u, r=r)))  # no error
-    ck.check_resume(saved, ck.run_fingerprint(run_cfg(parallel={"balance": "contiguous"})))
+        ck.check_resume(saved, run_fingerprint(run_cfg(u=u, r=r)))  # no error
+    ck.check_resume(saved, run_fingerprint(run_cfg(parallel={"balance": "contiguous"})))

@@ -18,7 +18,7 @@ from usp.data.dataset import check_vocab
 from usp.planner.report import plan_run
 from usp.run import decide_degrees, resolve_run
 from usp.validate import check_degrees, check_seq_len
-from usp.ulysses import check_heads
+from usp.dims.heads import check_heads
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml"))

@@ -12,16 +12,16 @@ import pytest
 import torch
 
 from usp.data import IGNORE_INDEX, MemmapTokens, RecallTask, TokenWriter, answer_accuracy
+from usp.dims.tokens import Ownership, position_tensor, segment_ranges
 from usp.data.prepare import list_files, prepare
-from usp.layout import SequenceLayout
 
 L = 256
 
 
 def _four_shards(seq_len):
     """Zigzag-like split of [0, L) into 4 non-contiguous pieces (ring=2 x ulysses=2)."""
-    layout = SequenceLayout(SimpleNamespace(ulysses=2, ring=2, sp_size=4), seq_len, "zigzag")
-    return [layout.indices(i, j) for i in range(2) for j in range(2)]
+    owner = Ownership(seq_len, ring=2, ulysses=2, balance="zigzag")
+    return [position_tensor(owner.ranges(i, j)) for i in range(2) for j in range(2)]
 
 
 # ---------------------------------------------------------------- recall task
@@ -84,9 +84,7 @@ def test_recall_pairs_and_queries_sit_in_different_ring_segments():
     is_query = (tokens >= task.query_base) & (tokens < task.pair_base)
     for ring in (2, 4):
         for balance in ("contiguous", "zigzag"):
-            mesh = SimpleNamespace(ulysses=1, ring=ring, sp_size=ring)
-            layout = SequenceLayout(mesh, L, balance)
-            owners = [layout.segment_indices(i) for i in range(ring)]
+            owners = [position_tensor(segment_ranges(L, ring, balance, i)) for i in range(ring)]
             q_seg = [i for i, pos in enumerate(owners) if is_query[:, pos].any()]
             assert len(q_seg) == 1, (ring, balance)
             assert not is_pair[:, owners[q_seg[0]]].any(), (ring, balance)

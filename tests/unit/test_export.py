@@ -12,7 +12,7 @@ import pytest
 from usp.models.export import main
 from usp.models.run_records import (EXPORT_FACTS, MODEL_CONFIG, TOKENIZER_DIR, load_export_facts,
                                    load_model_config)
-from usp.train.trainer import record_for_export
+from usp.train.build import record_for_export
 
 from _export_runs import MODEL, TEXT, corpus, memmap, run_cfg
 
@@ -24,16 +24,16 @@ def test_a_run_records_its_model_config_and_its_datas_tokenizer(tmp_path):
 
     tok = corpus(tmp_path / "data" / "corpus")
     cfg = run_cfg(tmp_path / "run", data=memmap(tmp_path / "data" / "corpus.bin"))
-    record_for_export(cfg)
+    record_for_export(cfg, tmp_path / "run")
     assert load_model_config(tmp_path / "run") == cfg.model
     copy = AutoTokenizer.from_pretrained(str(tmp_path / "run" / TOKENIZER_DIR))
     assert copy(TEXT[1]).input_ids == tok(TEXT[1]).input_ids
-    record_for_export(cfg)  # a resumed run replaces the copy
+    record_for_export(cfg, tmp_path / "run")  # a resumed run replaces the copy
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [EXPORT_FACTS, MODEL_CONFIG,
                                                                     TOKENIZER_DIR]
     assert load_export_facts(tmp_path / "run") == {"seq_len": 64, "eos_token_id": None}
 
-    record_for_export(run_cfg(tmp_path / "recall"))  # synthetic tokens: no tokenizer
+    record_for_export(run_cfg(tmp_path / "recall"), tmp_path / "recall")  # no tokenizer
     assert sorted(p.name for p in (tmp_path / "recall").iterdir()) == [EXPORT_FACTS, MODEL_CONFIG]
     assert load_model_config(tmp_path / "nowhere") is None
 

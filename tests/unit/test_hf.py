@@ -8,6 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2Conf
 
 import usp.models.hf
 from usp import SequenceLayout, SPMesh
+from usp.dims.parallel import ParallelDims
 
 from _hf_tiny import L, TINY, V, tiny_model
 
@@ -51,7 +52,7 @@ def test_layer_windows_follow_the_config():
 def _fake_mesh(ulysses=2, ring=1):
     """An SPMesh with no process group: enough for every check that runs before one."""
     p = ulysses * ring
-    return SPMesh(ulysses, ring, 1, "ulysses_inner", torch.arange(p).reshape(1, ring, ulysses),
+    return SPMesh(ParallelDims(1, ring, ulysses), torch.arange(p).reshape(1, ring, ulysses),
                   ["host"] * p)
 
 

@@ -14,9 +14,9 @@ from hydra import compose, initialize_config_dir
 import usp.cli as cli
 import usp.launch
 from usp.config import ModelConfig
-from usp.planner import ClusterSpec, plan
+from usp.planner import BatchSpec, ClusterSpec, plan
 from usp.run import resolve_run
-from usp.ulysses import check_heads
+from usp.dims.heads import check_heads
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +114,8 @@ BAD = [
     # keys the schema lacks
     ("+trainer.foo=1", "unknown config key trainer.foo"),
     ("+model.n_kv_head=1", "model.n_kv_head (did you mean model.n_kv_heads?)"),
+    ("data=memmap data.blend=[{path:a}] +data.blend.0.wieght=2",  # inside a list of dicts
+     "unknown config key data.blend[0].wieght (did you mean data.blend[0].weight?)"),
 ]
 
 
@@ -172,10 +174,10 @@ LLAMA = ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_h
 
 
 def test_many_dropped_layouts_are_summarised_by_rule(h100):
-    from usp.planner.plan import RULES
+    from usp.planner.ranking import RULES
 
     # 1024 ranks, one sequence in all (global_batch=1): every dp > 1 cannot take a share
-    p = plan(LLAMA, h100, 1 << 20, global_batch=1)
+    p = plan(LLAMA, h100, 1 << 20, batch=BatchSpec(global_batch=1))
     assert len(p.dropped) > 20
     assert {d.rule for d in p.dropped} == {"batch", "heads"}
     assert all("does not split over dp" in d.reason for d in p.dropped if d.rule == "batch")

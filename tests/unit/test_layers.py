@@ -13,9 +13,12 @@ PACKAGE = ROOT / "usp"
 
 # usp.<first name> -> layer, bottom first; a module imports from its own layer or below
 LAYERS = (
-    ("compat", "comm"),
+    ("compat",),
     ("validate", "config"),
+    ("dims",),  # the pure layer: no torch.distributed (test_pure_layer.py)
+    ("comm",),
     ("kernels",),
+    ("mesh_exit",),
     ("mesh", "layout"),
     ("masks",),
     ("ring", "ulysses", "ring_flash"),
@@ -24,7 +27,7 @@ LAYERS = (
     ("planner",),
     ("run",),
     ("train",),
-    ("slurm", "launch", "cli", "bench"),
+    ("slurm", "launch", "hydra_app", "cli", "bench"),  # hydra_app: only the CLI touches Hydra
 )
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 

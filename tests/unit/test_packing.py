@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,8 +16,8 @@ import torch
 from usp.config import MemmapData, ModelConfig, ParallelConfig, RecallData, RunConfig
 from usp.data import IGNORE_INDEX, MemmapTokens, RecallTask, TokenWriter, docs_path
 from usp.data.packing import document_positions
+from usp.dims.tokens import Ownership, position_tensor
 from usp.data.prepare import EOS, prepare
-from usp.layout import SequenceLayout
 from usp.models.llama import Transformer
 from usp.data.dataset import build_dataset
 from usp.run import check_run_masks
@@ -28,8 +27,8 @@ from _packed import LOCAL, MODEL, documents_alone, packed_row
 
 def _four_shards(seq_len):
     """The (ring 2 x ulysses 2) zigzag shards' global columns."""
-    layout = SequenceLayout(SimpleNamespace(ulysses=2, ring=2, sp_size=4), seq_len, "zigzag")
-    return [layout.indices(i, j) for i in range(2) for j in range(2)]
+    owner = Ownership(seq_len, ring=2, ulysses=2, balance="zigzag")
+    return [position_tensor(owner.ranges(i, j)) for i in range(2) for j in range(2)]
 
 
 def _lengths(ids: torch.Tensor) -> list[int]:

@@ -11,7 +11,10 @@ import yaml
 
 from usp.config import ModelConfig
 from usp.planner import (
+    BatchSpec,
     ClusterSpec,
+    Search,
+    StepPolicy,
     draw_mesh,
     estimate,
     group_span,
@@ -22,7 +25,7 @@ from usp.planner import (
 from usp.config.cluster import GiB, cluster_dir
 from usp.planner.cost import attention_cost, best_a2a_chunks, layer_matmul_params, layer_params
 from usp.validate import check_seq_len
-from usp.ulysses import check_heads
+from usp.dims.heads import check_heads
 
 LLAMA3_8B = ModelConfig(
     vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
@@ -323,7 +326,8 @@ def _reason(fn, *args) -> str:
 
 
 def test_plan_enumerates_every_layout_once(h100):
-    p = plan(llama_like(32), h100.replace(mem_bytes=1e15), 1 << 17, global_batch=32)
+    p = plan(llama_like(32), h100.replace(mem_bytes=1e15), 1 << 17,
+             batch=BatchSpec(global_batch=32))
     seen = [c.degrees for c in p.candidates] + [(x.dp, x.ring, x.ulysses) for x in p.dropped]
     expected = {(32 // (u * r), r, u) for u in [1, 2, 4, 8, 16, 32] for r in [1, 2, 4, 8, 16, 32]
                 if 32 % (u * r) == 0}
@@ -334,14 +338,14 @@ def test_plan_enumerates_every_layout_once(h100):
 
 def test_heads_rule_drops_with_check_heads_message(h100):
     m = ModelConfig(dim=1536, n_heads=6, n_kv_heads=2, ffn_dim=4096, n_layers=4)
-    p = plan(m, h100, 1 << 15, nodes=1)
+    p = plan(m, h100.replace(nodes=1), 1 << 15)
     heads = {x.ulysses: x.reason for x in p.dropped if x.rule == "heads"}
     assert heads == {8: _reason(check_heads, 6, 2, 8)}  # 6 query heads over 8 ranks
     assert (1, 2, 4) in [c.degrees for c in p.candidates]  # 6 over 4: an uneven split
 
 
 def test_kv_replication_is_a_note_not_a_drop(h100):
-    p = plan(llama_like(4), h100, 1 << 18, nodes=1)
+    p = plan(llama_like(4), h100.replace(nodes=1), 1 << 18)
     c8 = next(c for c in p.candidates if c.ulysses == 8)
     assert c8.cost.kv_per_rank == 1
     assert "KV heads replicated x2 (ulysses 8, 4 KV heads)" in c8.notes
@@ -351,19 +355,20 @@ def test_kv_replication_is_a_note_not_a_drop(h100):
 def test_seq_len_rule_drops_with_check_seq_len_message(h100):
     # 48 tokens: zigzag needs 2 x ring x ulysses | 48, so sp 16 fails while sp 8 works
     m = ModelConfig(n_heads=16, n_kv_heads=16, dim=256)
-    p = plan(m, h100, 48, nodes=2, global_batch=2)
+    p = plan(m, h100.replace(nodes=2), 48, batch=BatchSpec(global_batch=2))
     sp16 = [x for x in p.dropped if x.dp == 1]
     assert len(sp16) == 5  # every (ring, ulysses) with ring x ulysses = 16
     for x in sp16:
         assert x.reason == _reason(check_seq_len, 48, x.ulysses, x.ring, "zigzag")
     assert p.candidates and all(c.dp == 2 for c in p.candidates)
     # contiguous only needs ring x ulysses | 48, which 16 divides
-    q = plan(m, h100, 48, nodes=2, global_batch=2, balance="contiguous")
+    q = plan(m, h100.replace(nodes=2), 48, search=Search(balance="contiguous"),
+             batch=BatchSpec(global_batch=2))
     assert any(c.dp == 1 for c in q.candidates)
 
 
 def test_batch_rule(h100):
-    p = plan(LLAMA3_8B, h100, 1 << 17, global_batch=2)
+    p = plan(LLAMA3_8B, h100, 1 << 17, batch=BatchSpec(global_batch=2))
     assert {c.dp for c in p.candidates} <= {1, 2}
     d4 = [x for x in p.dropped if x.dp == 4]
     assert d4 and "global batch 2 sequences does not split over dp 4" in d4[0].reason
@@ -384,7 +389,8 @@ def test_memory_rule_drops_what_does_not_fit(h100):
         plan(LLAMA3_8B, h100.replace(mem_bytes=20 * GiB), M)
     # replicated (no FSDP) Llama-8B state alone is 16 B/param = 120 GiB
     with pytest.raises(ValueError, match=r"largest term state 119\.\d GiB; try more ranks"):
-        plan(LLAMA3_8B, h100, 1 << 15, fsdp=False, global_batch=32)
+        plan(LLAMA3_8B, h100, 1 << 15, batch=BatchSpec(global_batch=32),
+             step=StepPolicy(fsdp=False))
 
 
 def test_ulysses_spanning_nodes_is_a_warning_not_a_drop(h100):
@@ -396,19 +402,35 @@ def test_ulysses_spanning_nodes_is_a_warning_not_a_drop(h100):
 
 
 def test_fixed_degrees(h100):
-    p = plan(LLAMA3_8B, h100, M, ulysses=4)
+    p = plan(LLAMA3_8B, h100, M, search=Search(ulysses=4))
     assert [c.degrees for c in p.candidates] == [(1, 8, 4)]
-    q = plan(LLAMA3_8B, h100, 1 << 17, ring=2, global_batch=4)
+    q = plan(LLAMA3_8B, h100, 1 << 17, search=Search(ring=2), batch=BatchSpec(global_batch=4))
     assert {c.ring for c in q.candidates} == {2}
     assert {c.degrees for c in q.candidates} == {(4, 2, 4), (2, 2, 8), (1, 2, 16)}
     with pytest.raises(ValueError, match="does not divide world 32"):
-        plan(LLAMA3_8B, h100, M, ulysses=3)
+        plan(LLAMA3_8B, h100, M, search=Search(ulysses=3))
     with pytest.raises(ValueError, match=r"ulysses \(8\) x ring \(8\) = 64 does not divide"):
-        plan(LLAMA3_8B, h100, M, ulysses=8, ring=8)
+        plan(LLAMA3_8B, h100, M, search=Search(ulysses=8, ring=8))
+
+
+def test_plan_options_refuse_bad_values_when_made():
+    """``Search`` and ``BatchSpec`` check themselves, so a bad value fails before any
+    layout is judged; ``Search.layouts`` keeps only the fixed degrees."""
+    with pytest.raises(ValueError, match=r"ring degree must be a positive integer .*got 0"):
+        Search(ring=0)
+    with pytest.raises(ValueError, match="placement"):
+        Search(placement="bogus")
+    with pytest.raises(ValueError, match=r"batch_per_dp_rank=0 and global_batch=None must"):
+        BatchSpec(per_dp_rank=0)
+    with pytest.raises(ValueError, match="global batch 6 sequences does not split over dp 4"):
+        BatchSpec(global_batch=6).for_dp(4)
+    assert BatchSpec(global_batch=8).for_dp(4) == 2 and BatchSpec(3).for_dp(4) == 3
+    assert Search(dp=2).layouts(8) == [(2, 4, 1), (2, 2, 2), (2, 1, 4)]
+    assert len(Search().layouts(8)) == 10  # every (dp, ring, ulysses) with product 8
 
 
 def test_world_and_nodes(h100):
-    assert plan(LLAMA3_8B, h100, 1 << 17, nodes=1).world == 8
+    assert plan(LLAMA3_8B, h100.replace(nodes=1), 1 << 17).world == 8
     assert plan(LLAMA3_8B, h100, 1 << 17, world=16).cluster.nodes == 2
     with pytest.raises(ValueError, match="whole number of 8-GPU nodes"):
         plan(LLAMA3_8B, h100, 1 << 17, world=12)
@@ -418,7 +440,7 @@ def test_world_and_nodes(h100):
 
 
 def test_llama3_8b_1m_on_4x8_h100_is_ulysses8_ring4(h100):
-    p = plan(LLAMA3_8B, h100, M, global_batch=1, fsdp=True)
+    p = plan(LLAMA3_8B, h100, M, batch=BatchSpec(global_batch=1), step=StepPolicy(fsdp=True))
     assert p.best.degrees == (1, 4, 8)
     assert p.reason.startswith("ulysses 8 x ring 4 x dp 1: ulysses capped at 8 = KV heads")
     assert "ring 4 across nodes, K/V and dK/dV transfers hidden behind attention" in p.reason
@@ -435,7 +457,7 @@ def test_llama3_8b_1m_on_4x8_h100_is_ulysses8_ring4(h100):
 
 def test_four_kv_heads_on_8_gpu_nodes_explains_replication_or_ring(h100):
     m = dataclasses.replace(LLAMA3_8B, n_kv_heads=4)
-    p = plan(m, h100, 1 << 18, dp=1)
+    p = plan(m, h100, 1 << 18, search=Search(dp=1))
     b = p.best
     if b.ulysses > 4:  # KV replication: say so, and against which ring
         assert "ulysses 8 = GPUs per node > 4 KV heads: KV heads replicated x2" in p.reason
@@ -446,20 +468,22 @@ def test_four_kv_heads_on_8_gpu_nodes_explains_replication_or_ring(h100):
 
 
 def test_slower_inter_node_link_pushes_toward_larger_ulysses(l40s):
-    uly = [plan(llama_like(4), l40s.replace(inter_bw=bw), 1 << 16, nodes=2, dp=1).best.ulysses
-           for bw in [12.5e9, 6e9, 3e9, 1.5e9, 0.75e9]]
+    uly = [plan(llama_like(4), l40s.replace(inter_bw=bw, nodes=2), 1 << 16,
+                search=Search(dp=1)).best.ulysses for bw in [12.5e9, 6e9, 3e9, 1.5e9, 0.75e9]]
     assert uly == sorted(uly) and uly[0] < uly[-1]
     assert max(uly) <= 8  # it grows inside the node, not across it
 
 
 def test_fewer_kv_heads_push_toward_ring(l40s):
-    rings = [plan(llama_like(h), l40s, 1 << 16, nodes=2, dp=1).best.ring for h in [32, 16, 8, 4, 2, 1]]
+    rings = [plan(llama_like(h), l40s.replace(nodes=2), 1 << 16, search=Search(dp=1)).best.ring
+             for h in [32, 16, 8, 4, 2, 1]]
     assert rings == sorted(rings) and rings[0] < rings[-1]
 
 
 def test_longer_sequences_shift_toward_ring(l40s):
     cl = l40s.replace(inter_bw=3e9)
-    rings = [plan(llama_like(4), cl, 1 << k, nodes=2, dp=1).best.ring for k in range(13, 20)]
+    rings = [plan(llama_like(4), cl.replace(nodes=2), 1 << k, search=Search(dp=1)).best.ring
+             for k in range(13, 20)]
     assert rings == sorted(rings) and rings[0] < rings[-1]
 
 
@@ -539,11 +563,11 @@ def test_best_a2a_chunks(h100):
 
 
 def test_plan_chooses_a2a_chunks_per_layout(h100):
-    p = plan(LLAMA3_8B, h100, 1 << 18, world=8, a2a_chunks="auto")
+    p = plan(LLAMA3_8B, h100, 1 << 18, world=8, search=Search(a2a_chunks="auto"))
     for c in p.candidates:
         want = 1 if c.ulysses == 1 else best_a2a_chunks(
             h100.replace(nodes=1), 1 << 18, 32, 8, 128, c.ulysses, c.ring, dp=c.dp, n_fwd=2)
         assert c.cost.a2a_chunks == want, c.label()
-    fixed = plan(LLAMA3_8B, h100, 1 << 18, world=8, a2a_chunks=8)
+    fixed = plan(LLAMA3_8B, h100, 1 << 18, world=8, search=Search(a2a_chunks=8))
     assert {c.ulysses for c in fixed.candidates} == {1, 2, 4}  # 32 heads / 8 < 8 stages
     assert any(d.rule == "a2a_chunks" and "a2a_chunks=8 > 4" in d.reason for d in fixed.dropped)

@@ -167,13 +167,13 @@ def test_a_run_records_the_checkpoints_tokenizer_and_the_datas_eos(ckpts, tmp_pa
     from _export_runs import run_cfg, tiny_tokenizer
 
     from usp.models.run_records import load_export_facts
-    from usp.train.trainer import record_for_export
+    from usp.train.build import record_for_export
 
     d = tmp_path / "ckpt"
     shutil.copytree(ckpts["llama"], d)
     tiny_tokenizer(d)
     cfg = run_cfg(tmp_path / "run", model=pretrained_config(d))
-    record_for_export(cfg)
+    record_for_export(cfg, tmp_path / "run")
     copied = sorted(p.name for p in (tmp_path / "run" / "tokenizer").iterdir())
     assert "tokenizer_config.json" in copied and "model.safetensors" not in copied
     assert load_export_facts(tmp_path / "run") == {"seq_len": 64, "eos_token_id": None}
@@ -183,7 +183,8 @@ def test_a_run_records_the_checkpoints_tokenizer_and_the_datas_eos(ckpts, tmp_pa
     corpus(tmp_path / "data")
     meta = tmp_path / "data.json"
     meta.write_text(json.dumps({**json.loads(meta.read_text()), "eos_id": 2}))
-    record_for_export(run_cfg(tmp_path / "bytes", data=memmap(tmp_path / "data")))
+    record_for_export(run_cfg(tmp_path / "bytes", data=memmap(tmp_path / "data")),
+                      tmp_path / "bytes")
     assert load_export_facts(tmp_path / "bytes")["eos_token_id"] == 2
 
 

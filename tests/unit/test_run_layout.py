@@ -55,10 +55,21 @@ def test_resolved_layout_holds_every_decision():
     assert (run.world, run.dp, run.ring, run.ulysses, run.sp) == (8, 2, 2, 2, 4)
     assert (run.a2a_chunks, run.device, run.dtype, run.ranks_per_node) == (2, "cpu", "bf16", 4)
     assert (run.global_batch, run.tokens_per_step) == (6, 6 * 128)
-    assert run.attention_options() == dict(kernel="torch", ring_impl="usp", a2a_chunks=2)
+    assert run.attention_options() == dict(kernel="torch", ring_impl="usp")  # stages: the mesh's
     assert cfg.parallel.a2a_chunks == 2 and cfg.parallel.dp_degree is None  # config untouched
     with pytest.raises(dataclasses.FrozenInstanceError):
         run.ulysses = 4
+
+
+def test_the_run_directory_is_decided_into_the_layout_not_into_the_config(tmp_path):
+    cfg = _cfg()
+    assert cfg.trainer.run_dir is None
+    run = resolve_run(cfg, 8, "cpu", run_dir=str(tmp_path / "hydra"))  # the launcher's folder
+    assert run.run_dir == str(tmp_path / "hydra") and cfg.trainer.run_dir is None
+    assert resolve_run(cfg, 8, "cpu").run_dir is None  # a layout to plan with
+    mine = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, run_dir="mine"))
+    assert resolve_run(mine, 8, "cpu", run_dir=str(tmp_path)).run_dir == "mine"  # set: it wins
+    assert run.dims.world == 8 and (run.dims.ring, run.dims.ulysses) == (run.ring, run.ulysses)
 
 
 def test_layout_refuses_degrees_that_do_not_make_its_world():

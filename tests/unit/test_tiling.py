@@ -19,7 +19,7 @@ from usp.config import ModelConfig
 from usp.attention import local_attention
 from usp.models.llama import FeedForward, Transformer
 from usp.models.offload import ActivationOffload
-from usp.models.tiling import chunked_lm_loss, lm_loss, tiled
+from usp.models.tiling import chunked_lm_loss, lm_loss, loss_share, tiled
 
 LOCAL = functools.partial(local_attention, causal=True)
 CFG = dict(vocab_size=256, dim=16, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=48)
@@ -325,3 +325,14 @@ def test_preflight_refuses_offload_off_cuda_and_tiling_for_hf_models():
             check_hf_model(ModelConfig(hf="llama", **kw))
     with pytest.raises(ValueError, match="checkpoint_part=attention .* built-in model only"):
         resolve_run(_run_cfg(dict(hf="llama"), **ckpt, checkpoint_part="attention"), 4, "cpu")
+
+
+def test_loss_share_sums_or_averages_to_the_global_mean():
+    """Each rank's share of the global mean loss: the shares sum to it (ranks=1, gradients
+    summed) or average to it (ranks=n, FSDP's averaged gradients)."""
+    sums, counts = torch.tensor([3.0, 5.0, 0.5]), torch.tensor([2.0, 4.0, 1.0])
+    count = counts.sum().double()
+    mean = (sums.double().sum() / count).item()
+    assert abs(sum(loss_share(s, count).item() for s in sums) - mean) < 1e-12
+    n = len(sums)
+    assert abs(sum(loss_share(s, count, n).item() for s in sums) / n - mean) < 1e-12

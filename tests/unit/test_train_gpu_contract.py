@@ -1,12 +1,15 @@
 """What the trainer does on a GPU, checked on CPU in one process: the CUDA RNG in
-checkpoints, and a peak-memory figure that belongs to one step. bf16 mixed precision under
-FSDP2: ``distributed/test_train_gpu_contract_ranks.py``."""
+checkpoints, a peak-memory figure that belongs to one step, the layout's device. bf16 mixed
+precision under FSDP2: ``distributed/test_train_gpu_contract_ranks.py``."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from usp.models import checkpoint
 from usp.train.metrics import PeakMemory
+from usp.train.trainer import _device
 
 
 # --- defect 11: the CUDA RNG state saved in a checkpoint is restored ---
@@ -102,3 +105,11 @@ def test_peak_cuda_is_reset_each_step(monkeypatch):
     malloc(2**20)
     assert mem.peak_mb() == 1024 + 1
     assert calls == [("reset", dev), ("reset", dev)]
+
+
+# --- the trainer computes on the layout's device, not on one it re-derives ---
+
+def test_the_trainer_takes_the_layouts_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert _device(SimpleNamespace(device="cuda")) == torch.device("cuda", 3)
+    assert _device(SimpleNamespace(device="cpu")) == torch.device("cpu")

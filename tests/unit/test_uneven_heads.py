@@ -9,7 +9,7 @@ import pytest
 
 from tools.lab.heads import HeadsBench, HeadsRow, even_neighbours, report
 from usp.planner.traffic import attention_bytes
-from usp.ulysses import check_heads, head_imbalance, head_split
+from usp.dims.heads import check_heads, head_imbalance, head_split
 
 
 def _splits(max_q: int):

@@ -7,7 +7,7 @@ import torch
 
 from usp.validate import check_degrees, check_kernel, check_placement, check_seq_len
 
-from usp.ulysses import check_heads
+from usp.dims.heads import check_heads
 
 
 def test_degrees_derive_dp():

@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from usp.ulysses import check_heads, head_split
+from usp.dims.heads import check_heads, head_split
 from usp.validate import check_seq_len
 
 from .simcluster import rate_to_bytes_per_s

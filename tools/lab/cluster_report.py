@@ -11,7 +11,7 @@ import statistics
 from pathlib import Path
 
 from usp.config import ModelConfig
-from usp.planner import plan
+from usp.planner import BatchSpec, CheckpointPolicy, Search, StepPolicy, plan
 from usp.config.cluster import ClusterSpec, load_cluster
 from usp.planner.calibration import fit_a2a_overlap
 from usp.planner.cost import attention_cost, best_a2a_chunks, estimate
@@ -162,8 +162,9 @@ def _degrees(cfg: ClusterBench, w: dict, ms: dict, train: dict, out: Path,
              lines: list[str]) -> dict:
     spec = planner_spec(cfg, w, ms)
     _spec_lines(spec, w, lines)
-    p = plan(ModelConfig(), spec, cfg.train_seq_len, world=WORLD, dp=1,
-             global_batch=cfg.train_batch, dtype_bytes=4, act_checkpoint=False)
+    p = plan(ModelConfig(), spec, cfg.train_seq_len, world=WORLD, search=Search(dp=1),
+             batch=BatchSpec(global_batch=cfg.train_batch),
+             step=StepPolicy(dtype_bytes=4, checkpoint=CheckpointPolicy()))
     pred = {(c.ulysses, c.ring): c.cost.step_s for c in p.candidates}
     measured = {k: train[v] for k, v in SWEEP.items()}
     rank_m = sorted(measured, key=measured.get)

@@ -46,7 +46,7 @@ class Case:
     placement: str = "ulysses_inner"
     balance: str = "zigzag"
     a2a_chunks: int = 1
-    pieces: str = "auto"  # "whole": SPMesh.build(piece_bytes=None), messages never cut
+    pieces: str = "auto"  # "whole": SPMesh.build(fragment_bytes=None), messages never cut
 
 
 DENSE = Case("dense P=1")
@@ -85,7 +85,7 @@ def attention_calls(cfg: ClusterBench, seq_len: int, cases, stack: ExitStack,
         else:
             mesh = stack.enter_context(SPMesh.build(
                 ulysses=c.ulysses, ring=c.ring, placement=c.placement,
-                piece_bytes=None if c.pieces == "whole" else "auto"))
+                fragment_bytes=None if c.pieces == "whole" else "auto"))
             lay = SequenceLayout(mesh, seq_len=seq_len, balance=c.balance)
             # [1, L, H, d] -> [1, L/P, H, d]: this rank's tokens
             ins = [lay.shard(t, dim=1).clone().requires_grad_(True) for t in (q, k, v)]

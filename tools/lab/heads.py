@@ -6,7 +6,7 @@ the slowest rank's time per call), so machine noise lands on all rows alike. Eve
 the same batch, sequence length and head dim; only the head counts differ.
 
 The cost the planner should use for an uneven split is its busiest rank: ``max q_j`` query
-heads (``usp.ulysses.head_imbalance`` x Hq/u), since each rank has its own device and the
+heads (``usp.dims.heads.head_imbalance`` x Hq/u), since each rank has its own device and the
 others wait for it. ``busiest`` is the ratio of the rows' busiest-rank head counts,
 ``total`` the ratio of their total head counts (what sets the pace instead when the ranks
 time-share fewer cores than there are processes, as on a small CPU machine); ``measured``
@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from usp.validate import check_degrees, seq_multiple
 
-from usp.ulysses import head_imbalance, head_split
+from usp.dims.heads import head_imbalance, head_split
 from .cli import TimedBench
 
 

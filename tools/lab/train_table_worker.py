@@ -29,11 +29,13 @@ from usp.attention import usp_attention
 from usp.bench.timing import round_robin
 from usp.config import OptimConfig
 from usp.data.dataset import build_dataset
-from usp.data.packing import Batch
+from usp.data.packing import IGNORE_INDEX, Batch
 from usp.layout import SequenceLayout
 from usp.mesh import SPMesh
 from usp.models.llama import Transformer
-from usp.train.trainer import loss_and_predictions, shard_model, step_loss
+from usp.models.tiling import loss_share
+from usp.train.build import shard_model
+from usp.train.forward import loss_and_predictions
 
 from .cluster_bench import PER_NODE
 from .deepspeed_ulysses import deepspeed_calls, import_deepspeed
@@ -110,7 +112,7 @@ def build_row(row: Row, cfg: TrainTable, data, stack: ExitStack, DistributedAtte
     # the same global samples on every row; each rank reads its own tokens, labels shifted
     # on the global sequence
     batch = data.model_rows(range(cfg.batch), positions)  # [B, L/P]
-    count = torch.tensor([float((batch.labels != -100).sum())], dtype=torch.float64)
+    count = torch.tensor([float((batch.labels != IGNORE_INDEX).sum())], dtype=torch.float64)
     dp_sp = mesh.group("dp_sp")
     dist.all_reduce(count, group=dp_sp)  # the batch's labelled tokens over dp x sp
     return RowState(row, mesh, model, opt, batch, positions, mesh.submesh("dp_sp").size(),
@@ -122,7 +124,7 @@ def next_token_batch(data, cfg: TrainTable, positions: torch.Tensor) -> Batch:
     with the next one: the recall task labels only its query tokens, so the check's
     forward covers every position this way."""
     full = data.model_rows(range(cfg.batch), None)  # [B, L]
-    labels = torch.full_like(full.tokens, -100)
+    labels = torch.full_like(full.tokens, IGNORE_INDEX)
     labels[:, :-1] = full.tokens[:, 1:]  # shifted on the global sequence
     return Batch(full.tokens, labels).columns(positions)  # [B, L] -> [B, L/P]
 
@@ -131,7 +133,7 @@ def next_token_batch(data, cfg: TrainTable, positions: torch.Tensor) -> Batch:
 def every_token_loss(s: RowState) -> float:
     """Mean next-token loss over every position of the batch (forward only, collective)."""
     loss_sum, _ = loss_and_predictions(s.model, s.every_token, s.positions)
-    sums = torch.stack([loss_sum.double(), (s.every_token.labels != -100).sum().double()])
+    sums = torch.stack([loss_sum.double(), (s.every_token.labels != IGNORE_INDEX).sum().double()])
     dist.all_reduce(sums, group=s.mesh.group("dp_sp"))
     return (sums[0] / sums[1]).item()
 
@@ -140,7 +142,7 @@ def train_step(s: RowState) -> tuple[float, float]:
     """One optimizer step of ``s`` as ``usp.train.trainer`` takes it; (global loss per
     label, global grad norm before clipping)."""
     loss_sum, _ = loss_and_predictions(s.model, s.batch, s.positions)
-    step_loss(loss_sum, s.n_shard, s.count).backward()  # the trainer's normalisation
+    loss_share(loss_sum, s.count, s.n_shard).backward()  # the trainer's normalisation
     gn = torch.nn.utils.clip_grad_norm_(s.model.parameters(), OptimConfig().grad_clip)
     gn = float(gn.full_tensor() if hasattr(gn, "full_tensor") else gn)  # sync: global norm
     loss = loss_sum.detach().double().reshape(1)

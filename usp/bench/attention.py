@@ -127,7 +127,8 @@ def run_rank(bench: AttentionBench, result_path: str | None = None) -> dict | No
 
     with ExitStack() as meshes:  # closed before the caller tears the group down
         built = {key: meshes.enter_context(SPMesh.build(  # one mesh per layout and pieces
-                     ulysses=key[0], ring=key[1], piece_bytes=None if key[2] == "whole" else "auto"))
+                     ulysses=key[0], ring=key[1],
+                     fragment_bytes=None if key[2] == "whole" else "auto"))
                  for key in dict.fromkeys((u, r, pc) for u, r, _, pc in bench.usp_rows())}
         configs = [make_usp(bench, built[u, r, pc], c, pc) for u, r, c, pc in bench.usp_rows()]
         peer, skip, version = _peer_config(bench)

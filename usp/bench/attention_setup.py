@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config.checks import at_least, one_of
-from ..ulysses import check_a2a_chunks
+from ..dims.stages import check_a2a_chunks
 from ..validate import check_degrees, check_seq_len
-from ..ulysses import check_heads
+from ..dims.heads import check_heads
 from .timing import default_threads
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
@@ -76,7 +76,7 @@ class AttentionBench:
     a2a_chunks: tuple[int | str, ...] = (1,)
     # how messages travel, a row each: "auto" (the mesh's default: ulysses and ring messages
     # in pieces where their groups cross hosts over gloo) and/or "whole"
-    # (SPMesh.build(piece_bytes=None))
+    # (SPMesh.build(fragment_bytes=None))
     pieces: tuple[str, ...] = ("auto",)
 
     def __post_init__(self) -> None:

@@ -40,7 +40,7 @@ from ..planner.calibration import (FULL, PROBE, PROBE_NC, QUICK, STATS, Calibrat
                                    format_report)
 from ..planner.published import SOURCES, format_published, published_rows
 from ..ring import RingAttention, RingPlan, merge
-from ..ulysses import check_heads
+from ..dims.heads import check_heads
 from .timing import LoopbackComm, overlap_times, round_robin, timed
 
 

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..attention import local_attention
+from ..dims.tokens import position_tensor, segment_ranges
 from ..kernels import get_kernel
 from ..kernels.reference import ReferenceKernel
 from ..layout import SequenceLayout
@@ -144,8 +145,8 @@ class _ThreadComm:
 
 def _run_ring(q, k, v, dout, r, causal, balance, kern, scale):
     """Global tensors [B, L, H, d] -> (out, dq, dk, dv) via r threads running the ring."""
-    layout = SequenceLayout(SimpleNamespace(ulysses=1, ring=r, sp_size=r), q.shape[1], balance)
-    idx = [layout.segment_indices(i).to(q.device) for i in range(r)]
+    idx = [position_tensor(segment_ranges(q.shape[1], r, balance, i)).to(q.device)
+           for i in range(r)]
     ring, results, errors = ThreadRing(r), [None] * r, []
 
     def rank_fn(i):

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import yaml
 
+from .files import CONFIG_DIR
+
 GiB = 1024**3
 
 
@@ -91,8 +93,8 @@ class ClusterSpec:
 
 
 def cluster_dir() -> Path:
-    """``configs/cluster`` of this checkout."""
-    return Path(__file__).resolve().parents[2] / "configs" / "cluster"
+    """``configs/cluster`` as the package ships it (``usp.config.files``)."""
+    return CONFIG_DIR / "cluster"
 
 
 OPTIONAL_KEYS = {"a2a_overlap"}  # measured only where pipelined all-to-alls were timed
@@ -100,7 +102,7 @@ OPTIONAL_KEYS = {"a2a_overlap"}  # measured only where pipelined all-to-alls wer
 
 def load_cluster(name_or_path: str | Path, search_dir: str | Path | None = None) -> ClusterSpec:
     """Read a cluster YAML: a path, or a name looked up in ``search_dir`` (default
-    ``configs/cluster``). Unknown or missing keys raise ``ValueError``; only the keys in
+    ``cluster_dir()``). Unknown or missing keys raise ``ValueError``; only the keys in
     ``OPTIONAL_KEYS`` may be left out."""
     path = Path(name_or_path)
     if path.suffix not in (".yaml", ".yml"):

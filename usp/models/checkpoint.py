@@ -44,22 +44,7 @@ FORMAT = 2  # extra.pt["format"]: 2 = the checkpoint has a manifest; absent = wr
 _CHUNK = 8 << 20
 
 
-# ---- the run fingerprint: what must not change between a checkpoint and its resume ----------
-
-def run_fingerprint(cfg) -> dict:
-    """The settings a resumed run must share with its checkpoint, as ``{"section.key": value}``:
-    every ``model`` field, ``data.kind``/``seq_len``/``seed``, the optimizer and schedule
-    (lr, min_lr, warmup_steps, weight_decay, beta1, beta2, grad_clip), ``trainer.steps`` and
-    ``trainer.dtype``. Not the parallel degrees: a checkpoint resumes under any layout.
-    ``cfg`` is a ``RunConfig`` (anything with ``model``, ``data``, ``optim``, ``trainer``)."""
-    out = {f"model.{k}": v for k, v in vars(cfg.model).items()}
-    out.update({"data.kind": cfg.data.kind, "data.seq_len": cfg.data.seq_len,
-                "data.seed": cfg.data.seed})  # the seed fixes the order the position counts in
-    for k in ("lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip"):
-        out[f"optim.{k}"] = getattr(cfg.optim, k)
-    out.update({"trainer.steps": cfg.trainer.steps, "trainer.dtype": cfg.trainer.dtype})
-    return out
-
+# ---- the resume check: the fingerprint (usp.train.fingerprint) must not change -----------
 
 def check_resume(saved: dict, current: dict, where: str | Path = "the checkpoint") -> None:
     """Refuse to resume when the run settings changed: ValueError naming every key that differs
@@ -169,8 +154,9 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler,
                     fingerprint: dict | None = None) -> Path:
     """Collective: every rank writes and hashes its shards, rank 0 writes ``extra.pt`` and
     the manifest last, renames ``step_K.tmp`` to ``step_K`` and keeps the ``keep`` newest
-    complete checkpoints (always this one). ``fingerprint``: ``run_fingerprint(cfg)``,
-    checked by ``load_checkpoint``. Returns the final directory."""
+    complete checkpoints (always this one). ``fingerprint``: the run's
+    (``usp.train.fingerprint.run_fingerprint(cfg)``), checked by ``load_checkpoint``.
+    Returns the final directory."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step:06d}"
     tmp = root / f"step_{step:06d}.tmp"
@@ -211,8 +197,9 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler,
                     fingerprint: dict | None = None) -> dict:
     """Collective: restore model, optimizer, scheduler and this rank's RNG; returns extra.
 
-    ``fingerprint`` (``run_fingerprint(cfg)``): checked against the manifest's with
-    ``check_resume`` before anything is loaded (ValueError on every rank alike)."""
+    ``fingerprint`` (``usp.train.fingerprint.run_fingerprint(cfg)``): checked against the
+    manifest's with ``check_resume`` before anything is loaded (ValueError on every rank
+    alike)."""
     path = Path(path)
     if not (path / "extra.pt").exists():
         raise ValueError(f"{path} is not a complete checkpoint (no extra.pt); resume from "

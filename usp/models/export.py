@@ -33,10 +33,6 @@ from .hf_model import hf_config
 from .llama_hf import hf_equivalent, hf_names, zero_filled
 from .run_records import (HF_CONFIG_DIR, MODEL_CONFIG, TOKENIZER_DIR, load_export_facts,
                           load_model_config)
-# re-exported for usp.train.trainer until it imports them from their own modules
-from .hf_model import build_model  # noqa: F401
-from .run_records import (save_config, save_export_facts, save_model_config,  # noqa: F401
-                          save_tokenizer, save_tokenizer_files)
 
 
 def resolve_checkpoint(path: str | Path, log=lambda line: None) -> Path:

@@ -46,7 +46,8 @@ from ..attention import usp_attention
 from ..data.packing import IGNORE_INDEX, document_positions, packed_rows
 from ..layout import SequenceLayout
 from ..mesh import SPMesh
-from ..ulysses import check_heads
+from ..dims.heads import check_heads
+from .tiling import loss_share
 
 __all__ = ["UspAttention", "causal_lm_loss", "global_batch", "layer_windows", "patch",
            "shard_batch", "unpatch"]
@@ -313,9 +314,10 @@ def causal_lm_loss(logits: torch.Tensor, shift_labels: torch.Tensor,
 
     The share is this rank's summed cross entropy (fp32) over the number of targets of the
     whole dp x sp group (one all-reduce), so the shares sum to the global mean loss and the
-    gradients summed over ``mesh.group("dp_sp")`` equal the one-process gradient. A trainer
-    whose gradient reduction averages over the dp x sp ranks (FSDP) multiplies the share by
-    their number before ``backward``.
+    gradients summed over ``mesh.group("dp_sp")`` equal the one-process gradient
+    (``usp.models.tiling.loss_share``, which the trainer uses too). A trainer whose gradient
+    reduction averages over the dp x sp ranks (FSDP) multiplies the share by their number
+    before ``backward``.
     """
     if logits.shape[:2] != shift_labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and shift_labels "
@@ -323,7 +325,7 @@ def causal_lm_loss(logits: torch.Tensor, shift_labels: torch.Tensor,
     count = (shift_labels != IGNORE_INDEX).sum().to(torch.float64).reshape(1)
     if mesh.dp * mesh.sp_size > 1:
         # Sync: the target count over dp x sp normalises every rank's share
-        dist.all_reduce(count, group=mesh.group("dp_sp"))
+        dist.all_reduce(count, group=mesh.group("loss"))
     loss_sum = F.cross_entropy(logits.float().flatten(0, 1), shift_labels.flatten(),
                                ignore_index=IGNORE_INDEX, reduction="sum")
-    return loss_sum / count.clamp(min=1).to(loss_sum.dtype), count[0]
+    return loss_share(loss_sum, count.clamp(min=1).to(loss_sum.dtype)), count[0]

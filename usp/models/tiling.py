@@ -9,6 +9,9 @@
 
 Both give the same loss and gradients as the untiled computation: every token's logits
 and MLP are computed by the same ops on the same values; only the grouping changes.
+
+``lm_loss`` is the untiled loss of whole logits; ``loss_share`` turns a rank's loss sum into
+what it back-propagates, for the built-in model and a transformers model alike.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-IGNORE_INDEX = -100
+from ..data.packing import IGNORE_INDEX
 
 
 def _upcast(logits: torch.Tensor) -> torch.Tensor:
@@ -122,3 +125,15 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, t
     loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum")
     return loss, logits.detach().argmax(-1)
+
+
+def loss_share(loss_sum: torch.Tensor, count: torch.Tensor | float,
+               ranks: int = 1) -> torch.Tensor:
+    """What one rank back-propagates for ``loss_sum``, its summed loss over its labelled
+    tokens: ``loss_sum * ranks / count``, with ``count`` the labelled tokens of the whole
+    step over the ``ranks`` ranks whose gradients are reduced (dp x sp).
+
+    ``ranks=1``: the shares sum over the ranks to the global mean loss, so gradients summed
+    over them are the one-process gradient. A reduction that averages over the ranks (FSDP)
+    undoes a ``ranks`` scale, so the trainer passes ``ranks`` = their number."""
+    return loss_sum * (ranks / count)

@@ -1,7 +1,8 @@
 """Planner: choose ``dp x ring x ulysses`` from the model shape and the cluster.
 
-Pure functions and dataclasses, no process group: ``plan()`` ranks layouts with the cost
-model in ``cost``, ``detect_topology()`` fills a ``ClusterSpec`` from the launcher and the
+Pure functions and dataclasses, no process group: ``plan()`` ranks the layouts a ``Search``
+allows (its other inputs ``BatchSpec`` and ``StepPolicy``, in ``options``) with the cost
+model in ``cost`` and answers a ``Plan`` (``ranking``), ``detect_topology()`` fills a ``ClusterSpec`` from the launcher and the
 machine, ``draw_mesh()`` pictures a layout. ``cost.attention_cost`` is the model's
 attention part; ``calibration`` sets it beside measured times, ``published`` beside
 published benchmark figures. ``memory.memory_split`` is the per-rank memory model
@@ -14,10 +15,13 @@ from .cost import AttentionCost, StepCost, attention_cost, estimate
 from .detect import DetectReport, detect_topology
 from .draw import MeshDrawing, draw_mesh
 from .memory import CheckpointPolicy, MemorySplit, max_seq_len, memory_split
-from .plan import Candidate, Dropped, Plan, plan
+from .options import BatchSpec, Search, StepPolicy
+from .plan import plan
+from .ranking import Candidate, Dropped, Plan
 
 __all__ = [
     "AttentionCost",
+    "BatchSpec",
     "Candidate",
     "CheckpointPolicy",
     "ClusterSpec",
@@ -27,7 +31,9 @@ __all__ = [
     "MemorySplit",
     "MeshDrawing",
     "Plan",
+    "Search",
     "StepCost",
+    "StepPolicy",
     "attention_cost",
     "detect_topology",
     "draw_mesh",

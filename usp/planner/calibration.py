@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 from ..validate import BALANCES, seq_multiple
 
-from ..ulysses import check_heads
+from ..dims.heads import check_heads
 from ..config.cluster import ClusterSpec, load_cluster
 from .cost import FLASH_BWD, attention_cost
 

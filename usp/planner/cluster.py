@@ -1,13 +1,14 @@
 """Where ranks sit on a ``usp.config.ClusterSpec``: each layout's ulysses and ring groups
-on the nodes (``rank_grid``, ``group_span``)."""
+on the nodes (``rank_grid``, ``group_span``), by the mesh's own rule
+(``usp.dims.placement.mesh_ranks``)."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
-from ..mesh import mesh_ranks
-from ..validate import check_degrees, check_placement
+from ..dims.placement import axis_groups, mesh_ranks, simulated_hosts
+from ..validate import check_degrees
 
 
 # ---- where ranks sit -------------------------------------------------------------------
@@ -39,15 +40,13 @@ def rank_grid(
 ) -> list[list[list[int]]]:
     """Global ranks as a nested [dp][ring][ulysses] list, ranks node-major
     (node n holds ranks n*K .. n*K+K-1 for K = ranks_per_node)."""
-    check_placement(placement)
     world = dp * ring * ulysses
     check_degrees(world, ulysses, ring, dp)
     if world % ranks_per_node and ranks_per_node < world:
         raise ValueError(
             f"world size {world} is not a whole number of nodes of {ranks_per_node} GPUs"
         )
-    hosts = [f"node{r // ranks_per_node}" for r in range(world)]
-    return mesh_ranks(hosts, dp, ring, ulysses, placement).tolist()
+    return mesh_ranks(simulated_hosts(world, ranks_per_node), dp, ring, ulysses, placement)
 
 
 def group_span(
@@ -55,13 +54,9 @@ def group_span(
 ) -> GroupSpan:
     """Worst-placed group along ``axis`` ('ulysses' or 'ring'): most remote peers, with
     the sender counts of the busiest node (see ``GroupSpan``)."""
-    grid = rank_grid(dp, ring, ulysses, ranks_per_node, placement)
-    if axis == "ulysses":
-        groups = [row for plane in grid for row in plane]
-    elif axis == "ring":
-        groups = [[plane[i][j] for i in range(ring)] for plane in grid for j in range(ulysses)]
-    else:
+    if axis not in ("ulysses", "ring"):
         raise ValueError(f"axis must be 'ulysses' or 'ring', got {axis!r}")
+    groups = axis_groups(rank_grid(dp, ring, ulysses, ranks_per_node, placement), axis)
     worst = None
     intra: dict[int, int] = {}  # node -> ranks sending inside it
     inter: dict[int, int] = {}  # node -> ranks sending off it

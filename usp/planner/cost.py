@@ -38,9 +38,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ModelConfig
-from ..ulysses import check_a2a_chunks
+from ..dims.stages import check_a2a_chunks
 from ..validate import BALANCES
-from ..ulysses import check_heads, head_split
+from ..dims.heads import check_heads, head_split
 from ..config.cluster import ClusterSpec
 from .cluster import GroupSpan, group_span
 from .memory import CheckpointPolicy, memory_split
@@ -147,6 +147,26 @@ def ring_pass(r: int, n_fwd: int, send_kv: float, send_acc: float, diag: float, 
     return comm, n_fwd * exp_f + exp_b + tail, tail
 
 
+def a2a_stage_times(cluster: ClusterSpec, span: GroupSpan, tokens: float, hq: int, kv: int,
+                    head_dim: int, dtype_bytes: int, chunks: int) -> tuple[float, float]:
+    """(in, out) seconds of one pipeline stage's all-to-all message on a rank of ``tokens``
+    tokens that attends with ``hq`` query and ``kv`` KV heads: the in-a2a moves ``hq + 2 kv``
+    heads per token, the out-a2a ``hq``, ``1/chunks`` of them per stage. Peers on the node go
+    over ``intra_bw``, peers on other nodes over ``inter_bw``, in parallel, on links shared by
+    the node's concurrent senders; every message pays the link's latency."""
+    intra_bw = cluster.link_bw(False, span.intra_senders)
+    inter_bw = cluster.link_bw(True, span.inter_senders)
+    lat = cluster.inter_latency_s if span.remote_peers else cluster.intra_latency_s
+
+    def message(heads: int) -> float:
+        chunk = tokens * heads * head_dim * dtype_bytes / chunks  # bytes to each peer
+        local = span.local_peers * chunk / intra_bw
+        remote = span.remote_peers * chunk / inter_bw
+        return lat + max(local, remote)
+
+    return message(hq + 2 * kv), message(hq)
+
+
 @dataclass(frozen=True)
 class AttentionCost:
     """One attention layer on one rank for one sequence: ``n_fwd`` forward passes and one
@@ -209,17 +229,7 @@ def attention_cost(cluster: ClusterSpec, seq_len: int, hq: int, hkv: int, head_d
     if u > 1:
         us = group_span(dp, r, u, cluster.ranks_per_node, "ulysses", placement)
         a2a_link = "inter" if us.remote_peers else "intra"
-        intra_bw = cluster.link_bw(False, us.intra_senders)  # shared by concurrent senders
-        inter_bw = cluster.link_bw(True, us.inter_senders)
-
-        def a2a_time(heads: float) -> float:  # one message moving `heads` heads per token
-            chunk = T * heads * hd * dtype_bytes / c  # bytes to each peer, one stage
-            local = us.local_peers * chunk / intra_bw
-            remote = us.remote_peers * chunk / inter_bw
-            lat = cluster.inter_latency_s if us.remote_peers else cluster.intra_latency_s
-            return lat + max(local, remote)
-
-        t_in, t_out = a2a_time(hq_u + 2 * kv), a2a_time(hq_u)  # per stage
+        t_in, t_out = a2a_stage_times(cluster, us, T, hq_u, kv, hd, dtype_bytes, c)
 
     # ---- ring pass: r steps of [L/r queries x L/r keys x h heads] ---------------------
     blk = L / r  # tokens per ring segment
@@ -284,23 +294,30 @@ def choose_a2a_chunks(chunks, cluster: ClusterSpec, seq_len: int, hq: int, hkv: 
     return check_a2a_chunks(chunks, hq, hkv, ulysses)
 
 
-def estimate(
-    model: ModelConfig,
-    cluster: ClusterSpec,
-    seq_len: int,
-    dp: int,
-    ring: int,
-    ulysses: int,
-    *,
-    global_batch: int = 1,
-    dtype_bytes: int = 2,
-    causal: bool = True,
-    fsdp: bool = True,
-    balance: str = "zigzag",
-    placement: str = "ulysses_inner",
-    act_checkpoint: bool = True,
-    a2a_chunks: int = 1,
-) -> StepCost:
+def grad_sync_s(model: ModelConfig, cluster: ClusterSpec, world: int, seqs: float,
+                dtype_bytes: int, fsdp: bool) -> float:
+    """Transfer seconds of one step's gradient collectives over all ``world`` ranks, each
+    dp rank running ``seqs`` sequences: on the slowest link the collective touches, shared
+    by the node's ranks, which all take part at once. FSDP all-gathers the parameters in
+    forward and backward of every sequence and reduce-scatters the gradients once;
+    replicated data parallel all-reduces them once (a reduce-scatter and an all-gather).
+    Every layer's collective pays the link's latency."""
+    if world == 1:
+        return 0.0
+    nl, n_params = model.n_layers, model.num_params()
+    spans_nodes = world > cluster.ranks_per_node
+    gbw = cluster.link_bw(spans_nodes, min(world, cluster.ranks_per_node))
+    glat = cluster.inter_latency_s if spans_nodes else cluster.intra_latency_s
+    frac = (world - 1) / world
+    if fsdp:
+        return (2 * seqs + 1) * (frac * n_params * dtype_bytes / gbw + nl * glat)
+    return 2 * frac * n_params * dtype_bytes / gbw + nl * glat
+
+
+def estimate(model: ModelConfig, cluster: ClusterSpec, seq_len: int, dp: int, ring: int,
+             ulysses: int, *, global_batch: int = 1, dtype_bytes: int = 2, causal: bool = True,
+             fsdp: bool = True, balance: str = "zigzag", placement: str = "ulysses_inner",
+             act_checkpoint: bool = True, a2a_chunks: int = 1) -> StepCost:
     """Predict one step of ``global_batch`` sequences of ``seq_len`` tokens.
 
     Each dp rank runs ``global_batch / dp`` sequences in one forward (the trainer's batch
@@ -308,7 +325,7 @@ def estimate(
     holds all of them at once, on the busiest ulysses rank when the
     heads split unevenly. ``a2a_chunks``: pipeline stages of the ulysses all-to-alls
     (``attention_cost``). Raises ``ValueError`` when the heads cannot split over
-    ``ulysses`` (see ``usp.ulysses.head_split``) or into ``a2a_chunks`` stages.
+    ``ulysses`` (see ``usp.dims.heads.head_split``) or into ``a2a_chunks`` stages.
     """
     L, r, u, P = seq_len, ring, ulysses, ring * ulysses
     world = dp * P
@@ -335,19 +352,7 @@ def estimate(
     per_seq = nl * (lin_s + att.compute_s + att.a2a_s + att.ring_exposed_s + att.merge_s) + head_s
     compute_s = seqs * (nl * (lin_s + att.compute_s) + head_s)
 
-    # gradients over all dp x sp ranks: the slowest link the collective touches, shared by
-    # the node's ranks, which all take part at once
-    n_params = model.num_params()
-    spans_nodes = world > cluster.ranks_per_node
-    gbw = cluster.link_bw(spans_nodes, min(world, cluster.ranks_per_node))
-    glat = cluster.inter_latency_s if spans_nodes else cluster.intra_latency_s
-    frac = (world - 1) / world
-    if world == 1:
-        grad_s = 0.0
-    elif fsdp:  # all-gather fwd + bwd per micro-batch, reduce-scatter once per step
-        grad_s = (2 * seqs + 1) * (frac * n_params * dtype_bytes / gbw + nl * glat)
-    else:  # one all-reduce (reduce-scatter + all-gather) of the gradients
-        grad_s = 2 * frac * n_params * dtype_bytes / gbw + nl * glat
+    grad_s = grad_sync_s(model, cluster, world, seqs, dtype_bytes, fsdp)  # over dp x sp ranks
     grad_exposed = max(grad_s / nl, grad_s - compute_s) if grad_s else 0.0
     step_s = seqs * per_seq + grad_exposed
 

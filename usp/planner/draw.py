@@ -2,7 +2,7 @@
 ulysses (all-to-all) and ring (P2P) group it belongs to.
 
 Ranks are node-major (node n holds ranks n*K .. n*K+K-1); the mesh is the one
-``usp.mesh.mesh_ranks`` builds: ``arange(world).reshape(dp, ring, ulysses)`` for
+``usp.dims.placement.mesh_ranks`` builds: ``arange(world).reshape(dp, ring, ulysses)`` for
 ``ulysses_inner``, ``arange(world).reshape(dp, ulysses, ring).transpose(1, 2)`` for
 ``ring_inner``.
 """

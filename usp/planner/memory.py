@@ -55,7 +55,7 @@ from dataclasses import dataclass, fields
 
 from ..config import ModelConfig
 from ..validate import seq_multiple
-from ..ulysses import check_heads, head_split
+from ..dims.heads import check_heads, head_split
 
 FP32 = 4
 ADAM_STATE = 16  # bytes/param sharded: fp32 parameter, fp32 gradient, Adam m and v
@@ -164,6 +164,42 @@ def attention_buffers(seq_len: int, ring: int, ulysses: int, hq: int, hkv: int, 
     return fwd, bwd
 
 
+def state_bytes(model: ModelConfig, world: int, dtype_bytes: int,
+                fsdp: bool) -> tuple[float, float, float]:
+    """The ``state`` term at its three moments (module docstring): (forward, backward, the
+    embedding's backward) bytes per rank of the training state of ``world`` ranks."""
+    m, a = model, dtype_bytes
+    low = FP32 if a < FP32 else 0  # the fp32 copy reduce-scatter sends below fp32
+    n, V, D = m.num_params(), m.vocab_size, m.dim
+    block = m.layer_matmul_params() + 2 * D
+    root = n - m.n_layers * block  # embedding (+ LM head), final norm
+    if not fsdp:
+        state_f, state_b = ADAM_STATE * n - 4 * n, ADAM_STATE * n
+        return state_f, state_b, state_b + (2 * V * D * a if m.tie_embeddings else 0)
+    sharded = ADAM_STATE * n / world
+    gathered = (root + 2 * block) * a
+    state_f = sharded - 4 * n / world + gathered  # no gradients before backward
+    state_b = sharded + gathered + block * (a + low) + root * a
+    # the embedding's backward: the root gathered, its unsharded gradients, the blocks'
+    # gradients already sharded, one block still gathered; tied, the embedding's two
+    # gradients (LM head, lookup) and their sum are live at once
+    emb = V * D
+    state_e = ((ADAM_STATE - 4) * n / world + 4 * (n - root) / world + block * a
+               + 2 * root * a + (2 * emb * a if m.tie_embeddings else 0))
+    return state_f, state_b, state_e
+
+
+def logits_bytes(model: ModelConfig, batch: int, tokens: float, dtype_bytes: int) -> float:
+    """The ``logits`` term (module docstring) for ``batch`` sequences of ``tokens`` tokens
+    on a rank: the loss over the whole logits, or in ``model.loss_chunk`` chunks."""
+    B, T, a, V, D = batch, tokens, dtype_bytes, model.vocab_size, model.dim
+    if not model.loss_chunk:
+        return 12 * B * T * V
+    low = FP32 if a < FP32 else 0
+    c = min(model.loss_chunk, B * T)
+    return 8 * c * V + V * D * (FP32 + a + low) + a * B * T * D
+
+
 def memory_split(model: ModelConfig, seq_len: int, dp: int, ring: int, ulysses: int, *,
                  batch: int = 1, dtype_bytes: int = 2, fsdp: bool = True,
                  policy: CheckpointPolicy = CheckpointPolicy(), kernel: str = "torch",
@@ -177,30 +213,11 @@ def memory_split(model: ModelConfig, seq_len: int, dp: int, ring: int, ulysses: 
                          f"got dp={dp}, ring={ring}, ulysses={ulysses}, batch={batch}, "
                          f"seq_len={seq_len}")
     m, a, B = model, dtype_bytes, batch
-    D, F, V, d, hq, hkv = m.dim, m.ffn_dim, m.vocab_size, m.head_dim, m.n_heads, m.n_kv_heads
-    u, r, world = ulysses, ring, dp * ring * ulysses
+    D, F, d, hq, hkv = m.dim, m.ffn_dim, m.head_dim, m.n_heads, m.n_kv_heads
+    u, r = ulysses, ring
     kv, h = check_heads(hq, hkv, u), max(head_split(hq, hkv, u).q_counts)
     T, S = seq_len / (r * u), seq_len / r
-    low = FP32 if a < FP32 else 0
-
-    # ---- state ---------------------------------------------------------------------------
-    n = m.num_params()
-    block = m.layer_matmul_params() + 2 * D
-    root = n - m.n_layers * block  # embedding (+ LM head), final norm
-    if fsdp:
-        sharded = ADAM_STATE * n / world
-        gathered = (root + 2 * block) * a
-        state_f = sharded - 4 * n / world + gathered  # no gradients before backward
-        state_b = sharded + gathered + block * (a + low) + root * a
-        # the embedding's backward: the root gathered, its unsharded gradients, the blocks'
-        # gradients already sharded, one block still gathered; tied, the embedding's two
-        # gradients (LM head, lookup) and their sum are live at once
-        emb = V * D
-        state_e = ((ADAM_STATE - 4) * n / world + 4 * (n - root) / world + block * a
-                   + 2 * root * a + (2 * emb * a if m.tie_embeddings else 0))
-    else:
-        state_f, state_b = ADAM_STATE * n - 4 * n, ADAM_STATE * n
-        state_e = state_b + (2 * V * D * a if m.tie_embeddings else 0)
+    state_f, state_b, state_e = state_bytes(m, dp * r * u, a, fsdp)
 
     # ---- activations per layer (bytes per sequence) --------------------------------------
     norm = (8 + a) * D * T
@@ -231,11 +248,7 @@ def memory_split(model: ModelConfig, seq_len: int, dp: int, ring: int, ulysses: 
     mlp_f = 4 * a * F * tile_tok  # a tile's intermediates in forward (untiled: the saved ones)
     mlp_b = (2 if tiles == 1 else 6) * a * F * tile_tok
     mlp = B * (mlp_b if tiles == 1 else max(mlp_f, mlp_b))
-    if m.loss_chunk:
-        c = min(m.loss_chunk, B * T)
-        logits = 8 * c * V + V * D * (FP32 + a + low) + a * B * T * D
-    else:
-        logits = 12 * B * T * V
+    logits = logits_bytes(m, B, T, a)
 
     # ---- the peak: every moment of the step ------------------------------------------------
     moments: dict[str, float] = {}

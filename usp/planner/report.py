@@ -7,7 +7,9 @@ from .batch import grad_accum_steps
 from .detect import DetectReport
 from .draw import draw_mesh
 from .memory import CheckpointPolicy, size
-from .plan import Plan, plan
+from .options import BatchSpec, Search, StepPolicy
+from .plan import plan
+from .ranking import Plan
 
 
 def config_degree(value, name: str) -> int | None:
@@ -28,15 +30,16 @@ def plan_run(cfg: RunConfig | PlanConfig, spec, world: int) -> Plan:
     ``spec`` for this run: its model, sequence, balance, placement, fixed degrees,
     ``trainer.dtype``, checkpoint policy and kernel. Every dp the planner considers runs
     ``batch_per_dp_rank`` sequences per dp rank, as the trainer does."""
-    pc = cfg.parallel
-    return plan(cfg.model, spec, cfg.data.seq_len, world=world, balance=pc.balance,
-                ulysses=config_degree(pc.ulysses_degree, "ulysses_degree"),
-                ring=config_degree(pc.ring_degree, "ring_degree"),
-                dp=config_degree(pc.dp_degree, "dp_degree"),
-                batch_per_dp_rank=cfg.data.batch_per_dp_rank, placement=pc.placement,
-                dtype_bytes=cfg.trainer.compute_dtype.itemsize, a2a_chunks=pc.a2a_chunks,
-                checkpoint=CheckpointPolicy.from_trainer(cfg.trainer), kernel=pc.kernel,
-                device="cpu" if cfg.trainer.device == "cpu" else "cuda")
+    pc, tc = cfg.parallel, cfg.trainer
+    search = Search(ulysses=config_degree(pc.ulysses_degree, "ulysses_degree"),
+                    ring=config_degree(pc.ring_degree, "ring_degree"),
+                    dp=config_degree(pc.dp_degree, "dp_degree"), balance=pc.balance,
+                    placement=pc.placement, a2a_chunks=pc.a2a_chunks)
+    step = StepPolicy(dtype_bytes=tc.compute_dtype.itemsize,
+                      checkpoint=CheckpointPolicy.from_trainer(tc), kernel=pc.kernel,
+                      device="cpu" if tc.device == "cpu" else "cuda")
+    return plan(cfg.model, spec, cfg.data.seq_len, world=world, search=search,
+                batch=BatchSpec(per_dp_rank=cfg.data.batch_per_dp_rank), step=step)
 
 
 def plan_table(detected: DetectReport, p: Plan) -> str:

@@ -3,7 +3,7 @@
 The planner's cost model prices these bytes, and ``tests/distributed/test_comm_volume.py`` checks the
 ``CommStats`` that real calls record against them, so the planner is tied to real traffic.
 
-Heads per ulysses rank come from ``usp.ulysses.head_split``: rank j computes ``q_j`` query
+Heads per ulysses rank come from ``usp.dims.heads.head_split``: rank j computes ``q_j`` query
 heads and receives ``kv_j`` KV heads (Hq/u and max(Hkv/u, 1) when the heads divide).
 Ulysses, rank i, per token of a peer's chunk (``n = L/P`` tokens per rank): the fused
 q/k/v all-to-all sends ``q_j + 2 kv_j`` heads to each peer j; the output all-to-all sends
@@ -15,14 +15,14 @@ the owner).
 
 With ``a2a_chunks = c > 1`` (``usp_attention``'s pipelined all-to-alls) the ulysses bytes
 are the same, in c times as many messages; the ring runs once per stage
-(``usp.ulysses.head_chunks``), so a KV head that serves several stages of a rank (fewer
+(``usp.dims.stages.head_chunks``), so a KV head that serves several stages of a rank (fewer
 KV heads on the rank than stages) travels the ring once per stage it serves.
 """
 
 from __future__ import annotations
 
-from ..ulysses import head_chunks
-from ..ulysses import head_split
+from ..dims.stages import head_chunks
+from ..dims.heads import head_split
 
 FP32 = 4
 

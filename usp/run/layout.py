@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..data.indexing import sample_indices
+from ..dims.parallel import ParallelDims
 from ..mesh import SPMesh
 from ..validate import check_degrees, check_placement, check_ranks_per_node
 
@@ -18,7 +19,8 @@ class RunLayout:
     ulysses all-to-alls; ``ranks_per_node``: simulated nodes (None: the hosts the ranks run
     on place them); ``device``: "cpu" or "cuda", decided once by the launcher
     (``usp.launch.choose_device``); ``dtype``: ``trainer.dtype``; ``grad_accum``:
-    micro-batches per optimizer step.
+    micro-batches per optimizer step; ``run_dir``: the folder of its checkpoints, metrics
+    and records (``trainer.run_dir``, else the launcher's: Hydra's output folder).
     """
 
     world: int
@@ -36,6 +38,7 @@ class RunLayout:
     seq_len: int
     batch_per_dp_rank: int
     grad_accum: int = 1  # micro-batches per optimizer step
+    run_dir: str | None = None  # where the run writes: rank 0's, decided once (resolve_run)
 
     def __post_init__(self) -> None:
         if check_degrees(self.world, self.ulysses, self.ring, self.dp) != self.dp:
@@ -71,12 +74,18 @@ class RunLayout:
     def tokens_per_step(self) -> int:
         return self.global_batch * self.seq_len
 
+    @property
+    def dims(self) -> ParallelDims:
+        """The parallel dims of this layout (degrees, placement, a2a stages; messages cut in
+        fragments where an axis crosses hosts over gloo), as the mesh is built from them."""
+        return ParallelDims(dp=self.dp, ring=self.ring, ulysses=self.ulysses,
+                            placement=self.placement, a2a_chunks=self.a2a_chunks)
+
     def build_mesh(self) -> SPMesh:
         """This layout's ``SPMesh`` (collective: every rank of the default group calls it)."""
-        return SPMesh.build(ulysses=self.ulysses, ring=self.ring, dp=self.dp,
-                            placement=self.placement, ranks_per_node=self.ranks_per_node,
-                            a2a_chunks=self.a2a_chunks)
+        return SPMesh.from_dims(self.dims, ranks_per_node=self.ranks_per_node)
 
     def attention_options(self) -> dict:
-        """``usp_attention``'s keywords that the run decides (mesh and layout aside)."""
-        return dict(kernel=self.kernel, ring_impl=self.ring_impl, a2a_chunks=self.a2a_chunks)
+        """``usp_attention``'s keywords that the run decides (mesh and layout aside; the
+        a2a stages travel in the mesh, ``build_mesh``)."""
+        return dict(kernel=self.kernel, ring_impl=self.ring_impl)

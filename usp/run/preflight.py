@@ -13,13 +13,13 @@ from ..config import ModelConfig, RunConfig
 from ..data.dataset import build_dataset, build_validation
 from ..masks import check_masks
 from ..models.hf_model import check_pretrained
+from ..dims.heads import check_heads
 from ..models.pretrained import check_checkpoint
-from ..ulysses import check_heads
 from ..validate import check_kernel, check_seq_len
 from .layout import RunLayout
 
 
-def check_inputs(cfg: RunConfig, device: str) -> None:
+def check_inputs(cfg: RunConfig, device: str, run_dir: str | None) -> None:
     """The rules on a task's config, files and packages that no degree changes: its data
     files, its run directory, the kernel and ring engine on ``device`` ("cpu" or "cuda"),
     its masks, its transformers model, its recomputation settings."""
@@ -29,7 +29,7 @@ def check_inputs(cfg: RunConfig, device: str) -> None:
         build_validation(cfg.data, cfg.model, cfg.trainer.eval_windows)
     except ValueError as e:
         raise ValueError(f"data.kind={cfg.data.kind}: {e}") from None
-    check_run_dir(cfg.trainer.run_dir)
+    check_run_dir(run_dir)
     # the kernel and ring engine on this device, dtype and head dim (attention is causal)
     try:
         check_kernel(pc.kernel, device, cfg.trainer.compute_dtype, cfg.model.head_dim,
@@ -61,13 +61,13 @@ def check_task(cfg: RunConfig, layout: RunLayout) -> None:
         raise ValueError(f"the run computes on cuda (trainer.device={cfg.trainer.device}) but "
                          "this task sees 0 CUDA GPUs; run every task where a GPU is visible, "
                          "or use trainer.device=cpu")
-    check_inputs(cfg, layout.device)
+    check_inputs(cfg, layout.device, layout.run_dir)  # every rank writes its checkpoint shard
     check_degrees_fit(cfg, layout.ulysses, layout.ring)
 
 
 def check_run_dir(path: str | None) -> None:
     """Refuse a run directory this process could not create or write (checkpoints, metrics),
-    before any rank starts. None: the CLI fills it in later (Hydra's run directory)."""
+    before any rank starts. None: nothing to check here."""
     if path is None:
         return
     p = Path(path).expanduser().absolute()

@@ -23,7 +23,8 @@ _print = partial(print, flush=True)
 
 
 def resolve_run(cfg: RunConfig, world: int, device: str, env=None, *,
-                scheduler_hosts: bool = False, say=_silent) -> RunLayout:
+                scheduler_hosts: bool = False, run_dir: str | None = None,
+                say=_silent) -> RunLayout:
     """The run's layout for ``world`` ranks computing on ``device`` ("cpu" or "cuda", the
     launcher's ``choose_device``), after every rule; raises ``ValueError``.
 
@@ -33,12 +34,14 @@ def resolve_run(cfg: RunConfig, world: int, device: str, env=None, *,
     detection (default ``os.environ``), read when a degree or ``parallel.a2a_chunks`` is
     ``auto`` (the latter by default). ``scheduler_hosts``: the ranks run on the hosts a
     scheduler (Slurm) gave them, which place them; a configured ``parallel.ranks_per_node``
-    (simulated nodes) is then not used. ``say(text)``: the planner's table, once the layout
-    stands, when it chose a degree."""
+    (simulated nodes) is then not used. ``run_dir``: where the run writes when
+    ``trainer.run_dir`` is not set (the launcher's folder, e.g. Hydra's output folder).
+    ``say(text)``: the planner's table, once the layout stands, when it chose a degree."""
     pc = cfg.parallel
+    run_dir = cfg.trainer.run_dir or run_dir  # None: a layout to plan with, not to train
     ranks_per_node = None if scheduler_hosts else pc.ranks_per_node
     check_ranks_per_node(world, ranks_per_node, "parallel.ranks_per_node")
-    check_inputs(cfg, device)
+    check_inputs(cfg, device, run_dir)
     for line in start_notes(cfg.model, cfg.data.seq_len):  # model.pretrained: rope changes
         say(f"usp: {line}")
     # detected at most once, and only when an auto setting asks
@@ -50,7 +53,8 @@ def resolve_run(cfg: RunConfig, world: int, device: str, env=None, *,
                        ranks_per_node=ranks_per_node, balance=pc.balance, kernel=pc.kernel,
                        ring_impl=pc.ring_impl, a2a_chunks=chunks, device=device,
                        dtype=cfg.trainer.dtype, seq_len=cfg.data.seq_len,
-                       batch_per_dp_rank=cfg.data.batch_per_dp_rank, grad_accum=accum)
+                       batch_per_dp_rank=cfg.data.batch_per_dp_rank, grad_accum=accum,
+                       run_dir=None if run_dir is None else str(run_dir))
     if table:
         say(table)
     return layout

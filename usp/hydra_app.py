@@ -1,0 +1,131 @@
+"""How ``usp-train`` and ``usp-plan`` run their Hydra app: what Hydra is given and how its
+refusals read.
+
+- ``cluster=PATH.yaml``: a cluster file anywhere becomes an option of the ``cluster`` group
+  (``cluster_file_overrides``), checked and overridden like ``cluster=h100_ib``.
+- A config Hydra cannot compose (a misspelt key, a missing option, a value of the wrong
+  type, in an override or in a user's recipe) is refused as usp refuses a bad value: one
+  line ``usp-...: error: ...`` and exit 2 (``config_error``), where Hydra would print its
+  own lines and exit 1. A key the schema lacks gets ``stray_key``'s "did you mean ...?",
+  the same words as ``usp.cli.unknown_keys`` for keys added with ``+``.
+
+Hydra is asked to raise what it refuses (``HYDRA_FULL_ERROR=1`` while the app runs), so an
+error of the run itself that nothing caught ends with Python's own traceback and exit 1.
+``HYDRA_FULL_ERROR=1`` set by the user keeps Hydra's exceptions as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import NoReturn
+
+import yaml
+from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+from .config.files import CONFIG_DIR
+
+_DETAILS = ("full_key:", "reference_type=", "object_type=")  # OmegaConf's context lines
+
+
+def stray_key(name: str, key: str, known: Iterable[str], prefix: str = "") -> str:
+    """``name (did you mean {prefix}{closest}?)`` for a key the schema lacks, or the known
+    keys when none is close."""
+    known = sorted(known)
+    near = difflib.get_close_matches(str(key), known, n=1)
+    return f"{name} ({f'did you mean {prefix}{near[0]}?' if near else 'known: ' + ', '.join(known)})"
+
+
+def unknown_key_error(stray: list[str], where: str = "") -> ValueError:
+    """The refusal of keys the schema lacks (``stray_key`` lines), from the command line or,
+    with ``where``, from that config file."""
+    fix = "fix its name there" if where else "drop the override or fix its name"
+    return ValueError(f"unknown config key {'; '.join(stray)}{f' in {where}' if where else ''}: "
+                      f"the schema has no such field; {fix}")
+
+
+def cluster_file_overrides(args: list[str]) -> list[str]:
+    """``args`` with each ``cluster=PATH`` (a ``.yaml``/``.yml`` file) replaced by
+    ``cluster=path:STEM``, the file stored as that option of the ``cluster`` group; the
+    other arguments as they are. ValueError for a file that is not there or not YAML."""
+    out = []
+    for arg in args:
+        key, eq, value = arg.partition("=")
+        if eq and key.lstrip("+") == "cluster" and value.endswith((".yaml", ".yml")):
+            path = Path(value).expanduser()
+            if not path.is_file():
+                known = ", ".join(sorted(p.stem for p in (CONFIG_DIR / "cluster").glob("*.yaml")))
+                raise ValueError(f"cluster={value}: no such file; give the path of a cluster "
+                                 f"YAML (the fields of {CONFIG_DIR / 'cluster' / 'h100_ib.yaml'}) "
+                                 f"or one of {known}")
+            try:
+                node = OmegaConf.load(path)
+            except (OSError, yaml.YAMLError) as e:
+                raise ValueError(f"cluster={value}: not a readable YAML file: {e}") from e
+            arg = f"{key}=path:{path.stem}"
+            ConfigStore.instance().store(group="cluster", name=arg.partition("=")[2], node=node)
+        out.append(arg)
+    return out
+
+
+def config_error(e: Exception) -> ValueError:
+    """Hydra's refusal ``e`` of a config it could not compose, as one line."""
+    text = str(e).split("\nConfig search path:")[0]
+    found = re.match(r"In '([^']+)': ", text)
+    where = found.group(1) if found and found.group(1) not in ("train", "plan") else ""
+    cause = e.__cause__ or e.__context__
+    while cause is not None and not isinstance(cause, OmegaConfBaseException):
+        cause = cause.__cause__ or cause.__context__
+    schema = getattr(cause, "object_type", None)
+    if (isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and dataclasses.is_dataclass(schema)
+            and cause.key not in {f.name for f in dataclasses.fields(schema)}):
+        name = cause.full_key
+        override = re.search(r"override '?\+*([\w.]+)", text)
+        if override and not name.startswith(override.group(1)):  # an item of a list of dicts
+            name = f"{name} in {override.group(1)}"
+        known = [f.name for f in dataclasses.fields(schema)]
+        prefix = name[:len(name) - len(str(cause.key))] if name.endswith(str(cause.key)) else ""
+        return unknown_key_error([stray_key(name, cause.key, known, prefix)], where)
+    head, _, options = text.partition("\n\nAvailable options in ")
+    said = (getattr(cause, "msg", None) or str(cause)) if cause is not None else ""
+    if said not in head:  # OmegaConf's reason, when Hydra's text leaves it out
+        head += "\n" + said
+    lines = [line.strip().rstrip(":") for line in head.splitlines()
+             if line.strip() and not line.strip().startswith(_DETAILS)]
+    if options:  # a group option that is in no config folder
+        group, _, names = options.partition(":")
+        folder = group.strip("'")
+        lines.append(f"options in {group}: {', '.join(names.split())}; an option of your own: "
+                     f"--config-dir DIR with DIR/{folder}/NAME.yaml")
+    return ValueError("; ".join(lines))
+
+
+def run_app(app: Callable[[], None], refuse: Callable[[Exception], NoReturn],
+            args: list[str]) -> None:
+    """Run the Hydra app ``app`` on the command line ``args`` (rewritten in place by
+    ``cluster_file_overrides``); a config it cannot compose goes to ``refuse`` as
+    ``config_error``'s ValueError."""
+    try:
+        args[:] = cluster_file_overrides(args)
+    except ValueError as e:  # a cluster file missing or unreadable
+        refuse(e)
+    user = os.environ.get("HYDRA_FULL_ERROR")
+    try:
+        os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises what it cannot compose, unprinted
+        app()
+    except (HydraException, OmegaConfBaseException) as e:
+        if user == "1":
+            raise
+        refuse(config_error(e))
+    finally:
+        if user is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = user

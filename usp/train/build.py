@@ -1,0 +1,137 @@
+"""What a run trains, built on every rank alike: the model (built-in or transformers),
+its FSDP2 sharding over dp x sp, the optimizer and learning-rate schedule; and the records
+``usp-export`` needs from the run directory."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from ..attention import usp_attention
+from ..config import MemmapData, OptimConfig, RunConfig, torch_dtype
+from ..data.files import tokenizer_dir
+from ..layout import SequenceLayout
+from ..mesh import SPMesh
+from ..data.dataset import data_eos_id
+from ..models.run_records import (save_export_facts, save_model_config, save_tokenizer,
+                                  save_tokenizer_files)
+from ..models.shard_load import load_shards
+from ..models.llama import Transformer
+from ..models.offload import ActivationOffload, StreamCopier
+from ..run import RunLayout
+
+
+def lr_lambda(cfg: OptimConfig, steps: int):
+    """Linear warmup to ``lr``, then cosine down to ``min_lr`` at the last step."""
+
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        t = (step - cfg.warmup_steps) / max(1, steps - cfg.warmup_steps)
+        floor = cfg.min_lr / cfg.lr
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+    return f
+
+
+def shard_model(model, mesh: DeviceMesh, dtype: str, blocks=None) -> None:
+    """FSDP2-shard ``model`` in place over ``mesh``: every block (default ``model.layers``;
+    a transformers model's are ``model.model.layers``), then the root (embedding, final
+    norm, output).
+
+    ``dtype="bf16"``: parameters are all-gathered in bf16 and forward and backward compute
+    in bf16; the sharded parameters, their gradients (reduce-scattered in fp32) and so the
+    optimizer state stay fp32. ``dtype="fp32"``: no casts at all.
+    """
+    compute = torch_dtype(dtype)  # ValueError for a name trainer.dtype does not take
+    mp = MixedPrecisionPolicy()
+    if compute != torch.float32:
+        # cast_forward_inputs=False: a block's float inputs are h, already bf16 (it starts at
+        # the bf16 embedding), and the RoPE tables cos/sin, which stay fp32 for apply_rope.
+        mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32,
+                                  cast_forward_inputs=False)
+    for block in model.layers if blocks is None else blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
+def _hf_model(cfg: RunConfig, run: RunLayout, mesh: SPMesh, layout: SequenceLayout):
+    """(transformers model, its decoder layers): built on every rank alike, its attention
+    routed through usp as ``run`` says; rank 0 writes its config to ``run_dir/hf_config``
+    for export."""
+    from ..models import hf
+    from ..models.hf_model import build_model
+    from ..models.run_records import save_config
+
+    model = build_model(cfg.model, cfg.trainer.seed)
+    if cfg.trainer.activation_checkpointing:  # the same non-reentrant torch checkpoint
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    hf.patch(model, mesh, layout, **run.attention_options())
+    if dist.get_rank() == 0:
+        save_config(model.config, run.run_dir)
+    return model, model.model.layers
+
+
+def sharded_model(cfg: RunConfig, run: RunLayout, mesh: SPMesh, layout: SequenceLayout,
+                  device: torch.device):
+    """The run's model (``cfg.model``: the built-in ``Transformer``, or a transformers model
+    for ``model.hf``) on ``device``, initialised alike on every rank (``trainer.seed``),
+    attention through usp as ``run`` says, then FSDP2-sharded over dp x sp (collective)."""
+    # FSDP averages gradients over the dp x sp ranks; the loss is normalised by the global
+    # token count and scaled by the rank count (models.tiling.loss_share), so the average
+    # is the exact sum. bf16 is FSDP's mixed precision (bf16 compute, fp32 master weights),
+    # not autocast: the ops that need fp32 upcast themselves (RMSNorm, RoPE, attention LSE
+    # and merge, loss).
+    tc = cfg.trainer
+    if cfg.model.hf is None:
+        attn = partial(usp_attention, mesh=mesh, layout=layout, causal=True,
+                       **run.attention_options())
+        offload = ActivationOffload(StreamCopier(device)) if tc.activation_offload else None
+        # model.pretrained: built without weights, each rank reads its shard after sharding
+        with torch.device("meta") if cfg.model.pretrained else contextlib.nullcontext():
+            model = Transformer(cfg.model, attn, checkpoint_activations=tc.activation_checkpointing,
+                                checkpoint_every=tc.checkpoint_every,
+                                checkpoint_part=tc.checkpoint_part, offload=offload)
+        if cfg.model.pretrained is None:
+            model.init_weights(tc.seed)
+        blocks = model.layers
+    else:
+        model, blocks = _hf_model(cfg, run, mesh, layout)
+    if cfg.model.hf is not None or cfg.model.pretrained is None:
+        model.to(device)
+    shard_model(model, mesh.submesh("fsdp"), run.dtype, blocks)
+    if cfg.model.hf is None and cfg.model.pretrained is not None:
+        load_shards(model, cfg.model, device)  # usp.models.shard_load: this rank's rows only
+    return model
+
+
+def optimizer(oc: OptimConfig, model, steps: int):
+    """(AdamW over ``model``'s parameters, its ``lr_lambda`` schedule over ``steps`` steps)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=oc.lr, betas=(oc.beta1, oc.beta2),
+                            weight_decay=oc.weight_decay)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(oc, steps))
+
+
+def record_for_export(cfg: RunConfig, run_dir: str) -> None:
+    """Rank 0, at the start of a run: what ``usp-export`` needs besides the checkpoints, in
+    the run directory: the model group (``model_config.json``), for token files with a
+    tokenizer (``data.path`` + ``.tokenizer``) a copy of it (``tokenizer/``; else a
+    pretrained checkpoint's tokenizer files), the trained length and the data's EOS id
+    (``export.json``)."""
+    save_model_config(cfg.model, run_dir)
+    tokenizer = False
+    if isinstance(cfg.data, MemmapData):
+        first = cfg.data.sources()[0][0]  # a blend's sources share one tokenizer
+        if tokenizer_dir(first).is_dir():
+            save_tokenizer(tokenizer_dir(first), run_dir)
+            tokenizer = True
+    # export: the pretrained directory's tokenizer, the trained length, the data's EOS id
+    if not tokenizer and cfg.model.pretrained is not None:
+        save_tokenizer_files(cfg.model.pretrained, run_dir)
+    save_export_facts(run_dir, cfg.data.seq_len, data_eos_id(cfg.data))

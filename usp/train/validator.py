@@ -1,0 +1,104 @@
+"""Scoring on data no training step draws: the validation loss of the validation splits
+during the run (``Validator``: ``should_validate``/``validate``), and the held-out answer
+accuracy at its end (``evaluate``)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..config import DataConfig, MemmapData
+from ..data.dataset import TrainingData, source_names
+from ..data.indexing import held_out_batch
+from ..data.packing import IGNORE_INDEX
+from ..mesh import SPMesh
+from .forward import loss_and_predictions
+
+
+@torch.no_grad()
+def evaluate(model, data: TrainingData, batch_per_dp_rank: int, mesh: SPMesh, positions,
+             device) -> float:
+    """Answer accuracy on ``data.eval_batches`` batches no training step has drawn (held out)."""
+    model.eval()
+    hits = torch.zeros(2, dtype=torch.float64, device=device)
+    for i in range(data.eval_batches):
+        b = data.model_batch(held_out_batch(i), batch_per_dp_rank, mesh.dp_rank, mesh.dp,
+                             positions=positions).to(device)
+        _, predictions = loss_and_predictions(model, b, positions)
+        correct, answers = data.answer_accuracy(predictions, b.labels)
+        hits += torch.tensor([correct, answers], dtype=torch.float64, device=device)
+    dist.all_reduce(hits, group=mesh.group("loss"))
+    model.train()
+    return (hits[0] / hits[1].clamp(min=1)).item()
+
+
+@torch.no_grad()
+def validation_loss(model, val: TrainingData, windows: int, batch_per_dp_rank: int,
+                    mesh: SPMesh, positions, device) -> float:
+    """Mean cross-entropy per target token on the first ``windows`` windows of the
+    validation split, whatever the dp split: dp rank r scores windows ``first + r*b ...``
+    of each round; a rank short of windows in the last round scores a window with every
+    label ignored (it must still join every collective of the forward)."""
+    model.eval()
+    b, dp = batch_per_dp_rank, mesh.dp
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    for first in range(0, windows, b * dp):
+        ids = torch.arange(first + mesh.dp_rank * b, first + (mesh.dp_rank + 1) * b)
+        real = ids < windows
+        batch = val.model_windows(torch.where(real, ids, 0).numpy(), positions)
+        batch.labels[~real] = IGNORE_INDEX  # [B, L/P]: rows past the last window count for nothing
+        batch = batch.to(device)
+        loss_sum, _ = loss_and_predictions(model, batch, positions)
+        sums += torch.stack([loss_sum.double(),
+                             (batch.labels != IGNORE_INDEX).sum().to(torch.float64)])
+    dist.all_reduce(sums, group=mesh.group("loss"))
+    model.train()
+    return (sums[0] / sums[1].clamp(min=1)).item()
+
+
+class Validator:
+    """``trainer.eval_every``: the validation loss of the validation ``splits``
+    [(name, weight, split)] (``usp.data.dataset.build_validation``) every ``every`` steps and
+    at the last step (``last`` = ``trainer.steps``); none when there are no splits.
+
+    ``should_validate(step)`` for 1-based optimizer step ``step``, or 0: before the first
+    step, when ``every`` is set (a pretrained model's own loss); ``validate(model)`` is
+    collective over dp x sp."""
+
+    def __init__(self, splits: list, every: int, last: int, batch_per_dp_rank: int,
+                 mesh: SPMesh, positions: torch.Tensor, device: torch.device):
+        self.splits, self.every, self.last = splits, every, last
+        self.batch_per_dp_rank, self.mesh = batch_per_dp_rank, mesh
+        self.positions, self.device = positions, device
+
+    def should_validate(self, step: int) -> bool:
+        return bool(self.splits) and (step == self.last
+                                      or bool(self.every and step % self.every == 0))
+
+    def validate(self, model) -> dict:
+        """``val_loss`` and ``val_ppl``; for a blend also each source's (``val_loss/<name>``),
+        and ``val_loss`` is their mean by the blend's weights."""
+        out, total, weights = {}, 0.0, 0.0
+        for name, weight, split in self.splits:
+            loss = validation_loss(model, split, split.eval_windows, self.batch_per_dp_rank,
+                                   self.mesh, self.positions, self.device)
+            if len(self.splits) > 1:
+                out[f"val_loss/{name}"] = loss
+            total, weights = total + weight * loss, weights + weight
+        out["val_loss"] = total / weights
+        out["val_ppl"] = math.exp(min(out["val_loss"], 700.0))
+        return out
+
+
+def missing_splits(dc: DataConfig, splits: list) -> str | None:
+    """The note for token files some of whose sources have no validation split among
+    ``splits`` (so no ``val_loss`` there), or None."""
+    if not isinstance(dc, MemmapData) or len(splits) >= len(dc.sources()):
+        return None
+    scored = {name for name, _, _ in splits}
+    missing = [p for n, (p, _) in zip(source_names(dc), dc.sources()) if n not in scored]
+    return (f"no validation split {', '.join(f'{p}.val.bin' for p in missing)} (or too "
+            "short for one window): no val_loss there; usp-prepare writes one "
+            "(--val-fraction)")
