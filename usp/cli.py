@@ -23,6 +23,7 @@ from .config import DATA_KINDS, ModelConfig, PlanConfig, RunConfig
 from .config import files as config_files
 from .data.dataset import AUTO, data_vocab
 from .hydra_app import run_app, stray_key, unknown_key_error
+from .models.pretrained import fill_model
 
 # hydra-core 1.4 warns about version_base="1.3" at every start (three lines on every task of
 # a job); 1.3 semantics are what the configs are written for
@@ -34,16 +35,31 @@ CONFIG_DIR = str(config_files.CONFIG_DIR)  # configs/ as the package ships it
 @dataclass
 class _ModelSchema(ModelConfig):
     """``model`` as Hydra holds it: ``vocab_size`` may also be ``auto`` (the data's
-    vocabulary, resolved by ``to_config`` into the ``ModelConfig`` the library gets)."""
+    vocabulary, resolved by ``to_config`` into the ``ModelConfig`` the library gets), and
+    so may the keys a checkpoint fixes (``model.pretrained``: ``usp.models.pretrained``)."""
 
     vocab_size: Any = ModelConfig.vocab_size
+    # --- model.pretrained: these may be auto (filled from DIR/config.json by to_config)
+    dim: Any = ModelConfig.dim
+    n_layers: Any = ModelConfig.n_layers
+    n_heads: Any = ModelConfig.n_heads
+    n_kv_heads: Any = ModelConfig.n_kv_heads
+    ffn_dim: Any = ModelConfig.ffn_dim
+    head_dim: Any = None
+    rope_theta: Any = ModelConfig.rope_theta
+    norm_eps: Any = ModelConfig.norm_eps
+    tie_embeddings: Any = ModelConfig.tie_embeddings
+    qkv_bias: Any = ModelConfig.qkv_bias
+    sliding_window: Any = None
+    full_attention_every: Any = ModelConfig.full_attention_every
+    layer_types: Any = None
+    arch: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.vocab_size, str) and self.vocab_size != AUTO:
             raise ValueError(f"model.vocab_size={self.vocab_size!r} is neither a whole number "
                              f"nor {AUTO} (the data's vocabulary)")
-        if self.vocab_size != AUTO:
-            super().__post_init__()
+        # the values are checked as a ModelConfig once to_config has filled the autos
 
 
 # OmegaConf cannot type a union of dataclasses, so in the schemas Hydra holds ``data`` is
@@ -110,10 +126,23 @@ def to_config(dcfg: DictConfig) -> RunConfig:
     cls = _LIBRARY_TYPE[type(composed)]
     fields = {f.name: getattr(composed, f.name) for f in dataclasses.fields(cls)}
     model = dataclasses.asdict(composed.model)
-    if model["vocab_size"] == AUTO:  # the data's metadata, read by every task before any group
-        model["vocab_size"] = data_vocab(composed.data)
-    fields["model"] = ModelConfig(**model)
+    # the data's metadata and a checkpoint's config.json, read by every task before any group
+    vocab = data_vocab(composed.data) if _reads_vocab(model, composed.data) else None
+    model = fill_model(model, vocab)
+    # typed as the library's ModelConfig (the schema's auto keys are untyped)
+    fields["model"] = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig),
+                                                          model))
     return cls(**fields)
+
+
+def _reads_vocab(model: dict, data) -> bool:
+    """The data's vocabulary is needed: ``vocab_size=auto``, or token files with a checkpoint
+    read for ``auto`` keys (its embedding must cover them)."""
+    from .config import MemmapData
+
+    if model["pretrained"] is not None:  # read with the checkpoint (a stated shape: neither)
+        return isinstance(data, MemmapData) and AUTO in model.values()
+    return model["vocab_size"] == AUTO
 
 
 class JobError(RuntimeError):

@@ -45,7 +45,8 @@ def test_model_config_maps_to_the_transformers_config():
 
 @pytest.mark.parametrize("kw,needle", [
     (dict(hf="gpt2"), "model.hf='gpt2' is not one of llama, qwen2, mistral"),
-    (dict(pretrained="/x"), "model.pretrained=/x needs a transformers architecture"),
+    # model.pretrained without model.hf is the built-in model from a checkpoint (test_pretrained)
+    (dict(hf="llama", arch="qwen2"), "model.arch=qwen2 but model.hf=llama"),
     (dict(hf="llama", sliding_window=64), "model.hf=llama has no sliding window"),
     (dict(hf="mistral", sliding_window=64, full_attention_every=2),
      "model.hf=mistral windows every layer"),

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from .checks import above, at_least, one_of
 from .rope import check_rope_scaling
 
 HF_ARCHS = ("llama", "qwen2", "mistral")  # model.hf: transformers decoders of this shape
+LAYER_TYPES = ("full_attention", "sliding_attention")  # model.layer_types: transformers' names
 # how the model computes, not its shape: a model option leaves these at their defaults
 EXECUTION_FIELDS = ("loss_chunk", "mlp_tiles")
 
@@ -23,6 +24,7 @@ class ModelConfig:
     n_heads: int = 8
     n_kv_heads: int = 2
     ffn_dim: int = 384
+    head_dim: Optional[int] = None  # width of a head; None: dim // n_heads (set on construction)
     rope_theta: float = 10000.0
     # RoPE frequency scaling for context extension, transformers' names (usp/config/rope.py):
     # e.g. {rope_type: yarn, factor: 4, original_max_position_embeddings: 8192}; null: plain.
@@ -31,11 +33,18 @@ class ModelConfig:
     rope_scaling: Any = None
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
     sliding_window: Optional[int] = None  # tokens a query sees (itself included); None: all
     full_attention_every: int = 0  # 0: every layer windowed; k: layers k-1, 2k-1, ... full
+    # per layer, transformers' names (full_attention | sliding_attention; Qwen2's layer_types):
+    # which layers see sliding_window tokens; None: the pattern above
+    layer_types: Optional[List[str]] = None
     rope: str = "global"  # global: positions in the packed row | per_document: from each doc start
     hf: Optional[str] = None  # None: usp.models.llama.Transformer | llama, qwen2, mistral: transformers'
-    pretrained: Optional[str] = None  # with hf: a local model directory to load weights from
+    pretrained: Optional[str] = None  # a local model directory (save_pretrained) to start from
+    # the transformers architecture the weights come from and export to (llama, qwen2,
+    # mistral); None: export picks it from the windows (usp.models.llama_hf.hf_equivalent)
+    arch: Optional[str] = None
     loss_chunk: int = 0  # tokens per LM-head + loss chunk (full logits never exist); 0: off
     mlp_tiles: int = 1  # sequence tiles of the MLP, recomputed in backward; 1: off
 
@@ -43,6 +52,7 @@ class ModelConfig:
         one_of("model.rope", self.rope, ("global", "per_document"))
         self.rope_scaling = check_rope_scaling(self.rope_scaling)
         self._check_hf()
+        self._check_layers()
         at_least("model", 0, full_attention_every=self.full_attention_every,
                  loss_chunk=self.loss_chunk)
         if self.sliding_window is not None:
@@ -51,22 +61,26 @@ class ModelConfig:
                  n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, ffn_dim=self.ffn_dim,
                  mlp_tiles=self.mlp_tiles)
         above("model", 0, rope_theta=self.rope_theta, norm_eps=self.norm_eps)
-        if self.dim % self.n_heads != 0:
-            raise ValueError(
-                f"model dim ({self.dim}) must be divisible by n_heads ({self.n_heads})"
-            )
+        if self.head_dim is None:
+            if self.dim % self.n_heads != 0:
+                raise ValueError(f"model dim ({self.dim}) must be divisible by n_heads "
+                                 f"({self.n_heads}), or set model.head_dim")
+            self.head_dim = self.dim // self.n_heads
+        at_least("model", 1, head_dim=self.head_dim)
         if self.n_heads % self.n_kv_heads != 0:
             raise ValueError(
                 f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
             )
 
     def _check_hf(self) -> None:
+        if self.arch is not None:
+            one_of("model.arch", self.arch, HF_ARCHS)
         if self.hf is None:
-            if self.pretrained is not None:
-                raise ValueError(f"model.pretrained={self.pretrained} needs a transformers "
-                                 f"architecture; set model.hf to one of {', '.join(HF_ARCHS)}")
             return
         one_of("model.hf", self.hf, HF_ARCHS)
+        if self.arch not in (None, self.hf):
+            raise ValueError(f"model.arch={self.arch} but model.hf={self.hf}: a transformers "
+                             "model is its own architecture; set model.arch=null")
         if self.hf == "llama" and self.sliding_window is not None:
             raise ValueError(f"model.hf=llama has no sliding window (model.sliding_window="
                              f"{self.sliding_window}); set model.sliding_window=null or use "
@@ -76,16 +90,32 @@ class ModelConfig:
                              f"full_attention_every={self.full_attention_every} asks for full "
                              "layers; set model.full_attention_every=0 or use model.hf=qwen2")
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def _check_layers(self) -> None:
+        if self.layer_types is None:
+            return
+        self.layer_types = list(self.layer_types)
+        if len(self.layer_types) != self.n_layers:
+            raise ValueError(f"model.layer_types has {len(self.layer_types)} entries for "
+                             f"{self.n_layers} layers; give one per layer")
+        for t in self.layer_types:
+            one_of("model.layer_types[]", t, LAYER_TYPES)
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ValueError("model.layer_types has sliding_attention layers but "
+                             "model.sliding_window=null; set the window")
+        if self.full_attention_every:
+            raise ValueError(f"model.layer_types and model.full_attention_every="
+                             f"{self.full_attention_every} both say which layers are full; "
+                             "set model.full_attention_every=0")
 
     def layer_window(self, layer: int) -> Optional[int]:
         """The sliding window of layer ``layer`` (0-based), or None for full attention.
 
         ``full_attention_every=k`` keeps every k-th layer full (layers k-1, 2k-1, ...), e.g.
         k=2 alternates windowed and full layers as Gemma-2 does; 0 windows every layer
-        (Mistral)."""
+        (Mistral). ``layer_types``, when set, decides per layer instead."""
+        if self.layer_types is not None:
+            windowed = self.layer_types[layer] == "sliding_attention"
+            return self.sliding_window if windowed else None
         k = self.full_attention_every
         if self.sliding_window is None or (k and (layer + 1) % k == 0):
             return None
@@ -100,5 +130,7 @@ class ModelConfig:
     def num_params(self) -> int:
         """Parameter count (embeddings counted once when tied)."""
         per_layer = self.layer_matmul_params() + 2 * self.dim  # + the two RMSNorm weights
+        if self.qkv_bias:
+            per_layer += (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
         emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         return self.n_layers * per_layer + emb + self.dim

@@ -109,6 +109,15 @@ def data_vocab(dc: DataConfig) -> int:
     return int(metas[0][1]["vocab_size"])
 
 
+def data_eos_id(dc: DataConfig) -> int | None:
+    """The id usp-prepare ended each document with (the token files' ``eos_id``; a blend's
+    first source), None for the recall task and files prepared with ``--no-eos``."""
+    if not isinstance(dc, MemmapData):
+        return None
+    eos = _meta(dc.sources()[0][0]).get("eos_id")
+    return None if eos is None else int(eos)
+
+
 def check_vocab(dc: DataConfig, mc: ModelConfig) -> None:
     """Refuse a model whose vocabulary is smaller than the token files' (ValueError with
     both numbers and the fix); reads only the metadata, so every task of a launch can run
@@ -117,6 +126,12 @@ def check_vocab(dc: DataConfig, mc: ModelConfig) -> None:
         have = data_vocab(dc)
         if have > mc.vocab_size:
             where = dc.path or ", ".join(p for p, _ in dc.sources())
+            if mc.pretrained is not None:  # the checkpoint's embedding is fixed
+                raise ValueError(
+                    f"dataset {where} has vocab_size {have} > the embedding of model.pretrained"
+                    f"={mc.pretrained} ({mc.vocab_size} rows): its ids would index past it; "
+                    "prepare the data with the checkpoint's tokenizer (usp-prepare "
+                    "--tokenizer DIR)")
             raise ValueError(
                 f"dataset {where} has vocab_size {have} > model.vocab_size {mc.vocab_size}: "
                 f"its ids would index past the embedding; set model.vocab_size={have} (or "

@@ -31,7 +31,8 @@ from ..config import ModelConfig
 from .checkpoint import step_dirs, verify_checkpoint
 from .hf_model import hf_config
 from .llama_hf import hf_equivalent, hf_names, zero_filled
-from .run_records import HF_CONFIG_DIR, MODEL_CONFIG, TOKENIZER_DIR, load_model_config
+from .run_records import (HF_CONFIG_DIR, MODEL_CONFIG, TOKENIZER_DIR, load_export_facts,
+                          load_model_config)
 
 
 def resolve_checkpoint(path: str | Path, log=lambda line: None) -> Path:
@@ -114,9 +115,12 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, config=None,
             raise ValueError(f"a config (--config) is for runs of a transformers model, but "
                              f"{run_dir / MODEL_CONFIG} says this run trained the built-in "
                              "model (hf: null); export it without one")
-        hc, names, zeros = hf_config(hf_equivalent(mc)), hf_names(mc), zero_filled(mc)
+        facts = load_export_facts(run_dir)  # the trained length, the data's EOS
+        hc = hf_config(hf_equivalent(mc), facts.get("seq_len"))
+        names, zeros = hf_names(mc), zero_filled(mc)
     else:
         hc, names, zeros = _hf_run_config(run_dir, mc, config), None, []
+        facts = load_export_facts(run_dir)
     if mc is not None and mc.rope == "per_document":
         notes.append("model.rope=per_document: positions restarted at each document in "
                      "training; the export computes what usp did on one document at a time "
@@ -128,6 +132,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, config=None,
         _token_ids(hc, tokenizer)
     elif mc is not None and mc.pretrained is None:  # transformers' default ids mean nothing here
         hc.eos_token_id = hc.bos_token_id = hc.pad_token_id = None
+    if facts.get("eos_token_id") is not None:  # the EOS the data ends its documents with
+        hc.eos_token_id = facts["eos_token_id"]
+        hc.pad_token_id = hc.eos_token_id if hc.pad_token_id is None else hc.pad_token_id
     model = AutoModelForCausalLM.from_config(hc, dtype=torch.float32)
     _load_weights(model, step, names, zeros)
     if dtype is not None:

@@ -19,20 +19,24 @@ _FIELD = {"vocab_size": "vocab_size", "hidden_size": "dim", "num_hidden_layers":
           "layer_types": "full_attention_every"}
 
 
-def hf_config(mc: ModelConfig):
+def hf_config(mc: ModelConfig, max_positions: int | None = None):
     """The transformers config (``LlamaConfig`` / ``Qwen2Config`` / ``MistralConfig`` for
     ``mc.hf``) of ``mc``'s shape: no KV cache, no attention dropout. Windows: qwen2 marks
-    each layer in ``layer_types`` (``mc.layer_window``); mistral windows every layer."""
+    each layer in ``layer_types`` (``mc.layer_window``); mistral windows every layer.
+    ``max_position_embeddings``: YaRN's scaled length (transformers derives the factor from
+    it), else ``max_positions`` (the trained length) when given."""
     import transformers
 
     if mc.hf not in _CONFIG_CLASS:
         raise ValueError(f"model.hf={mc.hf!r} is not one of {', '.join(_CONFIG_CLASS)}")
     kw = dict(vocab_size=mc.vocab_size, hidden_size=mc.dim, intermediate_size=mc.ffn_dim,
               num_hidden_layers=mc.n_layers, num_attention_heads=mc.n_heads,
-              num_key_value_heads=mc.n_kv_heads, rms_norm_eps=mc.norm_eps,
+              num_key_value_heads=mc.n_kv_heads, head_dim=mc.head_dim, rms_norm_eps=mc.norm_eps,
               tie_word_embeddings=mc.tie_embeddings, use_cache=False, attention_dropout=0.0,
               rope_parameters=rope_parameters(mc.rope_theta, mc.rope_scaling))
     scaling = mc.rope_scaling or {}
+    if max_positions is not None:
+        kw.update(max_position_embeddings=max_positions)
     if scaling.get("rope_type") == "yarn":  # transformers reads the factor from these too
         kw.update(max_position_embeddings=round(
             scaling["factor"] * scaling["original_max_position_embeddings"]))
@@ -63,6 +67,9 @@ def check_pretrained(mc: ModelConfig) -> None:
     diff = [f"{key}: {getattr(have, key, None)} there, {getattr(want, key, None)} from "
             f"model.{field}" for key, field in _FIELD.items()
             if getattr(have, key, None) != getattr(want, key, None)]
+    head_dim = getattr(have, "head_dim", None) or have.hidden_size // have.num_attention_heads
+    if head_dim != mc.head_dim:
+        diff.append(f"head_dim: {head_dim} there, {mc.head_dim} from model.head_dim")
     theta = (have.rope_parameters or {}).get("rope_theta")
     if theta != mc.rope_theta:
         diff.append(f"rope_theta: {theta} there, {mc.rope_theta} from model.rope_theta")

@@ -1,6 +1,7 @@
 """A Llama-style GQA decoder whose attention is a pluggable function.
 
-RMSNorm, RoPE, SwiGLU, no biases, tied or untied embeddings. Attention is whatever
+RMSNorm, RoPE, SwiGLU, q/k/v biases only with ``cfg.qkv_bias`` (Qwen2), tied or untied
+embeddings, ``cfg.head_dim`` wide heads. Attention is whatever
 ``attn_fn(q, k, v, **masks) -> out`` the caller passes (q [B, n, Hq, hd], k/v [B, n, Hkv,
 hd], out [B, n, Hq, hd]; ``masks``: ``segment_ids`` [B, n] when documents are packed and
 ``window`` on sliding-window layers, passed only when set), e.g.
@@ -15,7 +16,7 @@ only this rank's ``n = L/P`` tokens; RoPE rotates them by their *global* positio
 contiguous under zigzag), which is why ``forward`` takes ``positions``: [n] shared by the
 batch, or [B, n] when each row has its own (positions restarting per packed document).
 Layer ``i`` attends within ``cfg.sliding_window`` tokens when ``cfg.layer_window(i)`` says
-so (every layer, or all but every k-th: ``full_attention_every``).
+so (every layer, all but every k-th: ``full_attention_every``, or per layer: ``layer_types``).
 """
 
 from __future__ import annotations
@@ -58,9 +59,10 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.window = window  # sliding window of this layer (None: full attention)
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        bias = cfg.qkv_bias
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.attn_fn = attn_fn
 
@@ -193,12 +195,12 @@ class Transformer(nn.Module):
         the result does not depend on device, parameter order or the parallel layout.
         Matrices ~ N(0, 0.02); the projections that write into the residual stream
         (``attention.wo``, ``feed_forward.w2``) ~ N(0, 0.02 / sqrt(2 * n_layers));
-        RMSNorm weights = 1.
+        RMSNorm weights = 1, biases = 0.
         """
         out_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
+            if name.endswith(("norm.weight", ".bias")):
+                p.fill_(1.0 if name.endswith("weight") else 0.0)
                 continue
             std = out_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
             gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))

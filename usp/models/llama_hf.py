@@ -9,8 +9,10 @@ transformers' ``sliding_window`` both). So the weights move over unchanged, only
 
 - no window on any layer -> ``LlamaForCausalLM``;
 - a window on every layer -> ``MistralForCausalLM`` (its ``sliding_window``);
-- a window on some layers (``full_attention_every``) -> ``Qwen2ForCausalLM`` with
-  ``layer_types``; Qwen2 always has q/k/v biases, which are set to zero (an exact no-op).
+- a window on some layers (``full_attention_every``, ``layer_types``) or q/k/v biases
+  (``qkv_bias``) -> ``Qwen2ForCausalLM`` with ``layer_types``; Qwen2 always has q/k/v
+  biases, which are set to zero (an exact no-op) when the built-in model has none;
+- ``model.arch`` (a run started from a checkpoint: its architecture) overrides the choice.
 
 What differs only in rounding: usp computes RMSNorm's ``x / rms(x) * weight`` in fp32 and
 casts once, transformers casts ``x / rms(x)`` before the weight multiplies; equal in fp32,
@@ -33,8 +35,9 @@ _BLOCK = {"attention.wq.weight": "self_attn.q_proj.weight",
           "feed_forward.w2.weight": "mlp.down_proj.weight",  # down
           "attention_norm.weight": "input_layernorm.weight",
           "ffn_norm.weight": "post_attention_layernorm.weight"}
-# transformers weights the built-in model has no counterpart of, and their exact value
-_ZERO_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+_BIASES = {"attention.wq.bias": "self_attn.q_proj.bias",  # with qkv_bias (Qwen2)
+           "attention.wk.bias": "self_attn.k_proj.bias",
+           "attention.wv.bias": "self_attn.v_proj.bias"}
 
 
 def hf_equivalent(mc: ModelConfig) -> ModelConfig:
@@ -59,7 +62,8 @@ def hf_names(mc: ModelConfig) -> dict[str, str]:
     embeddings there is no ``output.weight``: ``lm_head.weight`` is ``embed_tokens``."""
     names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
     for i in range(mc.n_layers):
-        names.update({f"layers.{i}.{k}": f"model.layers.{i}.{v}" for k, v in _BLOCK.items()})
+        block = {**_BLOCK, **_BIASES} if mc.qkv_bias else _BLOCK
+        names.update({f"layers.{i}.{k}": f"model.layers.{i}.{v}" for k, v in block.items()})
     if not mc.tie_embeddings:
         names["output.weight"] = "lm_head.weight"
     return names
@@ -67,7 +71,8 @@ def hf_names(mc: ModelConfig) -> dict[str, str]:
 
 def zero_filled(mc: ModelConfig) -> list[str]:
     """The transformers weights of ``hf_equivalent(mc)`` that the built-in model lacks and
-    that are exact at zero: Qwen2's q/k/v biases (none for Llama and Mistral)."""
-    if hf_equivalent(mc).hf != "qwen2":
+    that are exact at zero: Qwen2's q/k/v biases when the built-in model has none (none for
+    Llama and Mistral)."""
+    if hf_equivalent(mc).hf != "qwen2" or mc.qkv_bias:
         return []
-    return [f"model.layers.{i}.{b}" for i in range(mc.n_layers) for b in _ZERO_BIASES]
+    return [f"model.layers.{i}.{b}" for i in range(mc.n_layers) for b in _BIASES.values()]

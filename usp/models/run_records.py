@@ -1,6 +1,8 @@
 """What a run records for export (rank 0, at the start of the run): the model group's fields
-(``model_config.json``), a transformers model's config (``hf_config/``) and the data's
-tokenizer (``tokenizer/``), all under the run directory; and reading the model config back."""
+(``model_config.json``), a transformers model's config (``hf_config/``), the tokenizer
+(``tokenizer/``: the data's, else a pretrained checkpoint's tokenizer files) and what the
+export needs of the data (``export.json``: the trained length, the data's EOS id), all under
+the run directory; and reading them back."""
 
 from __future__ import annotations
 
@@ -15,6 +17,11 @@ from ..config import ModelConfig
 HF_CONFIG_DIR = "hf_config"  # under the run directory: a transformers model's config
 MODEL_CONFIG = "model_config.json"  # under the run directory: the model group's fields
 TOKENIZER_DIR = "tokenizer"  # under the run directory: the data's tokenizer, when it has one
+EXPORT_FACTS = "export.json"  # under the run directory: {"seq_len": L, "eos_token_id": id}
+# the files of a Hugging Face tokenizer (save_pretrained), without the model's
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                   "chat_template.jinja")
 
 def save_config(config, run_dir: str | Path) -> Path:
     """Write an HF ``config`` where ``export_checkpoint`` looks for it: ``run_dir/hf_config``."""
@@ -65,3 +72,36 @@ def save_tokenizer(src: str | Path, run_dir: str | Path) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
+
+
+def save_tokenizer_files(src: str | Path, run_dir: str | Path) -> Path | None:
+    """Copy the tokenizer files of a model directory ``src`` (not its weights) to
+    ``run_dir/tokenizer``; None when ``src`` has no ``tokenizer_config.json``."""
+    src = Path(src)
+    if not (src / "tokenizer_config.json").is_file():
+        return None
+    out = Path(run_dir) / TOKENIZER_DIR
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, tmp / name)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def save_export_facts(run_dir: str | Path, seq_len: int, eos_token_id: int | None) -> Path:
+    """Write ``run_dir/export.json``: the trained sequence length (the export's
+    ``max_position_embeddings``) and the data's EOS id (its ``eos_token_id``)."""
+    out = Path(run_dir) / EXPORT_FACTS
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"seq_len": seq_len, "eos_token_id": eos_token_id}) + "\n")
+    return out
+
+
+def load_export_facts(run_dir: str | Path) -> dict:
+    """``run_dir/export.json`` as a dict; {} for a run from before usp recorded it."""
+    path = Path(run_dir) / EXPORT_FACTS
+    return json.loads(path.read_text()) if path.is_file() else {}

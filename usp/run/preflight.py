@@ -14,6 +14,7 @@ from ..data.dataset import build_dataset, build_validation
 from ..masks import check_masks
 from ..models.hf_model import check_pretrained
 from ..dims.heads import check_heads
+from ..models.pretrained import check_checkpoint
 from ..validate import check_kernel, check_seq_len
 from .layout import RunLayout
 
@@ -105,6 +106,7 @@ def check_hf_model(mc: ModelConfig) -> None:
     (``loss_chunk``, ``mlp_tiles``), and a ``model.pretrained`` directory that is not a
     local model of ``mc``'s architecture and shape."""
     if mc.hf is None:
+        check_checkpoint(mc)  # model.pretrained: files, shape, tensors (headers only)
         return
     if mc.loss_chunk or mc.mlp_tiles != 1:
         raise ValueError(f"model.hf={mc.hf} computes its own LM head and MLP; model.loss_chunk="

@@ -7,6 +7,7 @@ from functools import cache, partial
 import torch.distributed as dist
 
 from ..config import RunConfig
+from ..models.pretrained import start_notes
 from ..planner.batch import grad_accum_steps
 from ..validate import check_ranks_per_node
 from .decide import decide_a2a_chunks, decide_degrees, detected_cluster
@@ -41,6 +42,8 @@ def resolve_run(cfg: RunConfig, world: int, device: str, env=None, *,
     ranks_per_node = None if scheduler_hosts else pc.ranks_per_node
     check_ranks_per_node(world, ranks_per_node, "parallel.ranks_per_node")
     check_inputs(cfg, device, run_dir)
+    for line in start_notes(cfg.model, cfg.data.seq_len):  # model.pretrained: rope changes
+        say(f"usp: {line}")
     # detected at most once, and only when an auto setting asks
     topology = cache(partial(detected_cluster, cfg, world, ranks_per_node, env))
     u, r, dp, table = decide_degrees(cfg, world, env, topology)

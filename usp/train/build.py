@@ -4,6 +4,7 @@ its FSDP2 sharding over dp x sp, the optimizer and learning-rate schedule; and t
 
 from __future__ import annotations
 
+import contextlib
 import math
 from functools import partial
 
@@ -17,7 +18,10 @@ from ..config import MemmapData, OptimConfig, RunConfig, torch_dtype
 from ..data.files import tokenizer_dir
 from ..layout import SequenceLayout
 from ..mesh import SPMesh
-from ..models.run_records import save_model_config, save_tokenizer
+from ..data.dataset import data_eos_id
+from ..models.run_records import (save_export_facts, save_model_config, save_tokenizer,
+                                  save_tokenizer_files)
+from ..models.shard_load import load_shards
 from ..models.llama import Transformer
 from ..models.offload import ActivationOffload, StreamCopier
 from ..run import RunLayout
@@ -89,15 +93,21 @@ def sharded_model(cfg: RunConfig, run: RunLayout, mesh: SPMesh, layout: Sequence
         attn = partial(usp_attention, mesh=mesh, layout=layout, causal=True,
                        **run.attention_options())
         offload = ActivationOffload(StreamCopier(device)) if tc.activation_offload else None
-        model = Transformer(cfg.model, attn, checkpoint_activations=tc.activation_checkpointing,
-                            checkpoint_every=tc.checkpoint_every,
-                            checkpoint_part=tc.checkpoint_part, offload=offload)
-        model.init_weights(tc.seed)
+        # model.pretrained: built without weights, each rank reads its shard after sharding
+        with torch.device("meta") if cfg.model.pretrained else contextlib.nullcontext():
+            model = Transformer(cfg.model, attn, checkpoint_activations=tc.activation_checkpointing,
+                                checkpoint_every=tc.checkpoint_every,
+                                checkpoint_part=tc.checkpoint_part, offload=offload)
+        if cfg.model.pretrained is None:
+            model.init_weights(tc.seed)
         blocks = model.layers
     else:
         model, blocks = _hf_model(cfg, run, mesh, layout)
-    model.to(device)
+    if cfg.model.hf is not None or cfg.model.pretrained is None:
+        model.to(device)
     shard_model(model, mesh.submesh("fsdp"), run.dtype, blocks)
+    if cfg.model.hf is None and cfg.model.pretrained is not None:
+        load_shards(model, cfg.model, device)  # usp.models.shard_load: this rank's rows only
     return model
 
 
@@ -110,10 +120,18 @@ def optimizer(oc: OptimConfig, model, steps: int):
 
 def record_for_export(cfg: RunConfig, run_dir: str) -> None:
     """Rank 0, at the start of a run: what ``usp-export`` needs besides the checkpoints, in
-    the run directory: the model group (``model_config.json``) and, for token files with a
-    tokenizer (``data.path`` + ``.tokenizer``), a copy of it (``tokenizer/``)."""
+    the run directory: the model group (``model_config.json``), for token files with a
+    tokenizer (``data.path`` + ``.tokenizer``) a copy of it (``tokenizer/``; else a
+    pretrained checkpoint's tokenizer files), the trained length and the data's EOS id
+    (``export.json``)."""
     save_model_config(cfg.model, run_dir)
+    tokenizer = False
     if isinstance(cfg.data, MemmapData):
         first = cfg.data.sources()[0][0]  # a blend's sources share one tokenizer
         if tokenizer_dir(first).is_dir():
             save_tokenizer(tokenizer_dir(first), run_dir)
+            tokenizer = True
+    # export: the pretrained directory's tokenizer, the trained length, the data's EOS id
+    if not tokenizer and cfg.model.pretrained is not None:
+        save_tokenizer_files(cfg.model.pretrained, run_dir)
+    save_export_facts(run_dir, cfg.data.seq_len, data_eos_id(cfg.data))

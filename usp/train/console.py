@@ -31,7 +31,7 @@ class Console:
                                    or "val_loss" in record)
 
     def log(self, record: dict) -> None:
-        if self.bar is not None:
+        if self.bar is not None and "loss" in record:  # step 0's validation is no step
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{record['loss']:.3f}",
                                  **({"acc": f"{record['acc']:.2f}"} if "acc" in record else {}))

@@ -218,7 +218,7 @@ class MetricsLogger:
         """Loss and answer accuracy against step, as ``run_dir/curves.png``."""
         if not (self.active and self.cfg.plot):
             return None
-        recs = self.records()
+        recs = [r for r in self.records() if "loss" in r]  # not step 0's validation alone
         if not recs:
             return None
         import matplotlib

@@ -171,6 +171,10 @@ class Trainer:
         summary: dict = {}
         # The handlers only set a flag; the previous ones are back however the loop ends.
         with Preemption(tc.preempt_signals) as preemption:
+            if at.step == 0 and self.validator.should_validate(0):  # where the model starts
+                record = {"step": 0, **self.validator.validate(self.model)}
+                self.logger.log(record)
+                self.console.log(record)
             for step in range(at.step + 1, tc.steps + 1):
                 summary = self.train_step(step, at.consumed)
                 at = Position(step, summary["samples"], summary["skipped_steps"])

@@ -63,7 +63,8 @@ class Validator:
     [(name, weight, split)] (``usp.data.dataset.build_validation``) every ``every`` steps and
     at the last step (``last`` = ``trainer.steps``); none when there are no splits.
 
-    ``should_validate(step)`` for 1-based optimizer step ``step``; ``validate(model)`` is
+    ``should_validate(step)`` for 1-based optimizer step ``step``, or 0: before the first
+    step, when ``every`` is set (a pretrained model's own loss); ``validate(model)`` is
     collective over dp x sp."""
 
     def __init__(self, splits: list, every: int, last: int, batch_per_dp_rank: int,

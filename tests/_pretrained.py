@@ -1,0 +1,53 @@
+"""Tiny Hugging Face checkpoints written by transformers' own classes and ``save_pretrained``
+(``unit/test_pretrained.py``, ``distributed/test_pretrained_ranks.py``): a Llama with Llama 3.1
+``llama3`` scaling and its own head_dim, a Qwen2 with (non-zero) q/k/v biases, tied
+embeddings and windowed layers after the first, a Mistral with a window on every layer."""
+
+from pathlib import Path
+
+import torch
+
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
+LLAMA3 = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+              high_freq_factor=4.0, original_max_position_embeddings=16)
+KINDS = ("llama", "qwen2", "mistral")
+
+
+def hf_model(kind: str, seed: int = 0):
+    """A fresh transformers model of ``kind`` (fp32), its biases random too."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                              Qwen2Config, Qwen2ForCausalLM)
+
+    torch.manual_seed(seed)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**SHAPE, head_dim=32, rope_parameters=LLAMA3))
+    elif kind == "qwen2":  # layer 0 full, layers 1 and 2 a window of 6
+        model = Qwen2ForCausalLM(Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=6,
+                                             max_window_layers=1, tie_word_embeddings=True))
+    else:
+        model = MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=5))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "norm.weight")):  # away from 0 / 1: a dropped one shows
+                p.normal_(0.3, 0.2)
+    return model.eval()
+
+
+def save_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
+    hf_model(kind, seed).save_pretrained(path)
+    return path
+
+
+def hf_logits(path: Path, tokens: torch.Tensor, rope_parameters: dict | None = None):
+    """transformers' logits [B, L, V] of the checkpoint at ``path`` (fp32, eager attention),
+    with its rope_parameters replaced when given."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hc = AutoConfig.from_pretrained(path)
+    if rope_parameters is not None:
+        hc.rope_parameters = rope_parameters
+    model = AutoModelForCausalLM.from_pretrained(path, config=hc, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    with torch.no_grad():
+        return model(input_ids=tokens).logits

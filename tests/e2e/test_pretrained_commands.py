@@ -1,0 +1,166 @@
+"""usp-train model=pretrained model.pretrained=DIR at (ulysses, ring) = (2, 2), for tiny
+Llama (llama3 scaling), Qwen2 (biases, windowed layers) and Mistral (a window) checkpoints
+saved by transformers: step 0's val_loss is transformers' mean loss on the same windows
+(with the checkpoint's RoPE, a raised rope_theta, YaRN), a few steps train, and bad
+checkpoints are refused before any rank starts, printed once, with nothing written."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from _cli import run_commands
+from _export_runs import corpus
+from _pretrained import KINDS, hf_logits, save_checkpoint
+
+L = 32
+YARN = "{rope_type:yarn,factor:4,original_max_position_embeddings:8}"
+# name -> (checkpoint, overrides, transformers' rope_parameters: None = the checkpoint's)
+RUNS = {kind: (kind, [], None) for kind in KINDS}
+RUNS["llama_yarn"] = ("llama", ["model.rope_theta=2000000", f"model.rope_scaling={YARN}"],
+                      {"rope_theta": 2e6, "rope_type": "yarn", "factor": 4.0,
+                       "original_max_position_embeddings": 8})
+
+
+def _args(root: Path, name: str, ckpt: Path, extra=()) -> list[str]:
+    return ["recipe=tiny_cpu", "model=pretrained", f"model.pretrained={ckpt}", "data=memmap",
+            f"data.path={root / 'corpus'}", f"data.seq_len={L}", "data.batch_per_dp_rank=2",
+            "parallel.ulysses_degree=2", "parallel.ring_degree=2", "trainer.steps=2",
+            "trainer.eval_every=2", "trainer.eval_windows=4", "optim.warmup_steps=1",
+            "logging.wandb=disabled", "logging.plot=false", f"trainer.run_dir={root / name}",
+            f"hydra.run.dir={root / 'hydra' / name}", *extra]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pretrained")
+    ckpts = {k: save_checkpoint(k, root / "ckpt" / k) for k in KINDS}
+    corpus(root / "corpus", 4096)
+    corpus(Path(f"{root / 'corpus'}.val"), 1024)
+    calls = [("train_main", _args(root, name, ckpts[k], extra))
+             for name, (k, extra, _) in RUNS.items()]
+    return root, ckpts, dict(zip(RUNS, run_commands(calls, root, timeout=900)))
+
+
+def _hf_val_loss(root: Path, ckpt: Path, rope) -> float:
+    """transformers' mean loss per target on the validation split's first 4 windows."""
+    from usp.config import MemmapData
+    from usp.data.dataset import build_validation
+    from usp.models.pretrained import pretrained_config
+
+    data = MemmapData(path=str(root / "corpus"), seq_len=L, batch_per_dp_rank=2)
+    (_, _, val), = build_validation(data, pretrained_config(ckpt), 4)
+    b = val.model_windows(np.arange(4), torch.arange(L))
+    logits = hf_logits(ckpt, b.tokens, rope)
+    return F.cross_entropy(logits.flatten(0, 1), b.labels.flatten(), ignore_index=-100).item()
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_step_0_val_loss_is_transformers_and_the_run_trains(runs, name):
+    root, ckpts, res = runs
+    r = res[name]
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = [json.loads(x) for x in (root / name / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in recs] == [0, 1, 2]
+    kind, _, rope = RUNS[name]
+    want = _hf_val_loss(root, ckpts[kind], rope)
+    assert recs[0]["val_loss"] == pytest.approx(want, rel=1e-4)
+    assert "step=0 val_loss=" in r.stdout
+    assert all(np.isfinite(x["loss"]) for x in recs[1:])
+    if name == "llama_yarn":
+        assert "rope_theta 500000 -> 2000000" in r.stdout
+
+
+def _usp_logits(run_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    """usp's logits [B, L, V] of the run's final checkpoint (the built-in model, one process)."""
+    import functools
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from usp.attention import local_attention
+    from usp.models.checkpoint import latest_checkpoint
+    from usp.models.llama import Transformer
+    from usp.models.run_records import load_model_config
+
+    model = Transformer(load_model_config(run_dir), functools.partial(local_attention, causal=True))
+    sd = model.state_dict()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load({"model": sd}, checkpoint_id=str(latest_checkpoint(run_dir)), no_dist=True)
+    with torch.no_grad():
+        return model.eval()(tokens, torch.arange(tokens.shape[1]))
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama_yarn"])
+def test_the_export_is_the_checkpoints_architecture_with_the_new_rope(runs, name, tmp_path):
+    """usp-export writes the architecture the run came from (a Qwen2 keeps its biases), the
+    run's rope_theta / rope_parameters, max_position_embeddings = the trained (or YaRN's
+    scaled) length and the data's tokenizer; transformers reproduces usp's logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from usp.models.export import main
+
+    root, ckpts, _ = runs
+    assert main([str(root / name), str(tmp_path / "out")]) == 0
+    hc = AutoConfig.from_pretrained(tmp_path / "out")
+    kind, _, rope = RUNS[name]
+    assert hc.model_type == kind
+    if rope is not None:
+        assert hc.rope_parameters == rope and hc.max_position_embeddings == 32  # 4 x 8
+    else:
+        assert hc.max_position_embeddings == L and hc.layer_types[0] == "full_attention"
+    assert AutoTokenizer.from_pretrained(tmp_path / "out") is not None
+    tokens = torch.randint(0, 90, (2, L), generator=torch.Generator().manual_seed(3))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    with torch.no_grad():
+        got = model(input_ids=tokens).logits
+    want = _usp_logits(root / name, tokens)
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+
+
+def _bad_dirs(root: Path, good: Path) -> dict[str, Path]:
+    import shutil
+
+    dirs = {name: root / "bad" / name for name in ("empty", "no_weights", "gpt2", "damaged",
+                                                   "small_vocab")}
+    dirs["empty"].mkdir(parents=True)
+    for name in ("no_weights", "gpt2", "damaged", "small_vocab"):
+        dirs[name].mkdir(parents=True)
+        shutil.copy(good / "config.json", dirs[name])
+    (dirs["gpt2"] / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (dirs["damaged"] / "model.safetensors").write_bytes(
+        (good / "model.safetensors").read_bytes()[:5000])
+    cfg = json.loads((good / "config.json").read_text())
+    (dirs["small_vocab"] / "config.json").write_text(json.dumps({**cfg, "vocab_size": 64}))
+    shutil.copy(good / "model.safetensors", dirs["small_vocab"])
+    return dirs
+
+
+REFUSED = {  # name -> (directory, extra overrides, the error's words)
+    "empty": ("empty", [], "no config.json there"),
+    "no_weights": ("no_weights", [], r"has no weights (*.safetensors)"),
+    "gpt2": ("gpt2", [], "is a 'gpt2' model; usp maps llama, qwen2, mistral"),
+    "damaged": ("damaged", [], "model.safetensors is damaged"),
+    "shape": ("mistral", ["model.n_heads=8"], "n_heads: 8 set, 4 in the checkpoint"),
+    "vocab": ("small_vocab", [], "is larger than the embedding"),
+    "rope_type": ("mistral", ["model.rope_scaling={rope_type:ntk,factor:2}"],
+                  "rope_scaling.rope_type='ntk' is not one of"),
+    "factor": ("mistral", ["model.rope_scaling={rope_type:linear}"],
+               "with rope_type linear needs factor"),
+}
+
+
+def test_bad_checkpoints_are_refused_once_before_any_rank_with_nothing_written(runs):
+    root, ckpts, _ = runs
+    dirs = {**_bad_dirs(root, ckpts["mistral"]), "mistral": ckpts["mistral"]}
+    calls = [("train_main", _args(root, f"refused_{name}", dirs[d], extra))
+             for name, (d, extra, _) in REFUSED.items()]
+    for (name, (_, _, words)), r in zip(REFUSED.items(), run_commands(calls, root / "bad")):
+        assert r.returncode == 2, (name, r.stderr[-2000:])
+        lines = [x for x in r.stderr.splitlines() if "usp-train: error:" in x]
+        assert len(lines) == 1 and words in lines[0], (name, r.stderr[-2000:])
+        assert not (root / f"refused_{name}").exists(), name

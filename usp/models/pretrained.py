@@ -1,0 +1,227 @@
+"""``model.pretrained=DIR``: a local ``save_pretrained`` directory (``config.json`` +
+safetensors) as the built-in model's shape, RoPE and weights.
+
+- ``fill_model`` turns the ``model`` group as Hydra holds it into ``ModelConfig`` fields: each
+  shape key that is ``auto`` (``configs/model/pretrained.yaml``) takes the checkpoint's value;
+  a key the user set must agree with it, or it is refused with both values.
+- ``model.rope_theta`` may differ from the checkpoint's (a raised base); ``model.rope_scaling``
+  is ``auto`` (the checkpoint's own scaling, e.g. Llama 3.1's ``llama3``; without a checkpoint:
+  none), ``none`` / null (plain RoPE) or a dict (``usp/config/rope.py``).
+- ``check_checkpoint`` refuses, before any process group, a directory without config.json or
+  weights, an unmapped architecture, a damaged safetensors file (named), a shape that
+  contradicts the checkpoint and a data vocabulary beyond its embedding.
+- ``load_state`` reads the weights under the built-in model's parameter names
+  (``usp.models.adapters``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, fields
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig
+
+AUTO = "auto"
+# ModelConfig fields a checkpoint fixes (rope_theta and rope_scaling may differ: they extend)
+SHAPE = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "head_dim",
+         "norm_eps", "tie_embeddings", "qkv_bias", "sliding_window", "full_attention_every",
+         "layer_types", "arch")
+INDEX = "model.safetensors.index.json"
+
+
+def _config(path: Path):
+    """The transformers config of the checkpoint directory ``path`` (ValueError if none)."""
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model.pretrained={path}: no config.json there; give a local "
+                         "directory written by save_pretrained (no hub names)")
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"model.pretrained={path}: config.json is not a transformers config "
+                         f"({e})") from None
+
+
+def checkpoint_fields(path: str | Path, hf: str | None = None) -> dict:
+    """``ModelConfig`` fields of the checkpoint at ``path``: its shape, ``rope_theta`` and
+    ``rope_scaling`` and, for the built-in model (``hf`` None), ``arch``."""
+    from .adapters import adapter
+
+    path = Path(path)
+    hc = _config(path)
+    try:
+        out = adapter(hc.model_type, f"model.pretrained={path}").fields(hc)
+    except ValueError as e:
+        raise ValueError(f"model.pretrained={path}: {e}") from None
+    out["arch"] = None if hf is not None else hc.model_type
+    return out
+
+
+def _same(key: str, mine, theirs, model: dict) -> bool:
+    if key == "head_dim" and mine is None:  # null: dim / n_heads
+        return theirs == model["dim"] // model["n_heads"]
+    if isinstance(theirs, float) and isinstance(mine, (int, float)):
+        return float(mine) == theirs
+    return (list(mine) if isinstance(mine, (list, tuple)) else mine) == theirs
+
+
+def fill_model(model: dict, data_vocab: int | None = None) -> dict:
+    """The ``model`` group's values (``auto`` allowed) -> ``ModelConfig`` fields.
+
+    With ``model.pretrained``: ``auto`` shape keys, ``rope_theta`` and ``rope_scaling`` take
+    the checkpoint's values; a set shape key must equal the checkpoint's (ValueError with
+    both); ``data_vocab`` (the token files' vocabulary) must fit its embedding. When no key
+    is ``auto`` the directory is not read here (``usp-plan`` plans a stated shape before the
+    checkpoint is on disk; ``usp-train`` compares it in ``check_checkpoint``). Without a
+    checkpoint ``auto`` is refused, except ``rope_scaling`` (none) and ``vocab_size``
+    (``data_vocab``)."""
+    model = dict(model)
+    scaling = model.get("rope_scaling")
+    if isinstance(scaling, str) and scaling.lower() == "none":
+        model["rope_scaling"] = None
+    path = model.get("pretrained")
+    autos = [k for k, v in model.items() if isinstance(v, str) and v == AUTO]
+    if path is None or not autos:
+        if model.get("rope_scaling") == AUTO:
+            model["rope_scaling"] = None
+        if model.get("vocab_size") == AUTO and data_vocab is not None:
+            model["vocab_size"] = data_vocab
+        bad = [k for k, v in model.items() if v == AUTO and k != "vocab_size"]
+        if bad:
+            raise ValueError(f"model.{bad[0]}=auto is read from a checkpoint; set "
+                             f"model.pretrained=DIR or give model.{bad[0]} a value")
+        return model
+    have = checkpoint_fields(path, model.get("hf"))
+    wrong = [f"{k}: {model[k]!r} set, {have[k]!r} in the checkpoint" for k in SHAPE
+             if model.get(k) != AUTO and not _same(k, model.get(k), have[k], model)
+             and not (k == "arch" and model.get(k) is None)]
+    if wrong:
+        raise ValueError(f"model.pretrained={path} disagrees with the model options: "
+                         f"{'; '.join(wrong)}; set those keys to auto (model=pretrained does) "
+                         "or to the checkpoint's values")
+    for k in SHAPE + ("rope_theta", "rope_scaling"):
+        if model.get(k) == AUTO or k == "arch":
+            model[k] = have[k]
+    if data_vocab is not None and data_vocab > have["vocab_size"]:
+        raise ValueError(f"the data's vocabulary ({data_vocab} ids) is larger than the "
+                         f"embedding of model.pretrained={path} ({have['vocab_size']} rows): "
+                         "its ids would index past it; prepare the data with the "
+                         "checkpoint's tokenizer (usp-prepare --tokenizer DIR)")
+    return model
+
+
+def pretrained_config(path: str | Path, **overrides) -> ModelConfig:
+    """The ``ModelConfig`` of the checkpoint at ``path`` (library use), with ``overrides``
+    (e.g. ``rope_theta=8e6``, ``loss_chunk=1024``) checked as the CLI checks them."""
+    base = {f.name: AUTO if f.name in SHAPE + ("rope_theta", "rope_scaling") else
+            getattr(ModelConfig, f.name, None) for f in fields(ModelConfig)}
+    base.update(pretrained=str(path), **overrides)
+    return ModelConfig(**fill_model(base))
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The safetensors files of the checkpoint at ``path`` (its index's, or every
+    ``*.safetensors``); ValueError when it has none."""
+    path = Path(path)
+    index = path / INDEX
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError) as e:
+            raise ValueError(f"model.pretrained={path}: {index.name} is damaged ({e}); "
+                             "restore the file") from None
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise ValueError(f"model.pretrained={path}: {INDEX} names {', '.join(missing)}, "
+                             "which are not there; finish the download")
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model.pretrained={path} has no weights (*.safetensors); save the "
+                         "model with save_pretrained (a pytorch_model.bin is not read)")
+    return files
+
+
+def tensor_index(path: str | Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """Every tensor of the checkpoint -> (its file, its shape), from the files' headers only;
+    ValueError naming a damaged file."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in weight_files(path):
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    out[name] = (f, tuple(st.get_slice(name).get_shape()))
+        except Exception as e:  # safetensors raises its own SafetensorError
+            raise ValueError(f"model.pretrained: {f} is damaged ({e}); download or save it "
+                             "again") from None
+    return out
+
+
+def expected_tensors(mc: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """checkpoint tensor name -> (built-in parameter name, its shape) for ``mc``."""
+    from .adapters import adapter
+    from .llama import Transformer
+
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in Transformer(mc, None).state_dict().items()}
+    return {hf: (usp, shapes[usp]) for hf, usp in adapter(mc.arch).names(mc).items()}
+
+
+def check_checkpoint(mc: ModelConfig) -> None:
+    """Refuse (ValueError) a ``model.pretrained`` the built-in model ``mc`` cannot start from:
+    its config disagrees with ``mc``'s shape, a file is damaged, a tensor is missing or of
+    another shape. Reads config.json and the safetensors headers only."""
+    if mc.pretrained is None or mc.hf is not None:
+        return
+    fill_model({**asdict(mc), "rope_theta": AUTO, "rope_scaling": AUTO})
+    have = tensor_index(mc.pretrained)
+    bad = []
+    for hf, (usp, shape) in expected_tensors(mc).items():
+        if hf not in have:
+            bad.append(f"{hf} missing")
+        elif have[hf][1] != shape:
+            bad.append(f"{hf} is {list(have[hf][1])} in {have[hf][0].name}, {usp} is {list(shape)}")
+    if bad:
+        raise ValueError(f"model.pretrained={mc.pretrained} does not fit the model: "
+                         f"{'; '.join(bad[:4])}" + (f" (and {len(bad) - 4} more)" if len(bad) > 4
+                                                   else "") + "; restore the checkpoint")
+
+
+def start_notes(mc: ModelConfig, seq_len: int) -> list[str]:
+    """What a run from ``mc.pretrained`` says once at its start: a changed ``rope_theta``
+    ("rope_theta 500000 -> 8000000"), a changed scaling, and a warning when the scaling's
+    ``original_max_position_embeddings`` is at or above ``seq_len`` (nothing is extended)."""
+    if mc.pretrained is None:
+        return []
+    have = checkpoint_fields(mc.pretrained, mc.hf)
+    notes = [f"model.pretrained={mc.pretrained} ({have['arch'] or mc.hf})"]
+    if have["rope_theta"] != mc.rope_theta:
+        notes.append(f"rope_theta {have['rope_theta']:.10g} -> {mc.rope_theta:.10g}")
+    if have["rope_scaling"] != mc.rope_scaling:
+        notes.append(f"rope_scaling {have['rope_scaling']} -> {mc.rope_scaling}")
+    old = (mc.rope_scaling or {}).get("original_max_position_embeddings")
+    if old is not None and old >= seq_len:
+        notes.append(f"warning: model.rope_scaling.original_max_position_embeddings={old} >= "
+                     f"data.seq_len={seq_len}: this run extends nothing beyond the original "
+                     "context; raise data.seq_len or lower the scaling")
+    return notes
+
+
+def load_state(mc: ModelConfig) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights as the built-in model's state dict (fp32, whole tensors)."""
+    from safetensors import safe_open
+
+    names = {hf: usp for hf, (usp, _) in expected_tensors(mc).items()}
+    out = {}
+    for f in weight_files(mc.pretrained):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                if name in names:
+                    out[names[name]] = st.get_tensor(name).float()
+    return out

@@ -1,0 +1,65 @@
+"""Each rank reads only its shard of a ``model.pretrained`` checkpoint.
+
+The built-in model is built on the meta device (no weights allocated), sharded by FSDP2
+(every parameter a ``DTensor`` over the dp x sp ranks, split along dim 0), given empty local
+storage (``to_empty``), and each rank copies in, from the safetensors files, only the rows
+its shard holds (``safe_open(...).get_slice(name)[start:stop]``: the file is memory-mapped
+and only those rows are read). A rank so adds its shard (``size / P``) and one tensor's
+rows at a time, not the whole checkpoint. Usage, on every rank::
+
+    with torch.device("meta"):
+        model = Transformer(mc, attn_fn)
+    shard_model(model, mesh, dtype)            # usp.train.trainer.shard_model (FSDP2)
+    load_shards(model, mc, device)
+
+``tools/bench_load.py`` measures the memory it takes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from ..config import ModelConfig
+from .pretrained import expected_tensors, tensor_index
+
+
+def _rows(param) -> tuple[torch.Tensor, int, int]:
+    """(this rank's local tensor, first row, row count) of a parameter sharded on dim 0
+    (a plain tensor: all of it)."""
+    if not isinstance(param, DTensor):
+        return param.data, 0, param.shape[0]
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
+                                                          param.placements)
+    if any(o != 0 for o in offset[1:]) or tuple(shape[1:]) != tuple(param.shape[1:]):
+        raise ValueError(f"a parameter sharded as {param.placements}: usp reads dim-0 "
+                         "shards (FSDP) only")
+    return param.to_local(), offset[0], shape[0]
+
+
+@torch.no_grad()
+def load_shards(model, mc: ModelConfig, device: torch.device | str) -> None:
+    """Give the meta-device, FSDP-sharded built-in ``model`` storage on ``device`` and fill
+    each parameter's local rows from ``mc.pretrained`` (collective-free: every rank reads
+    its own rows). ValueError when a checkpoint tensor is missing or of another shape."""
+    from safetensors import safe_open
+
+    model.to_empty(device=device)
+    where = tensor_index(mc.pretrained)  # name -> (file, shape), headers only
+    wanted = {usp: (hf, shape) for hf, (usp, shape) in expected_tensors(mc).items()}
+    params = dict(model.named_parameters())
+    by_file: dict = {}
+    for usp, (hf, shape) in wanted.items():
+        if hf not in where or where[hf][1] != shape:
+            raise ValueError(f"model.pretrained={mc.pretrained}: {hf} is "
+                             f"{'missing' if hf not in where else list(where[hf][1])}, "
+                             f"the model's {usp} is {list(shape)}")
+        by_file.setdefault(where[hf][0], []).append((hf, usp))
+    for path, names in by_file.items():
+        with safe_open(str(path), framework="pt") as st:
+            for hf, usp in names:
+                local, start, n = _rows(params[usp])
+                if n:
+                    rows = st.get_slice(hf)[start:start + n]  # only these rows are read
+                    local.copy_(rows.to(device=local.device, dtype=local.dtype))
