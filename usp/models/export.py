@@ -236,6 +236,14 @@ def _load_weights(model, step: Path, names: dict[str, str] | None, zeros: list[s
             state[k].zero_()
 
 
+def load_model(step: str | Path, model) -> None:
+    """Model-only load: fill ``model`` (unsharded, the architecture the run trained: the
+    built-in ``Transformer`` or its transformers model) from checkpoint ``step``'s
+    ``model.<name>`` tensors; no optimizer, no schedule. Collective when a process group
+    is up (every rank reads alike). ValueError when the checkpoint does not fit."""
+    _load_weights(model, Path(step), None, [])
+
+
 def _shares_storage(t: torch.Tensor, state: dict, filled: set[str]) -> bool:
     """``t`` is a tied view of a weight that is filled (``lm_head`` of tied embeddings)."""
     return any(state[k].data_ptr() == t.data_ptr() for k in filled if state[k] is not t)

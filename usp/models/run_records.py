@@ -15,6 +15,7 @@ from ..config import ModelConfig
 HF_CONFIG_DIR = "hf_config"  # under the run directory: a transformers model's config
 MODEL_CONFIG = "model_config.json"  # under the run directory: the model group's fields
 TOKENIZER_DIR = "tokenizer"  # under the run directory: the data's tokenizer, when it has one
+DATA_RECORD = "data_record.json"  # under the run directory: what the run read (usp-eval)
 
 def save_config(config, run_dir: str | Path) -> Path:
     """Write an HF ``config`` where ``export_checkpoint`` looks for it: ``run_dir/hf_config``."""
@@ -65,3 +66,28 @@ def save_tokenizer(src: str | Path, run_dir: str | Path) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
+
+
+def save_data_record(data, run_dir: str | Path) -> Path:
+    """Write ``run_dir/data_record.json``: the data's ``kind``, ``seq_len`` and, for token
+    files, the first source's ``path`` (``usp-eval`` finds the validation split and the
+    tokenizer from it)."""
+    sources = data.sources() if hasattr(data, "sources") else []
+    record = {"kind": data.kind, "seq_len": data.seq_len,
+              "path": str(Path(sources[0][0]).resolve()) if sources else None}
+    out = Path(run_dir) / DATA_RECORD
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    tmp.replace(out)
+    return out
+
+
+def load_data_record(run_dir: str | Path) -> dict | None:
+    """``save_data_record``'s record of ``run_dir``; None when the run has none."""
+    path = Path(run_dir) / DATA_RECORD
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is unreadable ({e}); delete it and pass data=memmap "
+                         "data.path=PREFIX") from None

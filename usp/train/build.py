@@ -17,7 +17,7 @@ from ..config import MemmapData, OptimConfig, RunConfig, torch_dtype
 from ..data.files import tokenizer_dir
 from ..layout import SequenceLayout
 from ..mesh import SPMesh
-from ..models.run_records import save_model_config, save_tokenizer
+from ..models.run_records import save_data_record, save_model_config, save_tokenizer
 from ..models.llama import Transformer
 from ..models.offload import ActivationOffload, StreamCopier
 from ..run import RunLayout
@@ -111,8 +111,10 @@ def optimizer(oc: OptimConfig, model, steps: int):
 def record_for_export(cfg: RunConfig) -> None:
     """Rank 0, at the start of a run: what ``usp-export`` needs besides the checkpoints, in
     the run directory: the model group (``model_config.json``) and, for token files with a
-    tokenizer (``data.path`` + ``.tokenizer``), a copy of it (``tokenizer/``)."""
+    tokenizer (``data.path`` + ``.tokenizer``), a copy of it (``tokenizer/``); what data it
+    reads (``data_record.json``, for ``usp-eval``)."""
     save_model_config(cfg.model, cfg.trainer.run_dir)
+    save_data_record(cfg.data, cfg.trainer.run_dir)
     if isinstance(cfg.data, MemmapData):
         first = cfg.data.sources()[0][0]  # a blend's sources share one tokenizer
         if tokenizer_dir(first).is_dir():
