@@ -3,7 +3,7 @@ scored at (1,1), (2,2) (the command itself, ``usp-eval eval.run_dir=RUN``) and (
 the same pass/fail, key log-likelihoods and position losses within 1e-5; on the exported
 model (usp-export) the scores are what transformers computes on one process for the same
 tokens, and usp-eval through the transformers adapter (``model.hf=llama
-model.pretrained=EXPORT``) gives them too. A bad input is one line, exit 2."""
+model.pretrained=EXPORT``, at (2,2)) gives the same scores. A bad input is one line, exit 2."""
 
 import contextlib
 import io
@@ -28,12 +28,22 @@ pytest.importorskip("transformers")
 CLI = "from usp.cli import eval_main; eval_main()"
 
 
-def _score(cfg, u: int, r: int, out: Path, **keys) -> tuple[dict, dict]:
-    """(passkey.json, position_loss.json) of ``cfg`` scored at (u, r) into ``out``."""
-    job = plan_eval(at(cfg, u, r, out=str(out), **keys))
-    spawn_local(_worker, u * r, job, eval_layout(job.cfg, u * r, "cpu", job.lengths))
+def _outputs(out: Path) -> tuple[dict, dict]:
     return (json.loads((out / "passkey.json").read_text()),
             json.loads((out / "position_loss.json").read_text()))
+
+
+def _jobs(jobs) -> None:
+    for job, layout in jobs:
+        _worker(job, layout)
+
+
+def _score(world: int, *scored) -> list[tuple[dict, dict]]:
+    """(passkey.json, position_loss.json) of each (cfg, u, r, out, eval keys) of ``scored``,
+    all on one launch of ``world`` = u x r ranks."""
+    jobs = [plan_eval(at(cfg, u, r, out=str(out), **keys)) for cfg, u, r, out, keys in scored]
+    spawn_local(_jobs, world, [(j, eval_layout(j.cfg, world, "cpu", j.lengths)) for j in jobs])
+    return [_outputs(out) for _, _, _, out, _ in scored]
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +69,11 @@ def _same(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
 
 
 def test_the_scores_do_not_depend_on_the_layout(run):
+    """(1,1) and (1,4) scored here, (2,2) by the command; (2,2) through the transformers
+    adapter on the exported model in the (1,4) launch (checked in the next test)."""
     cfg, root = run
-    one = _score(cfg, 1, 1, root / "e11", run_dir=str(root / "run"))
+    mine = dict(run_dir=str(root / "run"))
+    [one] = _score(1, (cfg, 1, 1, root / "e11", mine))
     assert len(one[0]["cases"]) == 2 * 3 * 2 and one[0]["train_length"] == 128
     out = subprocess.run([sys.executable, "-c", CLI, f"eval.run_dir={root / 'run'}",
                           "eval.lengths=[128,256]", "eval.depths=[0,0.5,1]", "eval.per_cell=2",
@@ -77,15 +90,21 @@ def test_the_scores_do_not_depend_on_the_layout(run):
     four = [json.loads((root / "e22" / f).read_text()) for f in ("passkey.json",
                                                               "position_loss.json")]
     _same(one, four)
-    _same(one, _score(cfg, 1, 4, root / "e14", run_dir=str(root / "run")))
+    mc = replace(cfg.model, hf="llama", pretrained=str(root / "run.hf"))
+    ring, adapter = _score(4, (cfg, 1, 4, root / "e14", mine),
+                           (replace(cfg, model=mc), 2, 2, root / "hf22", {}))
+    _same(one, ring)
+    _same(one, adapter)
 
 
 def test_the_exported_model_scores_as_transformers_computes(run):
     from transformers import AutoModelForCausalLM
 
     cfg, root = run
-    usp = json.loads((root / "e11" / "passkey.json").read_text()) \
-        if (root / "e11").is_dir() else _score(cfg, 1, 1, root / "e11", run_dir=str(root / "run"))[0]
+    if not (root / "hf22").is_dir():
+        pytest.skip("needs test_the_scores_do_not_depend_on_the_layout's scores")
+    usp, adapter = _outputs(root / "e11")[0], _outputs(root / "hf22")[0]
+    assert [c["key"] for c in adapter["cases"]] == [c["key"] for c in usp["cases"]]
     cases = plan_eval(at(cfg, 1, 1, run_dir=str(root / "run"))).cases
     model = AutoModelForCausalLM.from_pretrained(str(root / "run.hf"), local_files_only=True).eval()
     for case, got in zip(cases, usp["cases"]):
@@ -96,9 +115,6 @@ def test_the_exported_model_scores_as_transformers_computes(run):
         logprob = torch.log_softmax(logits[rows], -1).gather(1, target[:, None]).mean().item()
         assert abs(logprob - got["key_logprob"]) <= 1e-5
         assert bool((logits[rows].argmax(-1) == target).all()) == got["passed"]
-    mc = replace(cfg.model, hf="llama", pretrained=str(root / "run.hf"))
-    adapter = _score(replace(cfg, model=mc), 2, 2, root / "hf22")
-    _same((usp, json.loads((root / "e11" / "position_loss.json").read_text())), adapter)
 
 
 def test_a_bad_input_is_one_line(run, tmp_path):
