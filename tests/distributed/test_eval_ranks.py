@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from usp.eval.launch import _worker
-from usp.eval.plan import eval_layout, plan_eval
+from usp.eval.plan import plan_eval
+from usp.run import resolve_eval
 from usp.launch import spawn_local
 from usp.models.export import main as export_main
 from usp.train.trainer import train
@@ -42,7 +43,7 @@ def _score(world: int, *scored) -> list[tuple[dict, dict]]:
     """(passkey.json, position_loss.json) of each (cfg, u, r, out, eval keys) of ``scored``,
     all on one launch of ``world`` = u x r ranks."""
     jobs = [plan_eval(at(cfg, u, r, out=str(out), **keys)) for cfg, u, r, out, keys in scored]
-    spawn_local(_jobs, world, [(j, eval_layout(j.cfg, world, "cpu", j.lengths)) for j in jobs])
+    spawn_local(_jobs, world, [(j, resolve_eval(j.cfg, world, "cpu", j.lengths)) for j in jobs])
     return [_outputs(out) for _, _, _, out, _ in scored]
 
 

@@ -1,6 +1,6 @@
 """``usp.eval``'s pure half: passkey cases (exact length, the needle at its depth, the key
 last, seeded), their scoring, loss-by-position buckets; and ``usp-eval``'s bad inputs, each
-one ValueError from ``plan_eval``/``eval_layout`` before any process group (the runs
+one ValueError from ``plan_eval``/``resolve_eval`` before any process group (the runs
 themselves: ``distributed/test_eval_ranks.py``)."""
 
 import math
@@ -12,7 +12,8 @@ import pytest
 from usp.config import EvalConfig, RecallData
 from usp.eval.passkey import (NEEDLE, QUESTION, ByteTokenizer, answer_ids, case_labels,
                               passkey_cases, score, text_haystack)
-from usp.eval.plan import eval_layout, plan_eval
+from usp.eval.plan import plan_eval
+from usp.run import resolve_eval
 from usp.eval.position import bucket_edges, bucket_losses
 from usp.eval.report import passkey_lines, passkey_result
 from usp.models.run_records import save_data_record, save_model_config
@@ -117,7 +118,7 @@ def test_bad_inputs_each_one_error(corpus, tmp_path):
     with pytest.raises(ValueError, match="holds 3000"):  # the passkey haystack, too
         plan_eval(replace(cfg, eval=replace(cfg.eval, lengths=[4096])))
     with pytest.raises(ValueError, match="not divisible by 2 x ring x ulysses = 8"):
-        eval_layout(replace(cfg, parallel=replace(cfg.parallel, ring_degree=4)), 4, "cpu",
+        resolve_eval(replace(cfg, parallel=replace(cfg.parallel, ring_degree=4)), 4, "cpu",
                     [128, 132])
     run = tmp_path / "run"
     with pytest.raises(ValueError, match="is not a directory"):

@@ -12,14 +12,15 @@ import torch.distributed as dist
 from ..config import RunConfig
 from ..launch import (choose_device, decide_together, init_from_env, launcher_env,
                       rendezvous_store, run_local)
-from .plan import eval_layout, plan_eval
+from ..run import resolve_eval
+from .plan import plan_eval
 from .runner import run_eval
 
 
 def _decide(cfg: RunConfig, world: int, device: str, out: str | None):
     """(EvalJob, RunLayout): every bad input refused here, before any process group."""
     job = plan_eval(cfg, out)
-    return job, eval_layout(job.cfg, world, device, job.lengths)
+    return job, resolve_eval(job.cfg, world, device, job.lengths)
 
 
 def _device(run) -> torch.device:

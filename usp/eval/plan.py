@@ -1,12 +1,11 @@
 """What ``usp-eval`` scores, decided before any process group (every bad input refused
 here, once): the model (a run directory's newest checkpoint, or the model group with
 ``model.pretrained``), the tokenizer, the validation split, every passkey case and every
-position-loss window, and the layout for the longest length."""
+position-loss window (the layout for the longest length: ``usp.run.resolve_eval``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import cache, partial
 from pathlib import Path
 
 import numpy as np
@@ -16,9 +15,6 @@ from ..data.dataset import validation_prefix
 from ..data.files import DTYPES, data_paths, read_meta, tokenizer_dir
 from ..models.export import resolve_checkpoint
 from ..models.run_records import TOKENIZER_DIR, load_data_record, load_model_config
-from ..run import RunLayout
-from ..run.decide import decide_a2a_chunks, decide_degrees, detected_cluster
-from ..validate import check_seq_len
 from .passkey import ByteTokenizer, Case, HFTokenizer, filler_haystack, passkey_cases, text_haystack
 
 
@@ -131,23 +127,6 @@ def _windows(val: np.ndarray | None, lengths: list[int], n: int, notes: list[str
         out[length] = np.stack([np.asarray(val[i * length:i * length + length + 1], dtype=np.int64)
                                 for i in range(k)])
     return out
-
-
-def eval_layout(cfg: RunConfig, world: int, device: str, lengths: list[int], env=None) -> RunLayout:
-    """The layout for ``world`` ranks at the longest of ``lengths`` (``auto`` degrees planned
-    there, with the training memory model: a forward-only mode is not modelled), every
-    length checked against it (``check_seq_len``)."""
-    longest = replace(cfg, data=replace(cfg.data, seq_len=max(lengths), batch_per_dp_rank=1))
-    pc = cfg.parallel
-    topology = cache(partial(detected_cluster, longest, world, pc.ranks_per_node, env))
-    u, r, dp, _ = decide_degrees(longest, world, env, topology)
-    for length in lengths:
-        check_seq_len(length, u, r, pc.balance)
-    chunks = decide_a2a_chunks(longest, world, u, r, dp, pc.ranks_per_node, topology)
-    return RunLayout(world=world, dp=dp, ring=r, ulysses=u, placement=pc.placement,
-                     ranks_per_node=pc.ranks_per_node, balance=pc.balance, kernel=pc.kernel,
-                     ring_impl=pc.ring_impl, a2a_chunks=chunks, device=device,
-                     dtype=cfg.trainer.dtype, seq_len=max(lengths), batch_per_dp_rank=1)
 
 
 def plan_eval(cfg: RunConfig, out: str | None = None) -> EvalJob:
