@@ -41,8 +41,9 @@ def _recall_refusal(where: str) -> ValueError:
                       "(data=memmap data.path=PREFIX)")
 
 
-def _run_model(cfg: RunConfig) -> tuple[ModelConfig, Path, dict | None]:
-    """(the run's model config, its newest verified checkpoint, its data record)."""
+def _run_model(cfg: RunConfig, notes: list[str]) -> tuple[ModelConfig, Path, dict | None]:
+    """(the run's model config, its newest verified checkpoint, its data record); ``notes``
+    gets the checkpoint scored and any newer one passed over."""
     run_dir = Path(cfg.eval.run_dir)
     if not run_dir.is_dir():
         raise ValueError(f"eval.run_dir={run_dir} is not a directory; give the run directory "
@@ -55,9 +56,10 @@ def _run_model(cfg: RunConfig) -> tuple[ModelConfig, Path, dict | None]:
         raise ValueError(f"eval.run_dir={run_dir} has no model_config.json (usp-train writes "
                          "it at the start of a run): not a usp run directory")
     try:
-        step = resolve_checkpoint(run_dir)
+        step = resolve_checkpoint(run_dir, log=notes.append)
     except ValueError as e:
         raise ValueError(f"eval.run_dir={run_dir}: no checkpoint to score: {e}") from None
+    notes.append(f"model: {step} (model only)")
     return replace(mc, pretrained=None), step, record
 
 
@@ -134,7 +136,7 @@ def plan_eval(cfg: RunConfig, out: str | None = None) -> EvalJob:
     ec, notes = cfg.eval, []
     checkpoint, record = None, None
     if ec.run_dir:
-        mc, checkpoint, record = _run_model(cfg)
+        mc, checkpoint, record = _run_model(cfg, notes)
         cfg = replace(cfg, model=mc)
     elif cfg.data.kind == "recall" and ec.tokenizer is None and not cfg.model.pretrained:
         raise _recall_refusal("the model (data=recall, no eval.run_dir)")
