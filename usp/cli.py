@@ -1,4 +1,4 @@
-"""Command-line entry points: ``usp-train`` and ``usp-plan`` (Hydra).
+"""Command-line entry points: ``usp-train``, ``usp-plan`` and ``usp-eval`` (Hydra).
 
 The only modules that touch Hydra/OmegaConf, with ``usp.hydra_app`` (how the app runs and
 how Hydra's refusals read): it composes ``configs/`` (+ ``recipes/``), validates against the
@@ -365,6 +365,26 @@ def _plan(cfg: PlanConfig) -> None:
 
 def plan_main() -> None:
     run_app(_plan_main, lambda e: _refuse("usp-plan", e), sys.argv)
+
+
+@hydra.main(config_path=CONFIG_DIR, config_name="eval", version_base="1.3")
+def _eval_main(dcfg) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from .eval.launch import evaluate
+
+    try:
+        code = evaluate(to_config(dcfg), HydraConfig.get().runtime.output_dir)
+    except (ValueError, FileNotFoundError) as e:  # refused before launch: no traceback
+        _refuse("usp-eval", e)
+    except RuntimeError as e:  # the ranks failed (their tracebacks are above)
+        _refuse("usp-eval", e, status=1)
+    if code:
+        raise SystemExit(code)
+
+
+def eval_main() -> None:
+    run_app(_eval_main, lambda e: _refuse("usp-eval", e), sys.argv)
 
 
 if __name__ == "__main__":  # torchrun -m usp.cli ...

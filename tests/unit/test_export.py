@@ -10,8 +10,8 @@ from dataclasses import asdict
 import pytest
 
 from usp.models.export import main
-from usp.models.run_records import (EXPORT_FACTS, MODEL_CONFIG, TOKENIZER_DIR, load_export_facts,
-                                   load_model_config)
+from usp.models.run_records import (DATA_RECORD, MODEL_CONFIG, TOKENIZER_DIR, load_data_record,
+                                    load_model_config)
 from usp.train.build import record_for_export
 
 from _export_runs import MODEL, TEXT, corpus, memmap, run_cfg
@@ -29,12 +29,15 @@ def test_a_run_records_its_model_config_and_its_datas_tokenizer(tmp_path):
     copy = AutoTokenizer.from_pretrained(str(tmp_path / "run" / TOKENIZER_DIR))
     assert copy(TEXT[1]).input_ids == tok(TEXT[1]).input_ids
     record_for_export(cfg, tmp_path / "run")  # a resumed run replaces the copy
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [EXPORT_FACTS, MODEL_CONFIG,
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [DATA_RECORD, MODEL_CONFIG,
                                                                     TOKENIZER_DIR]
-    assert load_export_facts(tmp_path / "run") == {"seq_len": 64, "eos_token_id": None}
+    assert load_data_record(tmp_path / "run") == {
+        "kind": "memmap", "seq_len": 64, "eos_token_id": None,
+        "path": str((tmp_path / "data" / "corpus.bin").resolve())}
 
     record_for_export(run_cfg(tmp_path / "recall"), tmp_path / "recall")  # no tokenizer
-    assert sorted(p.name for p in (tmp_path / "recall").iterdir()) == [EXPORT_FACTS, MODEL_CONFIG]
+    assert sorted(p.name for p in (tmp_path / "recall").iterdir()) == [DATA_RECORD, MODEL_CONFIG]
+    assert load_data_record(tmp_path / "recall")["kind"] == "recall"
     assert load_model_config(tmp_path / "nowhere") is None
 
 

@@ -27,7 +27,7 @@ LAYERS = (
     ("planner",),
     ("run",),
     ("train",),
-    ("slurm", "launch", "hydra_app", "cli", "bench"),  # hydra_app: only the CLI touches Hydra
+    ("slurm", "launch", "hydra_app", "cli", "bench", "eval"),  # hydra_app: only the CLI touches Hydra
 )
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 

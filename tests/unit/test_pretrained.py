@@ -166,7 +166,7 @@ def test_a_run_records_the_checkpoints_tokenizer_and_the_datas_eos(ckpts, tmp_pa
 
     from _export_runs import run_cfg, tiny_tokenizer
 
-    from usp.models.run_records import load_export_facts
+    from usp.models.run_records import load_data_record
     from usp.train.build import record_for_export
 
     d = tmp_path / "ckpt"
@@ -176,7 +176,8 @@ def test_a_run_records_the_checkpoints_tokenizer_and_the_datas_eos(ckpts, tmp_pa
     record_for_export(cfg, tmp_path / "run")
     copied = sorted(p.name for p in (tmp_path / "run" / "tokenizer").iterdir())
     assert "tokenizer_config.json" in copied and "model.safetensors" not in copied
-    assert load_export_facts(tmp_path / "run") == {"seq_len": 64, "eos_token_id": None}
+    assert {k: load_data_record(tmp_path / "run")[k] for k in ("seq_len", "eos_token_id")} == {
+        "seq_len": 64, "eos_token_id": None}
 
     from _export_runs import corpus, memmap
 
@@ -185,7 +186,7 @@ def test_a_run_records_the_checkpoints_tokenizer_and_the_datas_eos(ckpts, tmp_pa
     meta.write_text(json.dumps({**json.loads(meta.read_text()), "eos_id": 2}))
     record_for_export(run_cfg(tmp_path / "bytes", data=memmap(tmp_path / "data")),
                       tmp_path / "bytes")
-    assert load_export_facts(tmp_path / "bytes")["eos_token_id"] == 2
+    assert load_data_record(tmp_path / "bytes")["eos_token_id"] == 2
 
 
 def test_start_notes_report_the_rope_change_and_warn_when_nothing_is_extended(ckpts):

@@ -10,6 +10,7 @@ planner and the CLI (only the CLI touches Hydra/OmegaConf; it turns YAML into th
 | ``optim/``       | ``OptimConfig``                             | ``usp.config.optim``    |
 | ``trainer/``     | ``TrainerConfig``                           | ``usp.config.trainer``  |
 | ``logging/``     | ``LoggingConfig``                           | ``usp.config.logging``  |
+| ``eval/``        | ``EvalConfig``                              | ``usp.config.eval``     |
 | ``train.yaml``   | ``RunConfig``; ``plan.yaml``: ``PlanConfig`` | ``usp.config.run``      |
 
 Each default value is written once, in the dataclass. The group option ``train.yaml``
@@ -23,6 +24,7 @@ world size, the device or the file system are in ``usp.run.resolve_run``.
 
 from .cluster import ClusterSpec, load_cluster
 from .data import DATA_KINDS, BlendSource, DataConfig, MemmapData, RecallData
+from .eval import EvalConfig
 from .logging import LoggingConfig
 from .model import ModelConfig
 from .optim import OptimConfig
@@ -36,6 +38,7 @@ __all__ = [
     "BlendSource",
     "ClusterSpec",
     "DataConfig",
+    "EvalConfig",
     "LoggingConfig",
     "MemmapData",
     "ModelConfig",

@@ -7,6 +7,7 @@ from typing import Optional
 
 from .cluster import ClusterSpec
 from .data import DataConfig, RecallData
+from .eval import EvalConfig
 from .logging import LoggingConfig
 from .model import ModelConfig
 from .optim import OptimConfig
@@ -25,6 +26,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)  # usp-eval; passkey during training
 
 
 @dataclass

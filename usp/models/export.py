@@ -31,7 +31,7 @@ from ..config import ModelConfig
 from .checkpoint import step_dirs, verify_checkpoint
 from .hf_model import hf_config
 from .llama_hf import hf_equivalent, hf_names, zero_filled
-from .run_records import (HF_CONFIG_DIR, MODEL_CONFIG, TOKENIZER_DIR, load_export_facts,
+from .run_records import (HF_CONFIG_DIR, MODEL_CONFIG, TOKENIZER_DIR, load_data_record,
                           load_model_config)
 
 
@@ -110,17 +110,16 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, config=None,
     run_dir = step.parent.parent
     mc = load_model_config(run_dir)
     tokenizer = _run_tokenizer(run_dir, notes)
+    facts = load_data_record(run_dir) or {}  # the trained length, the data's EOS
     if mc is not None and mc.hf is None:
         if config is not None:
             raise ValueError(f"a config (--config) is for runs of a transformers model, but "
                              f"{run_dir / MODEL_CONFIG} says this run trained the built-in "
                              "model (hf: null); export it without one")
-        facts = load_export_facts(run_dir)  # the trained length, the data's EOS
         hc = hf_config(hf_equivalent(mc), facts.get("seq_len"))
         names, zeros = hf_names(mc), zero_filled(mc)
     else:
         hc, names, zeros = _hf_run_config(run_dir, mc, config), None, []
-        facts = load_export_facts(run_dir)
     if mc is not None and mc.rope == "per_document":
         notes.append("model.rope=per_document: positions restarted at each document in "
                      "training; the export computes what usp did on one document at a time "
@@ -241,6 +240,14 @@ def _load_weights(model, step: Path, names: dict[str, str] | None, zeros: list[s
     with torch.no_grad():
         for k in zeros:
             state[k].zero_()
+
+
+def load_model(step: str | Path, model) -> None:
+    """Model-only load: fill ``model`` (unsharded, the architecture the run trained: the
+    built-in ``Transformer`` or its transformers model) from checkpoint ``step``'s
+    ``model.<name>`` tensors; no optimizer, no schedule. Collective when a process group
+    is up (every rank reads alike). ValueError when the checkpoint does not fit."""
+    _load_weights(model, Path(step), None, [])
 
 
 def _shares_storage(t: torch.Tensor, state: dict, filled: set[str]) -> bool:

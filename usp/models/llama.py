@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from ..config import ModelConfig
 from .offload import ActivationOffload
 from .rope import apply_rope, rope_cos_sin
-from .tiling import chunked_lm_loss, lm_loss, tiled
+from .tiling import chunked_lm_loss, hidden_token_losses, lm_loss, tiled
 
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -207,7 +207,8 @@ class Transformer(nn.Module):
             p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
-                segment_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None):
+                segment_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                per_token: bool = False):
         """tokens [B, n] long; positions [n] or [B, n] long (the RoPE positions of these
         tokens); segment_ids [B, n] long or None (packed documents: a token attends only
         within its document) -> logits [B, n, V] in the parameter dtype.
@@ -216,7 +217,9 @@ class Transformer(nn.Module):
         cross-entropy in fp32 (0-dim) and each token's argmax [B, n] long. With
         ``cfg.loss_chunk`` the logits are made ``loss_chunk`` tokens at a time and never
         whole (``usp.models.tiling.chunked_lm_loss``); the head weight is used here, inside the
-        root module, so a root FSDP wrap has it gathered.
+        root module, so a root FSDP wrap has it gathered. ``per_token`` (with labels, no
+        gradients): each token's loss [B, n] instead of the sum
+        (``usp.models.tiling.hidden_token_losses``, chunked as the loss is).
         """
         b, n = tokens.shape if tokens.dim() == 2 else (None, None)
         if n is None or positions.shape not in ((n,), (b, n)):
@@ -237,6 +240,8 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin, segment_ids)
         h = self.norm(h)
         head = self.tok_embeddings.weight if self.output is None else self.output.weight  # [V, D]
+        if labels is not None and per_token:
+            return hidden_token_losses(h, head, labels, self.cfg.loss_chunk)
         if labels is not None and self.cfg.loss_chunk > 0:
             return chunked_lm_loss(h, head, labels, self.cfg.loss_chunk)
         logits = F.linear(h, head)  # [B, n, D] -> [B, n, V]

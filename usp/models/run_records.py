@@ -1,8 +1,8 @@
 """What a run records for export (rank 0, at the start of the run): the model group's fields
 (``model_config.json``), a transformers model's config (``hf_config/``), the tokenizer
-(``tokenizer/``: the data's, else a pretrained checkpoint's tokenizer files) and what the
-export needs of the data (``export.json``: the trained length, the data's EOS id), all under
-the run directory; and reading them back."""
+(``tokenizer/``: the data's, else a pretrained checkpoint's tokenizer files) and the
+data it read (``data_record.json``: its kind, the trained length, the data's EOS id, the token
+files; for the export and ``usp-eval``), all under the run directory; and reading them back."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from ..config import ModelConfig
 HF_CONFIG_DIR = "hf_config"  # under the run directory: a transformers model's config
 MODEL_CONFIG = "model_config.json"  # under the run directory: the model group's fields
 TOKENIZER_DIR = "tokenizer"  # under the run directory: the data's tokenizer, when it has one
-EXPORT_FACTS = "export.json"  # under the run directory: {"seq_len": L, "eos_token_id": id}
+DATA_RECORD = "data_record.json"  # under the run directory: what the run read (export, usp-eval)
 # the files of a Hugging Face tokenizer (save_pretrained), without the model's
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
@@ -92,16 +92,27 @@ def save_tokenizer_files(src: str | Path, run_dir: str | Path) -> Path | None:
     return out
 
 
-def save_export_facts(run_dir: str | Path, seq_len: int, eos_token_id: int | None) -> Path:
-    """Write ``run_dir/export.json``: the trained sequence length (the export's
-    ``max_position_embeddings``) and the data's EOS id (its ``eos_token_id``)."""
-    out = Path(run_dir) / EXPORT_FACTS
+def save_data_record(data, run_dir: str | Path, eos_token_id: int | None) -> Path:
+    """Write ``run_dir/data_record.json``: the data's ``kind``, ``seq_len`` (the export's
+    ``max_position_embeddings``), its EOS id (the export's ``eos_token_id``) and, for token
+    files, the first source's ``path`` (``usp-eval`` finds the validation split and the
+    tokenizer from it)."""
+    sources = data.sources() if hasattr(data, "sources") else []
+    record = {"kind": data.kind, "seq_len": data.seq_len, "eos_token_id": eos_token_id,
+              "path": str(Path(sources[0][0]).resolve()) if sources else None}
+    out = Path(run_dir) / DATA_RECORD
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"seq_len": seq_len, "eos_token_id": eos_token_id}) + "\n")
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    tmp.replace(out)
     return out
 
 
-def load_export_facts(run_dir: str | Path) -> dict:
-    """``run_dir/export.json`` as a dict; {} for a run from before usp recorded it."""
-    path = Path(run_dir) / EXPORT_FACTS
-    return json.loads(path.read_text()) if path.is_file() else {}
+def load_data_record(run_dir: str | Path) -> dict | None:
+    """``save_data_record``'s record of ``run_dir``; None when the run has none."""
+    path = Path(run_dir) / DATA_RECORD
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is unreadable ({e}); delete it and pass data=memmap "
+                         "data.path=PREFIX") from None

@@ -10,7 +10,9 @@
 Both give the same loss and gradients as the untiled computation: every token's logits
 and MLP are computed by the same ops on the same values; only the grouping changes.
 
-``lm_loss`` is the untiled loss of whole logits; ``loss_share`` turns a rank's loss sum into
+``lm_loss`` is the untiled loss of whole logits; ``token_losses`` / ``hidden_token_losses``
+give each token's own loss and argmax (evaluation: passkey scoring, loss by position);
+``loss_share`` turns a rank's loss sum into
 what it back-propagates, for the built-in model and a transformers model alike.
 """
 
@@ -137,3 +139,31 @@ def loss_share(loss_sum: torch.Tensor, count: torch.Tensor | float,
     over them are the one-process gradient. A reduction that averages over the ranks (FSDP)
     undoes a ``ranks`` scale, so the trainer passes ``ranks`` = their number."""
     return loss_sum * (ranks / count)
+
+
+@torch.no_grad()
+def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, n, V] (any float dtype), labels [B, n] -> (losses [B, n] fp32 (fp64 for
+    fp64 logits): each token's cross-entropy, 0 where the label is ``-100``; predictions
+    [B, n] long, each token's argmax). No gradients: for scoring."""
+    logits = _upcast(logits)  # [B, n, V]
+    losses = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                             reduction="none").view(labels.shape)  # [B*n] -> [B, n]
+    return losses, logits.argmax(-1)
+
+
+@torch.no_grad()
+def hidden_token_losses(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                        chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``token_losses`` of the logits ``F.linear(h, weight)`` (h [B, n, D] after the final
+    norm, weight [V, D]), made ``chunk`` tokens at a time when ``chunk > 0`` (never a whole
+    [B, n, V] tensor, as ``chunked_lm_loss``), whole when ``chunk == 0``."""
+    if chunk <= 0:
+        return token_losses(F.linear(h, weight), labels)
+    flat_h = h.reshape(-1, h.shape[-1])  # [B, n, D] -> [B*n, D]
+    flat_y = labels.reshape(-1)  # [B, n] -> [B*n]
+    parts = [token_losses(_chunk_logits(flat_h[s:s + chunk], weight).unsqueeze(0),
+                          flat_y[s:s + chunk].unsqueeze(0))
+             for s in range(0, flat_h.shape[0], chunk)]  # each ([1, c], [1, c])
+    losses = torch.cat([p[0] for p in parts], dim=1).view(labels.shape)
+    return losses, torch.cat([p[1] for p in parts], dim=1).view(labels.shape)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cache, partial
 
 import torch.distributed as dist
@@ -9,7 +10,7 @@ import torch.distributed as dist
 from ..config import RunConfig
 from ..models.pretrained import start_notes
 from ..planner.batch import grad_accum_steps
-from ..validate import check_ranks_per_node
+from ..validate import check_ranks_per_node, check_seq_len
 from .decide import decide_a2a_chunks, decide_degrees, detected_cluster
 from .layout import RunLayout
 from .preflight import check_inputs, check_task
@@ -101,3 +102,23 @@ def scheduler_hosts_notice(cfg: RunConfig, placement: str) -> str | None:
         return None
     return (f"parallel.ranks_per_node={cfg.parallel.ranks_per_node} ignored under Slurm: the "
             f"mesh uses the job's hosts ({placement})")
+
+
+def resolve_eval(cfg: RunConfig, world: int, device: str, lengths: list[int],
+                 env=None) -> RunLayout:
+    """``usp-eval``'s layout for ``world`` ranks at the longest of ``lengths`` (``auto``
+    degrees planned there with the training memory model: a forward-only mode is not
+    modelled), every length checked against it (``check_seq_len``); one sample a row. The
+    data's own checks are ``usp.eval.plan``'s."""
+    longest = replace(cfg, data=replace(cfg.data, seq_len=max(lengths), batch_per_dp_rank=1))
+    pc = cfg.parallel
+    check_ranks_per_node(world, pc.ranks_per_node, "parallel.ranks_per_node")
+    topology = cache(partial(detected_cluster, longest, world, pc.ranks_per_node, env))
+    u, r, dp, _ = decide_degrees(longest, world, env, topology)
+    for length in lengths:
+        check_seq_len(length, u, r, pc.balance)
+    chunks = decide_a2a_chunks(longest, world, u, r, dp, pc.ranks_per_node, topology)
+    return RunLayout(world=world, dp=dp, ring=r, ulysses=u, placement=pc.placement,
+                     ranks_per_node=pc.ranks_per_node, balance=pc.balance, kernel=pc.kernel,
+                     ring_impl=pc.ring_impl, a2a_chunks=chunks, device=device,
+                     dtype=cfg.trainer.dtype, seq_len=max(lengths), batch_per_dp_rank=1)

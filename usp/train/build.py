@@ -19,7 +19,7 @@ from ..data.files import tokenizer_dir
 from ..layout import SequenceLayout
 from ..mesh import SPMesh
 from ..data.dataset import data_eos_id
-from ..models.run_records import (save_export_facts, save_model_config, save_tokenizer,
+from ..models.run_records import (save_data_record, save_model_config, save_tokenizer,
                                   save_tokenizer_files)
 from ..models.shard_load import load_shards
 from ..models.llama import Transformer
@@ -122,16 +122,16 @@ def record_for_export(cfg: RunConfig, run_dir: str) -> None:
     """Rank 0, at the start of a run: what ``usp-export`` needs besides the checkpoints, in
     the run directory: the model group (``model_config.json``), for token files with a
     tokenizer (``data.path`` + ``.tokenizer``) a copy of it (``tokenizer/``; else a
-    pretrained checkpoint's tokenizer files), the trained length and the data's EOS id
-    (``export.json``)."""
+    pretrained checkpoint's tokenizer files), and what data it reads (``data_record.json``:
+    its kind, the trained length, the data's EOS id, the token files, for the export and
+    ``usp-eval``)."""
     save_model_config(cfg.model, run_dir)
+    save_data_record(cfg.data, run_dir, data_eos_id(cfg.data))
     tokenizer = False
     if isinstance(cfg.data, MemmapData):
         first = cfg.data.sources()[0][0]  # a blend's sources share one tokenizer
         if tokenizer_dir(first).is_dir():
             save_tokenizer(tokenizer_dir(first), run_dir)
             tokenizer = True
-    # export: the pretrained directory's tokenizer, the trained length, the data's EOS id
-    if not tokenizer and cfg.model.pretrained is not None:
+    if not tokenizer and cfg.model.pretrained is not None:  # export: the checkpoint's own
         save_tokenizer_files(cfg.model.pretrained, run_dir)
-    save_export_facts(run_dir, cfg.data.seq_len, data_eos_id(cfg.data))

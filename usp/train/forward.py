@@ -10,7 +10,7 @@ import torch
 
 from ..data.packing import Batch
 from ..models.llama import Transformer
-from ..models.tiling import lm_loss
+from ..models.tiling import lm_loss, token_losses
 
 
 def _is_hf(model) -> bool:
@@ -49,3 +49,14 @@ def loss_and_predictions(model, batch: Batch, positions: torch.Tensor):
     if not isinstance(model, Transformer):
         return lm_loss(forward(model, batch, positions), batch.labels)
     return model(batch.tokens, _rope(batch, positions), batch.segment_ids, labels=batch.labels)
+
+
+def token_losses_and_predictions(model, batch: Batch, positions: torch.Tensor):
+    """(losses [B, L/P] fp32, predictions [B, L/P] long) of this rank's ``batch``: each
+    token's cross-entropy (0 where unlabelled) and argmax, for scoring (no gradients). The
+    built-in ``Transformer`` computes them itself (``per_token``, with ``model.loss_chunk``
+    too); any other model's logits go through ``usp.models.tiling.token_losses``."""
+    if not isinstance(model, Transformer):
+        return token_losses(forward(model, batch, positions), batch.labels)
+    return model(batch.tokens, _rope(batch, positions), batch.segment_ids, labels=batch.labels,
+                 per_token=True)

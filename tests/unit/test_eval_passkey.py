@@ -1,0 +1,136 @@
+"""``usp.eval``'s pure half: passkey cases (exact length, the needle at its depth, the key
+last, seeded), their scoring, loss-by-position buckets; and ``usp-eval``'s bad inputs, each
+one ValueError from ``plan_eval``/``resolve_eval`` before any process group (the runs
+themselves: ``distributed/test_eval_ranks.py``)."""
+
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from usp.config import EvalConfig, RecallData
+from usp.eval.passkey import (NEEDLE, QUESTION, ByteTokenizer, answer_ids, case_labels,
+                              passkey_cases, score, text_haystack)
+from usp.eval.plan import plan_eval
+from usp.run import resolve_eval
+from usp.eval.position import bucket_edges, bucket_losses
+from usp.eval.report import passkey_lines, passkey_result
+from usp.models.run_records import save_data_record, save_model_config
+
+from _eval_runs import MODEL, byte_corpus, run_cfg
+
+BYTES = ByteTokenizer()
+
+
+def _cases(seed=0, **kw):
+    args = dict(lengths=[200, 300], depths=[0.0, 0.5, 1.0], per_cell=3, key_digits=5,
+                seed=seed, vocab_size=257)
+    return passkey_cases(BYTES, **{**args, **kw})
+
+
+def test_cases_hold_the_needle_at_its_depth_and_the_key_last():
+    cases = _cases()
+    assert len(cases) == 2 * 3 * 3
+    for c in cases:
+        assert len(c.tokens) == c.length and c.key_len == 5 and len(c.key) == 5
+        text = BYTES.decode(c.tokens)
+        needle = NEEDLE.format(key=c.key)
+        assert text.endswith(QUESTION + " " + c.key)
+        assert BYTES.decode(c.tokens[c.needle_at:c.needle_at + len(needle)]) == needle
+        hay = c.length - len(needle) - len(QUESTION) - 6  # " " + 5 digits
+        assert c.needle_at == round(c.depth * hay)
+    assert cases[0].needle_at == 0 and cases[6].needle_at > cases[3].needle_at > 0
+
+
+def test_cases_are_seeded():
+    assert _cases() == _cases()
+    assert [c.key for c in _cases()] != [c.key for c in _cases(seed=1)]
+    # a cell's keys do not depend on which other cells are scored
+    alone = passkey_cases(BYTES, [300], [1.0], 3, 5, 0, 257)
+    assert [c.key for c in alone] == [c.key for c in _cases() if c.length == 300 and c.depth == 1.0]
+    assert len({c.key for c in _cases()}) > 10
+
+
+def test_text_haystack_and_its_shortage():
+    text = np.arange(10, 250, dtype=np.int64)
+    cases = _cases(haystack=text_haystack(text), lengths=[200])
+    assert all(set(c.tokens[:c.needle_at]) <= set(text.tolist()) for c in cases)
+    with pytest.raises(ValueError, match="holds 240"):
+        _cases(haystack=text_haystack(text), lengths=[400])
+
+
+def test_score_is_exact_match_of_every_key_token():
+    case = _cases()[0]
+    labels = case_labels(case)
+    rows = [t for t, y in enumerate(labels) if y != -100]
+    assert rows == list(range(case.length - 6, case.length - 1))
+    preds = [0] * case.length
+    for t in rows:
+        preds[t] = case.tokens[t + 1]
+    losses = [0.0] * case.length
+    losses[rows[0]] = 2.5
+    s = score(case, losses, preds)
+    assert s["passed"] and s["key_logprob"] == pytest.approx(-0.5)
+    preds[rows[-1]] += 1
+    assert not score(case, losses, preds)["passed"]
+    result = passkey_result([s], [case.length], [case.depth], case.length, 5)
+    assert result["accuracy"] == [[1.0]] and "teacher-forced" in result["scoring"]
+    assert passkey_lines(result)[0].startswith(f"passkey L={case.length}: accuracy 1.000")
+
+
+def test_position_buckets_weighted_by_tokens():
+    assert bucket_edges(10, 4) == [0, 2, 5, 7, 10]
+    assert bucket_edges(3, 16) == [0, 1, 2, 3]
+    out = bucket_losses([1.0, 3.0, 6.0, 0.0], [1, 1, 2, 0], 2)
+    assert out[0] == 2.0 and out[1] == 3.0
+    assert math.isnan(bucket_losses([0.0, 0.0], [0, 0], 1)[0])
+
+
+def test_a_key_the_tokenizer_cannot_encode():
+    with pytest.raises(ValueError, match="cannot encode the key '12345'"):
+        answer_ids(BYTES, "12345", vocab_size=40)  # the digits' bytes are past the vocabulary
+    assert answer_ids(BYTES, "12345", 257) == (list(b" 12345"), 5)  # the space is not scored
+
+
+def test_bad_depth_is_refused_by_the_config():
+    with pytest.raises(ValueError, match=r"eval.depths has \[1.5\] outside \[0, 1\]"):
+        EvalConfig(depths=[0.0, 1.5])
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return byte_corpus(tmp_path_factory.mktemp("eval") / "bytes")
+
+
+def test_plan_from_the_data_uses_its_byte_tokenizer_and_text(corpus, tmp_path):
+    job = plan_eval(replace(run_cfg(tmp_path, corpus), eval=EvalConfig(
+        lengths=[128], depths=[0.5], per_cell=1, key_digits=3, windows=3)), out=str(tmp_path))
+    assert [c.length for c in job.cases] == [128] and job.windows[128].shape == (3, 129)
+    assert job.out == tmp_path and job.train_len == 128 and job.checkpoint is None
+    assert "validation text" in job.notes[0]
+
+
+def test_bad_inputs_each_one_error(corpus, tmp_path):
+    cfg = run_cfg(tmp_path / "run", corpus)
+    with pytest.raises(ValueError, match="validation split holds 3000 tokens"):
+        plan_eval(replace(cfg, eval=replace(cfg.eval, lengths=[4096], passkey=False)))
+    with pytest.raises(ValueError, match="holds 3000"):  # the passkey haystack, too
+        plan_eval(replace(cfg, eval=replace(cfg.eval, lengths=[4096])))
+    with pytest.raises(ValueError, match="not divisible by 2 x ring x ulysses = 8"):
+        resolve_eval(replace(cfg, parallel=replace(cfg.parallel, ring_degree=4)), 4, "cpu",
+                    [128, 132])
+    run = tmp_path / "run"
+    with pytest.raises(ValueError, match="is not a directory"):
+        plan_eval(replace(cfg, eval=replace(cfg.eval, run_dir=str(run))))
+    save_model_config(MODEL, run)
+    save_data_record(cfg.data, run, None)
+    with pytest.raises(ValueError, match="no checkpoint to score"):
+        plan_eval(replace(cfg, eval=replace(cfg.eval, run_dir=str(run))))
+    recall = tmp_path / "recall"
+    save_data_record(RecallData(), recall, None)
+    with pytest.raises(ValueError, match="synthetic recall task"):
+        plan_eval(replace(cfg, eval=replace(cfg.eval, run_dir=str(recall))))
+    with pytest.raises(ValueError, match="synthetic recall task"):
+        plan_eval(replace(cfg, data=RecallData()))
+

@@ -1,0 +1,104 @@
+"""What ``usp-eval`` writes: ``passkey.json`` + ``passkey.png`` (the length x depth heatmap)
+and ``position_loss.json`` + ``position_loss.png`` (loss against position, one curve per
+length), and the console's one line per length. Matplotlib's Agg backend (no display)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Sequence
+
+from .passkey import SCORING, accuracy_grid
+
+
+def passkey_result(scores: list[dict], lengths: Sequence[int], depths: Sequence[float],
+                   train_len: int | None, key_digits: int) -> dict:
+    """passkey.json's content."""
+    return {"lengths": list(lengths), "depths": list(depths),
+            "accuracy": accuracy_grid(scores, lengths, depths), "scoring": SCORING,
+            "key_digits": key_digits, "chance": 10.0 ** -key_digits,
+            "train_length": train_len, "cases": scores}
+
+
+def passkey_lines(result: dict) -> list[str]:
+    """One console line per length: accuracy over its depths and the mean key log-likelihood."""
+    lines = []
+    for length, row in zip(result["lengths"], result["accuracy"]):
+        mine = [c for c in result["cases"] if c["length"] == length]
+        lp = sum(c["key_logprob"] for c in mine) / len(mine)
+        worst = min(zip(row, result["depths"]))
+        lines.append(f"passkey L={length}: accuracy {sum(row) / len(row):.3f} over "
+                     f"{len(row)} depths ({len(mine)} cases; lowest {worst[0]:.2f} at depth "
+                     f"{worst[1]:g}), key log-likelihood {lp:.3f}/token")
+    return lines
+
+
+def position_lines(result: dict) -> list[str]:
+    return [f"position loss L={length}: first bucket {row[0]:.3f}, last {row[-1]:.3f} "
+            f"({len(row)} buckets)" for length, row in zip(result["lengths"], result["loss"])]
+
+
+def write_json(path: Path, content: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(content, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def _figure(w: float, h: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(w, h), dpi=100)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def passkey_png(result: dict, path: Path) -> None:
+    """The heatmap: depths across, lengths down, accuracy as colour (0..1, colour bar), each
+    cell's value written in it, the training length's row marked."""
+    lengths, depths, acc = result["lengths"], result["depths"], result["accuracy"]
+    fig = _figure(max(6.4, 2.8 + 0.55 * len(depths)), max(3.6, 1.8 + 0.5 * len(lengths)))
+    ax = fig.add_subplot(1, 1, 1)
+    im = ax.imshow(acc, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
+    fig.colorbar(im, ax=ax, label="accuracy")
+    ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
+    train = result.get("train_length")
+    ax.set_yticks(range(len(lengths)), [f"{n}{' (train)' if n == train else ''}"
+                                        for n in lengths])
+    ax.set_xlabel("needle depth (0: start of the haystack, 1: end)")
+    ax.set_ylabel("sequence length (tokens)")
+    ax.set_title(f"passkey retrieval, {result['key_digits']}-digit keys (teacher-forced "
+                 "exact match)", fontsize=10)
+    for i, row in enumerate(acc):
+        for j, v in enumerate(row):
+            ax.text(j, i, "-" if math.isnan(v) else f"{v:.1f}", ha="center", va="center",
+                    fontsize=9)
+    if train in lengths:
+        i = lengths.index(train)
+        from matplotlib.patches import Rectangle
+
+        ax.add_patch(Rectangle((-0.5, i - 0.5), len(depths), 1, fill=False, lw=2.0,
+                               ec="black"))
+    fig.tight_layout()
+    fig.savefig(str(path))
+
+
+def position_png(result: dict, path: Path, train_len: int | None) -> None:
+    """Loss against position (bucket centres, tokens), one curve per length; the training
+    length as a dashed line."""
+    fig = _figure(6.4, 4.0)
+    ax = fig.add_subplot(1, 1, 1)
+    for length, row in zip(result["lengths"], result["loss"]):
+        b = len(row)
+        ax.plot([(i + 0.5) * length / b for i in range(b)], row, marker="o", ms=3,
+                label=f"L={length}")
+    if train_len:
+        ax.axvline(train_len, color="grey", ls="--", lw=1, label=f"training length {train_len}")
+    ax.set_xlabel("position in the window (tokens)")
+    ax.set_ylabel("mean loss per token (nats)")
+    ax.set_title(f"loss by position ({result['buckets']} buckets per length)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(str(path))
