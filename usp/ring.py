@@ -95,7 +95,9 @@ class RingPlan:
     as in ``usp_attention``; ``tile``: tile edge for masked run pairs (default
     ``tile_size``); ``segments``: each ring rank's segment of this row as ranges of global
     positions (``usp.dims.balance.per_document_segments``), instead of ``balance``'s (one
-    row's ownership: every batch row must have it). ``hops``: K/V hops the ring makes;
+    row's ownership: every batch row must have it; with ``segment_ids`` the trailing steps
+    that are empty for every ring rank are dropped, ``dropped_hops`` of them). ``hops``:
+    K/V hops the ring makes;
     ``step(s)``: the calls for the block of ring rank ``rank - s``; ``diagonal()`` / ``diagonal_split()``: the own
     block, whole (forward) or as (now, later) around the key half (backward).
     """
@@ -122,6 +124,10 @@ class RingPlan:
             self.hops = last_step(self._row_spans, self.lo, self.hi)
         self.ids = None if segment_ids is None else segment_ids.cpu()  # planned on the host
         self._steps: dict = {}
+        self.dropped_hops = 0  # trailing steps a row's documents leave empty for every rank
+        if self.segments is not None and self.ids is not None:
+            while self.hops and not any(self._block(i, self.hops) for i in range(size)):
+                self.hops, self.dropped_hops = self.hops - 1, self.dropped_hops + 1
 
     def spans(self, ring_rank: int) -> tuple[Span, ...]:
         if self._row_spans is not None:
@@ -139,15 +145,20 @@ class RingPlan:
             return None  # [B, L] -> [B, L/r]: the segment's ids in segment order
         return self.ids.index_select(1, self.positions(ring_rank))
 
-    def _pieces(self, src: int, **kw) -> list[Piece]:
-        return block_pieces(self.spans(self.rank), self.spans(src), self.lo, self.hi,
-                            self._ids(self.rank), self._ids(src), self.tile, **kw)
+    def _block(self, ring_rank: int, s: int) -> list[Piece]:
+        """Calls of ring rank ``ring_rank`` at step ``s`` (its own are kept)."""
+        if ring_rank == self.rank and s in self._steps:
+            return self._steps[s]
+        src = (ring_rank - s) % self.size
+        pieces = block_pieces(self.spans(ring_rank), self.spans(src), self.lo, self.hi,
+                              self._ids(ring_rank), self._ids(src), self.tile)
+        if ring_rank == self.rank:
+            self._steps[s] = pieces
+        return pieces
 
     def step(self, s: int) -> list[Piece]:
         """Calls for the block that arrives at step ``s`` (from ring rank ``rank - s``)."""
-        if s not in self._steps:
-            self._steps[s] = self._pieces((self.rank - s) % self.size)
-        return self._steps[s]
+        return self._block(self.rank, s)
 
     def diagonal(self) -> list[Piece]:
         return self.step(0)
@@ -216,6 +227,8 @@ def ring_forward(q, k, v, comm: RingComm | None, plan: RingPlan, kernel: Kernel,
     s = q.shape[1]
     diag = plan.diagonal()
     _count(stats, "forward", 0, diag)
+    if stats is not None:
+        stats.hops_dropped["forward"] += plan.dropped_hops
     pending = None
     if plan.hops:
         kv = torch.stack([k, v])  # [2, B, S, Hkv, d]: one message per step
@@ -248,6 +261,8 @@ def ring_backward(dout, q, k, v, out, lse, comm: RingComm | None, plan: RingPlan
     goes to the block's owner, which meanwhile runs the "later" part of its diagonal.
     """
     hops, size, whole = plan.hops, plan.size, slice(0, q.shape[1])
+    if stats is not None:
+        stats.hops_dropped["backward"] += plan.dropped_hops
     if not hops and len(diag := plan.diagonal()) == 1 and diag[0].qs == diag[0].ks == whole:
         # one kernel call holds every gradient (pure ulysses, or a window within the
         # segment): no accumulators, no K/V stack; the same values as the general path

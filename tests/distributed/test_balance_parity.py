@@ -4,7 +4,8 @@ attention with the document mask (out, dq, dk, dv within 2e-5, fp32).
 Rows: one long document, many short ones (one-token documents among them), documents
 longer than L/r next to ones shorter than 2r; B=3 with different documents per row (a
 ring pass per row) and B=2 with the same documents (one pass); MHA, GQA and MQA; sliding
-windows shorter than a part and longer than a segment. Layouts (1,4), (2,2) on 4 ranks and
+windows shorter than a part and longer than a segment; one-token documents, where the
+ring drops every hop. Layouts (1,4), (2,2) on 4 ranks and
 (2,4), (1,8) on 8.
 """
 
@@ -26,7 +27,8 @@ ROWS = [
 ]
 CASES = [dict(rows=ROWS, hq=4, hkv=2, window=None), dict(rows=ROWS, hq=4, hkv=1, window=5),
          dict(rows=ROWS[1:], hq=4, hkv=4, window=20),
-         dict(rows=[ROWS[2], ROWS[2]], hq=4, hkv=2, window=100)]
+         dict(rows=[ROWS[2], ROWS[2]], hq=4, hkv=2, window=100),
+         dict(rows=[(1,) * L] * 2, hq=2, hkv=1, window=None)]  # every hop dropped
 
 
 def _ids(rows):
@@ -47,7 +49,11 @@ def _check(mesh, seed, rows, hq, hkv, window, d=8):
     out = usp_attention(ql, kl, vl, mesh=mesh, layout=layout, segment_ids=layout.shard(ids),
                         window=window)
     out.backward(layout.shard(dout))
+    ring = mesh.ring
     got = [layout.gather(t.detach()) for t in (out, ql.grad, kl.grad, vl.grad)]
+    if all(n == 1 for n in rows[0]):  # one pass, nothing to see on another rank
+        assert mesh.comm.hops_dropped == {"forward": ring - 1, "backward": ring - 1}
+        assert mesh.comm.bytes["ring"] == 0
     errs = _errors(got, ref)
     assert all(e <= TOL[torch.float32] for _, e in errs), (mesh.ulysses, mesh.ring, seed, errs)
     # every rank holds its rows' L/P tokens: the positions are a permutation per row

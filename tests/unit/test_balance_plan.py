@@ -72,3 +72,20 @@ def test_counted_pairs_are_the_work_of_each_rank():
         assert fwd == visible_pairs(segments[plan.rank], docs)
         work.append(fwd)
     assert len(set(work)) == 1
+
+
+def test_trailing_steps_empty_for_every_rank_are_dropped():
+    ones = (1,) * 64  # one-token documents: nothing to see on another rank
+    plans = _plans(ones, 4)
+    assert [(p.hops, p.dropped_hops) for p in plans] == [(0, 3)] * 4
+    long = _plans((64,), 4)
+    assert [(p.hops, p.dropped_hops) for p in long] == [(3, 0)] * 4
+    # pairs of two-token documents: ranks see the rank that holds their first token only
+    pairs = _plans((2,) * 32, 4)
+    assert len({p.hops for p in pairs}) == 1
+    assert any(p.step(pairs[0].hops) for p in pairs)  # the last step made carries something
+    stats = CommStats()
+    q, k, v = (torch.randn(1, 16, 1, 4, requires_grad=True) for _ in range(3))
+    out = RingAttention.apply(q, k, v, None, plans[1], get_kernel("reference"), 0.5, stats)
+    out.sum().backward()  # no hop at all: no transport needed
+    assert stats.hops_dropped == {"forward": 3, "backward": 3}

@@ -25,7 +25,8 @@ class CommStats:
     """Bytes sent, calls and blocked seconds per mesh axis (``ulysses``, ``ring``, ``sp``...),
     and the ring's local kernel calls per (``"forward"``/``"backward"``, ring step), with
     the (query, key) pairs those calls compute (``kernel_pairs``, per batch row and head:
-    ``usp.masks.piece_pairs``), the attention work a rank did at each step.
+    ``usp.masks.piece_pairs``), the attention work a rank did at each step, and the ring
+    steps a row's documents left empty for every rank (``hops_dropped``, per phase).
 
     ``seconds`` (= ``exposed_s``) is the time the caller was blocked on an axis;
     ``hidden_s`` the time exchanges left in flight (``InFlight``: the ulysses all-to-alls,
@@ -46,6 +47,7 @@ class CommStats:
     event_factory: Callable | None = None
     kernel_calls: Counter = field(default_factory=Counter)
     kernel_pairs: Counter = field(default_factory=Counter)
+    hops_dropped: Counter = field(default_factory=Counter)  # per phase: ring steps not made
     _seconds: Counter = field(default_factory=Counter, repr=False)
     hidden_s: Counter = field(default_factory=Counter)
     _pending: list = field(default_factory=list, repr=False)  # (axis, start, end) events
@@ -91,6 +93,7 @@ class CommStats:
         self.calls.clear()
         self.kernel_calls.clear()
         self.kernel_pairs.clear()
+        self.hops_dropped.clear()
         self._seconds.clear()
         self._pending.clear()
         self.hidden_s.clear()
