@@ -24,10 +24,10 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--root", default=stdlib_root(), help="the standard library's folder")
     p.add_argument("--lens", default=None, help="row lengths L, comma separated (32768)")
-    p.add_argument("--rings", default="2,4,8")
+    p.add_argument("--rings", default="2,4,8", help="ring degrees counted ('': none)")
     p.add_argument("--every", type=int, default=None, help="count every n-th row (1)")
     p.add_argument("--time-len", type=int, default=32768)
-    p.add_argument("--time-rows", type=int, default=None, help="rows timed at r=2 (6)")
+    p.add_argument("--time-rows", type=int, default=None, help="rows timed at r=2 (6; 0: no timing)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=32)
@@ -64,14 +64,16 @@ def main(argv=None) -> None:
     args = _parser().parse_args(argv)
     if args.quick:
         args.lens = args.lens or "8192"
-        args.every, args.time_rows, args.time_len = args.every or 8, args.time_rows or 2, 8192
+        args.every, args.time_len = args.every or 8, 8192
+        args.time_rows = 2 if args.time_rows is None else args.time_rows
         args.rounds = min(args.rounds, 3)
     lens = stdlib_doc_lens(args.root)
     print(f"corpus: {args.root}: {len(lens)} documents, {sum(lens)} tokens", flush=True)
-    for seq_len in _ints(args.lens or "32768"):
+    for seq_len in _ints(args.lens or "32768") if args.rings else ():
         counted(lens, seq_len, _ints(args.rings), args.every or 1)  # prints its lines
-    args.time_rows = args.time_rows or 6
-    print(timing(lens, args))
+    args.time_rows = 6 if args.time_rows is None else args.time_rows
+    if args.time_rows:
+        print(timing(lens, args))
 
 
 if __name__ == "__main__":
