@@ -136,6 +136,8 @@ def usp_attention(
     kern = get_kernel(kernel)
     ids = None if segment_ids is None else gather_segment_ids(segment_ids, layout)  # [B, L]
     axis, comm = _exchanges(mesh, ring_impl)
+    if layout.balance == "per_document":  # each row its own segments: a ring pass per row
+        return _per_row(q, k, v, axis, comm, layout, causal, window, ids, kern, scale, stages)
     plan = RingPlan(mesh.ring_rank, mesh.ring, layout.segment_len, causal, layout.balance,
                     window, ids)
     ring = (comm, plan, kern, scale, mesh.comm)  # ring_forward's arguments after q, k, v
@@ -155,11 +157,35 @@ def usp_attention(
     return out
 
 
+def _per_row(q, k, v, axis, comm, layout, causal, window, ids, kern, scale, stages):
+    """``usp_attention`` under a ``DocumentLayout``: one ring pass for the whole batch when
+    every row has the same documents, else one per row (B passes of 1/B of the bytes)."""
+    mesh = layout.mesh
+    if stages > 1:
+        raise ValueError(f"a per_document layout runs the ring row by row; its ulysses "
+                         f"all-to-alls are not pipelined: pass a2a_chunks=1 (got {stages})")
+    if axis is not None:
+        q, k, v = SeqToHead.apply(q, k, v, axis)  # [B, L/P, H, d] -> [B, L/r, H/u, d]
+    same = all(docs == layout.rows[0] for docs in layout.rows)
+    rows = [slice(0, q.shape[0])] if same else [slice(b, b + 1) for b in range(q.shape[0])]
+    outs = []
+    for b in rows:
+        plan = RingPlan(mesh.ring_rank, mesh.ring, layout.segment_len, causal, "zigzag",
+                        window, None if ids is None else ids[b], segments=layout.segments[b.start])
+        outs.append(RingAttention.apply(q[b], k[b], v[b], comm, plan, kern, scale, mesh.comm))
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]  # [B, L/r, H/u, d]
+    return out if axis is None else HeadToSeq.apply(out, axis)  # -> [B, L/P, H, d]
+
+
 def _check_call(q, k, v, mesh: SPMesh, layout: SequenceLayout, causal: bool, kernel,
                 ring_impl: str, segment_ids, window, a2a_chunks) -> int:
     """Every rule for one ``usp_attention`` call, before any collective; returns its
     pipeline stages (``attention_stages``)."""
     check_inputs(q, k, v, mesh, layout)
+    if layout.balance == "per_document" and (ring_impl != "usp" or q.shape[0] != layout.batch):
+        raise ValueError(f"a per_document layout of {layout.batch} rows needs ring_impl='usp' "
+                         f"and q of {layout.batch} rows, got {ring_impl!r} and "
+                         f"{q.shape[0]}; build DocumentLayout from this batch's documents")
     check_masks(segment_ids, window, batch=q.shape[0], seq_len=q.shape[1], device=q.device,
                 kernel=kernel, ring_impl=ring_impl)
     dev, dtype, d = q.device.type, q.dtype, q.shape[-1]

@@ -130,6 +130,14 @@ class Piece:
         return not self.causal and self.mask is None
 
 
+def piece_pairs(p: Piece) -> int:
+    """(query, key) pairs the kernel computes for piece ``p`` (per batch row and head): the
+    lower triangle with the diagonal of a causal call, the whole rectangle otherwise (a
+    masked tile is computed dense and masked)."""
+    m, n = p.qs.stop - p.qs.start, p.ks.stop - p.ks.start
+    return m * (m + 1) // 2 if p.causal else m * n
+
+
 def _tile(q: Span, k: Span, lo, hi, q_ids, k_ids) -> Piece | None:
     """The call for one (query span, key span) pair, trimmed to what is visible; None: skip.
     ``q_ids``/``k_ids``: the blocks' document ids [B, block len] or None."""

@@ -17,8 +17,9 @@ reached, and after ``hops`` steps jumps home to the owner (the next rank when
 hops = r - 1). The owner keeps its own (diagonal) share locally and computes part of it
 only after its last send, so that last hop travels while the owner still has work.
 
-Kernel calls per step are counted in ``CommStats.kernel_calls`` when a stats object is
-given: a benchmark can see the blocks a mask skips.
+Kernel calls per step are counted in ``CommStats.kernel_calls``, and the (query, key)
+pairs they compute in ``CommStats.kernel_pairs``, when a stats object is given: a
+benchmark can see the blocks a mask skips and the work each rank does.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 from .comm import CommStats, RingComm
 from .dims.tokens import position_tensor, segment_ranges
 from .kernels import Kernel
-from .masks import Piece, Span, block_pieces, bounds, tile_size
+from .masks import Piece, Span, block_pieces, bounds, piece_pairs, tile_size
 
 
 @lru_cache(maxsize=256)
@@ -43,11 +44,7 @@ def segment_positions(seq_len: int, ring: int, balance: str, ring_rank: int) -> 
 @lru_cache(maxsize=256)
 def segment_spans(seq_len: int, ring: int, balance: str, ring_rank: int) -> tuple[Span, ...]:
     """The segment's positions as spans of consecutive positions, in segment order."""
-    spans, offset = [], 0
-    for r in segment_ranges(seq_len, ring, balance, ring_rank):
-        spans.append((offset, r.start, len(r)))
-        offset += len(r)
-    return tuple(spans)
+    return _spans(segment_ranges(seq_len, ring, balance, ring_rank))
 
 
 def _split_at(spans, offset: int) -> list[Span]:
@@ -61,19 +58,33 @@ def _split_at(spans, offset: int) -> list[Span]:
     return out
 
 
+def _spans(ranges: tuple[range, ...]) -> tuple[Span, ...]:
+    spans, offset = [], 0
+    for r in ranges:
+        spans.append((offset, r.start, len(r)))
+        offset += len(r)
+    return tuple(spans)
+
+
+def last_step(spans: tuple[tuple[Span, ...], ...], lo: int | None, hi: int | None) -> int:
+    """The last ring step at which some ring rank (segments ``spans``, one per rank) has
+    something to compute under ``bounds`` (lo, hi), on positions alone; 0: none."""
+    ring = len(spans)
+    for step in range(ring - 1, 0, -1):
+        for rank in range(ring):
+            if block_pieces(spans[rank], spans[(rank - step) % ring], lo, hi,
+                            merge_diagonal=False):
+                return step
+    return 0
+
+
 @lru_cache(maxsize=1024)
 def ring_hops(seq_len: int, ring: int, balance: str, causal: bool, window: int | None) -> int:
     """How many hops K/V travel round the ring: the last step at which some ring rank has
     something to compute (``block_pieces`` on positions alone; documents never shorten it,
     so every rank knows it without looking at data). ``ring - 1`` without a window."""
-    lo, hi = bounds(causal, window)
-    for step in range(ring - 1, 0, -1):
-        for rank in range(ring):
-            q = segment_spans(seq_len, ring, balance, rank)
-            k = segment_spans(seq_len, ring, balance, (rank - step) % ring)
-            if block_pieces(q, k, lo, hi, merge_diagonal=False):
-                return step
-    return 0
+    spans = tuple(segment_spans(seq_len, ring, balance, i) for i in range(ring))
+    return last_step(spans, *bounds(causal, window))
 
 
 class RingPlan:
@@ -82,14 +93,18 @@ class RingPlan:
     rank/size: ring coordinate and degree; seg_len: tokens per ring segment (L/r);
     ``window``, ``segment_ids`` (the whole [B, L] on every rank: ``masks.gather_segment_ids``)
     as in ``usp_attention``; ``tile``: tile edge for masked run pairs (default
-    ``tile_size``). ``hops``: K/V hops the ring makes; ``step(s)``: the calls for
-    the block of ring rank ``rank - s``; ``diagonal()`` / ``diagonal_split()``: the own
+    ``tile_size``); ``segments``: each ring rank's segment of this row as ranges of global
+    positions (``usp.dims.balance.per_document_segments``), instead of ``balance``'s (one
+    row's ownership: every batch row must have it; with ``segment_ids`` the trailing steps
+    that are empty for every ring rank are dropped, ``dropped_hops`` of them). ``hops``:
+    K/V hops the ring makes;
+    ``step(s)``: the calls for the block of ring rank ``rank - s``; ``diagonal()`` / ``diagonal_split()``: the own
     block, whole (forward) or as (now, later) around the key half (backward).
     """
 
     def __init__(self, rank: int, size: int, seg_len: int, causal: bool, balance: str,
                  window: int | None = None, segment_ids: torch.Tensor | None = None,
-                 tile: int | None = None):
+                 tile: int | None = None, segments: tuple | None = None):
         seq_len = seg_len * size
         balance = "contiguous" if size == 1 else balance  # one segment: the sequence in order
         self.causal, self.window = causal, window
@@ -99,28 +114,51 @@ class RingPlan:
         self.lo, self.hi = bounds(causal, window)
         masked = window is not None or segment_ids is not None
         self.tile = (tile or tile_size(window, segment_ids is not None)) if masked else None
-        self.hops = ring_hops(seq_len, size, balance, causal, window) if size > 1 else 0
+        self.segments = None if segments is None or size == 1 else tuple(segments)
+        self._row_spans = None if self.segments is None else tuple(map(_spans, self.segments))
+        if size == 1:
+            self.hops = 0
+        elif self.segments is None:
+            self.hops = ring_hops(seq_len, size, balance, causal, window)
+        else:
+            self.hops = last_step(self._row_spans, self.lo, self.hi)
         self.ids = None if segment_ids is None else segment_ids.cpu()  # planned on the host
         self._steps: dict = {}
+        self.dropped_hops = 0  # trailing steps a row's documents leave empty for every rank
+        if self.segments is not None and self.ids is not None:
+            while self.hops and not any(self._block(i, self.hops) for i in range(size)):
+                self.hops, self.dropped_hops = self.hops - 1, self.dropped_hops + 1
 
     def spans(self, ring_rank: int) -> tuple[Span, ...]:
+        if self._row_spans is not None:
+            return self._row_spans[ring_rank]
         return segment_spans(self.seq_len, self.size, self.balance, ring_rank)
+
+    def positions(self, ring_rank: int) -> torch.Tensor:
+        """Global positions of ring rank ``ring_rank``'s segment, in segment order: [L/r]."""
+        if self.segments is not None:
+            return position_tensor(self.segments[ring_rank])
+        return segment_positions(self.seq_len, self.size, self.balance, ring_rank)
 
     def _ids(self, ring_rank: int):
         if self.ids is None:
             return None  # [B, L] -> [B, L/r]: the segment's ids in segment order
-        pos = segment_positions(self.seq_len, self.size, self.balance, ring_rank)
-        return self.ids.index_select(1, pos)
+        return self.ids.index_select(1, self.positions(ring_rank))
 
-    def _pieces(self, src: int, **kw) -> list[Piece]:
-        return block_pieces(self.spans(self.rank), self.spans(src), self.lo, self.hi,
-                            self._ids(self.rank), self._ids(src), self.tile, **kw)
+    def _block(self, ring_rank: int, s: int) -> list[Piece]:
+        """Calls of ring rank ``ring_rank`` at step ``s`` (its own are kept)."""
+        if ring_rank == self.rank and s in self._steps:
+            return self._steps[s]
+        src = (ring_rank - s) % self.size
+        pieces = block_pieces(self.spans(ring_rank), self.spans(src), self.lo, self.hi,
+                              self._ids(ring_rank), self._ids(src), self.tile)
+        if ring_rank == self.rank:
+            self._steps[s] = pieces
+        return pieces
 
     def step(self, s: int) -> list[Piece]:
         """Calls for the block that arrives at step ``s`` (from ring rank ``rank - s``)."""
-        if s not in self._steps:
-            self._steps[s] = self._pieces((self.rank - s) % self.size)
-        return self._steps[s]
+        return self._block(self.rank, s)
 
     def diagonal(self) -> list[Piece]:
         return self.step(0)
@@ -176,6 +214,7 @@ def _backward(kernel: Kernel, dout, q, k, v, out, lse, p: Piece, scale):
 def _count(stats: CommStats | None, phase: str, step: int, pieces) -> None:
     if stats is not None:
         stats.kernel_calls[(phase, step)] += len(pieces)
+        stats.kernel_pairs[(phase, step)] += sum(piece_pairs(p) for p in pieces)
 
 
 def ring_forward(q, k, v, comm: RingComm | None, plan: RingPlan, kernel: Kernel, scale: float,
@@ -188,6 +227,8 @@ def ring_forward(q, k, v, comm: RingComm | None, plan: RingPlan, kernel: Kernel,
     s = q.shape[1]
     diag = plan.diagonal()
     _count(stats, "forward", 0, diag)
+    if stats is not None:
+        stats.hops_dropped["forward"] += plan.dropped_hops
     pending = None
     if plan.hops:
         kv = torch.stack([k, v])  # [2, B, S, Hkv, d]: one message per step
@@ -220,6 +261,8 @@ def ring_backward(dout, q, k, v, out, lse, comm: RingComm | None, plan: RingPlan
     goes to the block's owner, which meanwhile runs the "later" part of its diagonal.
     """
     hops, size, whole = plan.hops, plan.size, slice(0, q.shape[1])
+    if stats is not None:
+        stats.hops_dropped["backward"] += plan.dropped_hops
     if not hops and len(diag := plan.diagonal()) == 1 and diag[0].qs == diag[0].ks == whole:
         # one kernel call holds every gradient (pure ulysses, or a window within the
         # segment): no accumulators, no K/V stack; the same values as the general path

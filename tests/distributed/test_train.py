@@ -132,6 +132,7 @@ def test_same_losses_1x1_and_2x2(runs):
     for rec in four.values():  # a per-step peak where Linux allows resetting it
         assert rec["peak_mem_kind"] in ("rss_step", "rss_since_start") and rec["peak_mem_mb"] > 0
         assert rec["attn_comm_clock"] == "host" and 0 < rec["attn_comm_share"] < 1  # gloo
+        assert rec["attn_work_imbalance"] == 1.0  # zigzag, causal, no documents: exact
 
 
 def test_resume_matches_uninterrupted_and_across_layouts(runs):

@@ -266,6 +266,15 @@ def test_attention_cost_is_the_attention_part_of_estimate(h100):
         attention_cost(h100, 1 << 18, 32, 8, 128, 8, 4, causal_tile=-1)
 
 
+def test_per_document_is_priced_as_balanced_causal_work(h100):
+    """``per_document`` evens out the work of packed rows (``usp.dims.balance``): priced as
+    zigzag prices one causal triangle, half a block per later step; contiguous pays whole."""
+    kw = dict(dp=2)
+    zig, per, con = (attention_cost(h100, 1 << 18, 32, 8, 128, 8, 4, balance=b, **kw)
+                     for b in ("zigzag", "per_document", "contiguous"))
+    assert per == zig and per.compute_s < con.compute_s
+
+
 def test_step_breakdown_is_consistent(h100):
     c = estimate(LLAMA3_8B, h100, M, 1, 4, 8)
     assert c.step_s == pytest.approx(

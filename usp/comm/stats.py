@@ -23,7 +23,10 @@ def clock_for(device: torch.device | str) -> str:
 @dataclass
 class CommStats:
     """Bytes sent, calls and blocked seconds per mesh axis (``ulysses``, ``ring``, ``sp``...),
-    and the ring's local kernel calls per (``"forward"``/``"backward"``, ring step).
+    and the ring's local kernel calls per (``"forward"``/``"backward"``, ring step), with
+    the (query, key) pairs those calls compute (``kernel_pairs``, per batch row and head:
+    ``usp.masks.piece_pairs``), the attention work a rank did at each step, and the ring
+    steps a row's documents left empty for every rank (``hops_dropped``, per phase).
 
     ``seconds`` (= ``exposed_s``) is the time the caller was blocked on an axis;
     ``hidden_s`` the time exchanges left in flight (``InFlight``: the ulysses all-to-alls,
@@ -43,6 +46,8 @@ class CommStats:
     clock: str = "host"
     event_factory: Callable | None = None
     kernel_calls: Counter = field(default_factory=Counter)
+    kernel_pairs: Counter = field(default_factory=Counter)
+    hops_dropped: Counter = field(default_factory=Counter)  # per phase: ring steps not made
     _seconds: Counter = field(default_factory=Counter, repr=False)
     hidden_s: Counter = field(default_factory=Counter)
     _pending: list = field(default_factory=list, repr=False)  # (axis, start, end) events
@@ -87,6 +92,8 @@ class CommStats:
         self.bytes.clear()
         self.calls.clear()
         self.kernel_calls.clear()
+        self.kernel_pairs.clear()
+        self.hops_dropped.clear()
         self._seconds.clear()
         self._pending.clear()
         self.hidden_s.clear()

@@ -65,8 +65,14 @@ def rank_ranges(seq_len: int, ring: int, ulysses: int, balance: str, ring_rank: 
     """Global positions held by the rank at (``ring_rank``, ``ulysses_rank``): L/P tokens
     (P = ring x ulysses), the ``ulysses_rank``-th contiguous share of its ring segment."""
     n = seq_len // (ring * ulysses)
+    return share(segment_ranges(seq_len, ring, balance, ring_rank), n, ulysses_rank)
+
+
+def share(segment: tuple[range, ...], n: int, ulysses_rank: int) -> tuple[range, ...]:
+    """The ``ulysses_rank``-th contiguous share of ``n`` tokens of a ring segment (its
+    ranges, in segment order)."""
     first, out, offset = ulysses_rank * n, [], 0
-    for r in segment_ranges(seq_len, ring, balance, ring_rank):
+    for r in segment:
         lo, hi = max(first, offset), min(first + n, offset + len(r))
         if lo < hi:  # the part of this range inside [first, first + n) of the segment
             out.append(range(r.start + lo - offset, r.start + hi - offset))

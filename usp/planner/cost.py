@@ -211,8 +211,10 @@ def attention_cost(cluster: ClusterSpec, seq_len: int, hq: int, hkv: int, head_d
     overlap = cluster.overlap if overlap is None else overlap
     if a2a_overlap is None:
         a2a_overlap = overlap if cluster.a2a_overlap is None else cluster.a2a_overlap
-    if balance not in BALANCES or n_fwd < 1 or not 0 <= overlap <= 1 or causal_tile < 0:
-        raise ValueError(f"attention_cost needs balance in {BALANCES}, n_fwd >= 1, overlap in "
+    if (balance not in (*BALANCES, "per_document") or n_fwd < 1 or not 0 <= overlap <= 1
+            or causal_tile < 0):
+        raise ValueError(f"attention_cost needs balance in {(*BALANCES, 'per_document')}, "
+                         f"n_fwd >= 1, overlap in "
                          f"[0, 1] and causal_tile >= 0; got balance={balance!r}, "
                          f"n_fwd={n_fwd}, overlap={overlap}, causal_tile={causal_tile}")
     L, r, u, hd = seq_len, ring, ulysses, head_dim
@@ -236,7 +238,8 @@ def attention_cost(cluster: ClusterSpec, seq_len: int, hq: int, hkv: int, head_d
     blk_flops = 4 * blk * blk * hq_u * hd  # QK^T and PV, one full block
     full = blk_flops / rate
     first = full / 2 * (1 + causal_tile / blk) if causal else full  # the diagonal block
-    later = full / 2 if causal and balance == "zigzag" else full  # slowest rank's block
+    # slowest rank's block; per_document (usp.dims.balance) priced as perfectly balanced
+    later = full / 2 if causal and balance in ("zigzag", "per_document") else full
     attn_fwd = first + (r - 1) * later
     ring_kv = max(ring_kv_heads(hq, hkv, u, j, c) for j in range(u)) / c  # per stage
     kv_bytes = 2 * blk * ring_kv * hd * dtype_bytes  # one stage's K/V block in flight

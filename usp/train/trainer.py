@@ -203,6 +203,7 @@ class Trainer:
         it)."""
         run, data = self.run, self.data
         t0, comm0 = time.perf_counter(), self.mesh.comm.total_seconds()
+        pairs0 = sum(self.mesh.comm.kernel_pairs.values())  # the ring's counted work so far
         self.peak_mem.start()  # the peak below is this step's, not the run's
         # Data: the step's global batch is the next global_batch samples after `consumed`;
         # micro-batch k takes [k, k+1) x micro_batch of them and this dp rank its own part.
@@ -227,6 +228,11 @@ class Trainer:
         # Metrics: throughput, the busiest rank's memory.
         peak = torch.tensor([self.peak_mem.peak_mb()], dtype=torch.float64, device=self.device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.dp_sp)  # the busiest rank's peak
+        work = self.mesh.comm.kernel_pairs  # this step's (query, key) pairs: busiest / mean
+        busiest, total = (torch.tensor([float(sum(work.values()) - pairs0)], device=self.device,
+                                       dtype=torch.float64) for _ in range(2))
+        dist.all_reduce(busiest, op=dist.ReduceOp.MAX, group=self.dp_sp)
+        dist.all_reduce(total, group=self.dp_sp)
         dt = time.perf_counter() - t0
         comm = self.mesh.comm.total_seconds() - comm0
         consumed += run.global_batch
@@ -242,6 +248,8 @@ class Trainer:
             "peak_mem_kind": self.peak_mem.kind,
             "attn_comm_share": comm / dt,
             "attn_comm_clock": self.mesh.comm.clock,  # host (gloo) or cuda_events (stream)
+            "attn_work_imbalance": (busiest.item() * self.n_shard / total.item()
+                                    if total.item() else 1.0),
             "step_s": dt,
             "skipped_steps": self.guard.skipped,
             "samples": consumed,  # the data position: global samples consumed
