@@ -225,14 +225,15 @@ class Trainer:
             self.sched.step()
         self.opt.zero_grad(set_to_none=True)
 
-        # Metrics: throughput, the busiest rank's memory.
-        peak = torch.tensor([self.peak_mem.peak_mb()], dtype=torch.float64, device=self.device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.dp_sp)  # the busiest rank's peak
-        work = self.mesh.comm.kernel_pairs  # this step's (query, key) pairs: busiest / mean
-        busiest, total = (torch.tensor([float(sum(work.values()) - pairs0)], device=self.device,
-                                       dtype=torch.float64) for _ in range(2))
+        # Metrics: throughput; the busiest rank's memory and its attention work, this step's
+        # (query, key) pairs (one MAX for both), over the mean work (the SUM)
+        pairs = float(sum(self.mesh.comm.kernel_pairs.values()) - pairs0)
+        busiest = torch.tensor([self.peak_mem.peak_mb(), pairs], dtype=torch.float64,
+                               device=self.device)
+        total = torch.tensor([pairs], dtype=torch.float64, device=self.device)
         dist.all_reduce(busiest, op=dist.ReduceOp.MAX, group=self.dp_sp)
         dist.all_reduce(total, group=self.dp_sp)
+        peak, busiest = busiest[0], busiest[1]
         dt = time.perf_counter() - t0
         comm = self.mesh.comm.total_seconds() - comm0
         consumed += run.global_batch
