@@ -86,9 +86,8 @@ def live_helpers(groups: set[int], bin_dir: Path) -> list[int]:
 def stop_helpers(groups: set[int], bin_dir: Path, wait_s: float = TERM_WAIT_S) -> list[int]:
     """End every live wandb helper in ``groups``: SIGTERM, then SIGKILL for any still alive
     after ``wait_s``. Returns the pids that were signalled (none when wandb closed cleanly)."""
-    found = live_helpers(groups, bin_dir)
+    found = left = live_helpers(groups, bin_dir)
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        left = live_helpers(groups, bin_dir)
         for pid in left:
             try:
                 os.kill(pid, sig)
