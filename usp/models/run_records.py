@@ -114,5 +114,5 @@ def load_data_record(run_dir: str | Path) -> dict | None:
     try:
         return json.loads(path.read_text()) if path.is_file() else None
     except (OSError, ValueError) as e:
-        raise ValueError(f"{path} is unreadable ({e}); delete it and pass data=memmap "
-                         "data.path=PREFIX") from None
+        raise ValueError(f"{path} is unreadable ({e}); delete it (usp-eval then needs "
+                         "data=memmap data.path=PREFIX)") from None
