@@ -1,7 +1,7 @@
 """Passkey documents to blend into a training corpus: each document is the protocol's
 filler with the needle "The pass key is K. Remember it. K is the pass key." at a random
 depth, then the question and the key, so a model learns to retrieve what ``usp-eval``
-scores (``usp.eval.passkey``: the same sentences).
+scores (``usp.scoring.passkey``: the same sentences).
 
     python -m tools.passkey_corpus --out data/passkey_src --docs 4000 --chars 240 --digits 3
     usp-prepare --src data/passkey_src --glob '*.jsonl' --out data/passkey --workers 1
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from usp.eval.passkey import FILLER, NEEDLE, QUESTION
+from usp.scoring.passkey import FILLER, NEEDLE, QUESTION
 
 
 def passkey_document(rng, chars: int, digits: int) -> str:

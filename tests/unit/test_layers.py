@@ -26,6 +26,7 @@ LAYERS = (
     ("models", "data"),
     ("planner",),
     ("run",),
+    ("scoring",),  # passkey cases and scoring, position buckets, plots (usp-eval and train)
     ("train",),
     ("slurm", "launch", "hydra_app", "cli", "bench", "eval"),  # hydra_app: only the CLI touches Hydra
 )

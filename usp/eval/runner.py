@@ -1,8 +1,8 @@
 """The ranks' half of ``usp-eval``: build the scored model once, then for each length its
 own ``SequenceLayout``, every case one sharded forward pass through ``usp_attention`` (no
 generation, no KV cache), each token's loss and argmax gathered back to global order and
-scored (``usp.eval.passkey.score``, ``usp.eval.position.bucket_losses``); rank 0 writes the
-outputs (``usp.eval.report``)."""
+scored (``usp.scoring.passkey.score``, ``usp.scoring.position.bucket_losses``); rank 0 writes the
+outputs (``usp.scoring.report``)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ from ..mesh import SPMesh
 from ..models.llama import Transformer
 from ..run import RunLayout
 from ..train.forward import token_losses_and_predictions
-from . import report
-from .passkey import case_labels, score
+from ..scoring import report
+from ..scoring.passkey import case_labels, score
 from .plan import EvalJob
-from .position import bucket_losses
+from ..scoring.position import bucket_losses
 
 
 class LayoutAttention:

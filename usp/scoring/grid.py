@@ -1,0 +1,82 @@
+"""A config's passkey grid: the model's tokenizer, the haystack (the validation split's text
+or the protocol's filler) and every case of ``eval.lengths`` x ``eval.depths``. Read by
+``usp-eval``'s plan and by the trainer's periodic passkey score, so both score the same
+cases."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..config import MemmapData, RunConfig
+from ..data.dataset import validation_prefix
+from ..data.files import DTYPES, data_paths, read_meta, tokenizer_dir
+from ..models.run_records import TOKENIZER_DIR
+from .passkey import ByteTokenizer, Case, HFTokenizer, filler_haystack, passkey_cases, text_haystack
+
+
+def data_path(cfg: RunConfig, record: dict | None) -> str | None:
+    """The token files whose validation split gives text and windows: ``data.path`` (a
+    blend's first source), else the run's recorded path."""
+    if isinstance(cfg.data, MemmapData):
+        return cfg.data.sources()[0][0]
+    return None if record is None else record.get("path")
+
+
+def tokenizer(cfg: RunConfig, data_path: str | None):
+    """The model's tokenizer: ``eval.tokenizer``, the run's copy, the data's (bytes or its
+    ``.tokenizer``), or the ``model.pretrained`` directory's."""
+    given = cfg.eval.tokenizer
+    where = []
+    if given is None and cfg.eval.run_dir:
+        where.append(Path(cfg.eval.run_dir) / TOKENIZER_DIR)
+    if given is None and data_path is not None:
+        meta = read_meta(data_paths(data_path)[1], Path(data_path))
+        if str(meta["tokenizer"]).startswith("bytes"):
+            return ByteTokenizer()
+        where.append(tokenizer_dir(data_path))
+    if given is None and cfg.model.pretrained:
+        where.append(Path(cfg.model.pretrained))
+    if given == "bytes":
+        return ByteTokenizer()
+    where = [Path(given)] if given is not None else where
+    for path in where:
+        if path.is_dir() and any(path.glob("tokenizer*")):
+            from transformers import AutoTokenizer
+
+            return HFTokenizer(AutoTokenizer.from_pretrained(str(path), local_files_only=True))
+    raise ValueError(f"no tokenizer for the model (looked in {[str(p) for p in where] or 'none'}"
+                     "); pass eval.tokenizer=bytes or eval.tokenizer=DIR (a tokenizer "
+                     "directory), or data=memmap data.path=PREFIX of its token files")
+
+
+def validation_tokens(data_path: str | None) -> np.ndarray | None:
+    """The validation split's ids (memory-mapped), or None without one."""
+    if data_path is None:
+        return None
+    prefix = validation_prefix(data_path)
+    bin_path, json_path = data_paths(prefix)
+    if not bin_path.is_file():
+        return None
+    meta = read_meta(json_path, Path(prefix))
+    return np.memmap(bin_path, dtype=DTYPES[meta["dtype"]], mode="r",
+                     shape=(int(meta["num_tokens"]),))
+
+
+def grid_cases(cfg: RunConfig, lengths: list[int], data_path: str | None,
+               val: np.ndarray | None) -> tuple[list[Case], str]:
+    """(every passkey case of ``lengths`` x ``eval.depths``, the note that says which
+    haystack): ``eval.haystack`` (``auto``: the validation split ``val`` when there is one,
+    else the filler); ValueError for a bad input (no tokenizer, a key it cannot encode, a
+    length the text cannot hold)."""
+    ec = cfg.eval
+    tok = tokenizer(cfg, data_path)
+    text = ec.haystack == "text" or (ec.haystack == "auto" and val is not None)
+    if text and val is None:
+        raise ValueError("eval.haystack=text needs a validation split (PREFIX.val of "
+                         "data.path); none found: use eval.haystack=filler")
+    hay = text_haystack(val) if text else filler_haystack(tok)
+    cases = passkey_cases(tok, lengths, ec.depths, ec.per_cell, ec.key_digits, ec.seed,
+                          cfg.model.vocab_size, hay)
+    return cases, f"passkey haystack: {'validation text' if text else 'filler sentences'}"
