@@ -40,7 +40,7 @@ def checkpointed_model(cfg: RunConfig, run, mesh, layout):
         model = Transformer(cfg.model, attn)
         blocks = model.layers
     else:
-        model, blocks = _hf_model(cfg, run, mesh, layout)
+        model, blocks, _ = _hf_model(cfg, run, mesh, layout)
     shard_model(model, mesh.submesh("dp_sp"), "fp32", blocks)
     opt = torch.optim.AdamW(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)

@@ -11,7 +11,7 @@ import pytest
 
 from usp.config import EvalConfig, RecallData
 from usp.scoring.passkey import (NEEDLE, QUESTION, ByteTokenizer, answer_ids, case_labels,
-                              passkey_cases, score, text_haystack)
+                                 passkey_cases, score, text_haystack)
 from usp.eval.plan import plan_eval
 from usp.run import resolve_eval
 from usp.scoring.position import bucket_edges, bucket_losses

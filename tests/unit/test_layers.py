@@ -25,8 +25,8 @@ LAYERS = (
     ("attention",),
     ("models", "data"),
     ("planner",),
-    ("run",),
     ("scoring",),  # passkey cases and scoring, position buckets, plots (usp-eval and train)
+    ("run",),
     ("train",),
     ("slurm", "launch", "hydra_app", "cli", "bench", "eval"),  # hydra_app: only the CLI touches Hydra
 )

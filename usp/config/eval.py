@@ -14,7 +14,8 @@ DEFAULT_DEPTHS = tuple(round(0.1 * i, 1) for i in range(11))  # 0, 0.1, ..., 1.0
 
 @dataclass
 class EvalConfig:
-    """``eval.*``. ``lengths`` empty: the data's ``seq_len``. ``haystack``: ``auto`` (the
+    """``eval.*``. ``lengths`` empty: the data's ``seq_len``. ``during_training``: usp-train
+    scores the passkey grid at its validations (``passkey_acc/<L>`` in its metrics). ``haystack``: ``auto`` (the
     validation split's text when the data has one, else the protocol's filler),
     ``filler`` or ``text``. ``tokenizer``: None (the run's, or the data's), ``bytes``, or a
     tokenizer directory."""
@@ -32,6 +33,9 @@ class EvalConfig:
     windows: int = 4  # validation windows per length for position_loss
     haystack: str = "auto"
     tokenizer: Optional[str] = None
+    # usp-train: the passkey grid (lengths, depths, per_cell, key_digits, seed, haystack,
+    # tokenizer above) scored at every validation (trainer.eval_every and the last step)
+    during_training: bool = False
 
     def __post_init__(self) -> None:
         at_least("eval", 1, per_cell=self.per_cell, key_digits=self.key_digits,

@@ -15,6 +15,7 @@ from ..masks import check_masks
 from ..models.hf_model import check_pretrained
 from ..dims.heads import check_heads
 from ..models.pretrained import check_checkpoint
+from ..scoring.grid import passkey_lengths, training_cases
 from ..validate import check_kernel, check_seq_len
 from .layout import RunLayout
 
@@ -38,6 +39,7 @@ def check_inputs(cfg: RunConfig, device: str, run_dir: str | None) -> None:
         raise ValueError(f"parallel.kernel={pc.kernel} parallel.ring_impl={pc.ring_impl} "
                          f"trainer.dtype={cfg.trainer.dtype} on {device}: {e}") from None
     check_run_masks(cfg)
+    check_training_passkey(cfg)
     check_hf_model(cfg.model)
     check_recompute(cfg, device)
     if pc.ring_impl == "ring_flash_attn" and not _installed("ring_flash_attn"):
@@ -51,6 +53,13 @@ def check_degrees_fit(cfg: RunConfig, ulysses: int, ring: int) -> None:
     (``parallel.balance``), each refused with its own message."""
     check_heads(cfg.model.n_heads, cfg.model.n_kv_heads, ulysses)
     check_seq_len(cfg.data.seq_len, ulysses, ring, cfg.parallel.balance)
+    if cfg.eval.during_training:  # each passkey length runs on the training layout
+        for length in passkey_lengths(cfg, cfg.data.seq_len):
+            try:
+                check_seq_len(length, ulysses, ring, cfg.parallel.balance)
+            except ValueError as e:
+                raise ValueError(f"eval.during_training=true scores eval.lengths on the "
+                                 f"training layout: {e} (in eval.lengths)") from None
 
 
 def check_task(cfg: RunConfig, layout: RunLayout) -> None:
@@ -99,6 +108,23 @@ def check_run_masks(cfg: RunConfig) -> None:
         raise ValueError(f"data.packing={cfg.data.packing} model.sliding_window="
                          f"{mc.sliding_window} with parallel.kernel={pc.kernel} "
                          f"parallel.ring_impl={pc.ring_impl}: {e}") from None
+
+
+def check_training_passkey(cfg: RunConfig) -> None:
+    """``eval.during_training``: refuse a run with no text to write passkey cases in (the
+    synthetic recall task) and every bad input of the grid (``usp.scoring.grid``: no
+    tokenizer, a key it cannot encode, a length the validation text cannot hold)."""
+    if not cfg.eval.during_training:
+        return
+    if cfg.data.kind == "recall":
+        raise ValueError("eval.during_training=true scores passkey cases written in text, but "
+                         "data.kind=recall (the synthetic recall task) has no text and no "
+                         "tokenizer; train on token files (data=memmap data.path=PREFIX) or "
+                         "set eval.during_training=false")
+    try:
+        training_cases(cfg, cfg.data.seq_len)
+    except ValueError as e:
+        raise ValueError(f"eval.during_training=true: {e}") from None
 
 
 def check_hf_model(mc: ModelConfig) -> None:

@@ -80,3 +80,16 @@ def grid_cases(cfg: RunConfig, lengths: list[int], data_path: str | None,
     cases = passkey_cases(tok, lengths, ec.depths, ec.per_cell, ec.key_digits, ec.seed,
                           cfg.model.vocab_size, hay)
     return cases, f"passkey haystack: {'validation text' if text else 'filler sentences'}"
+
+
+def passkey_lengths(cfg: RunConfig, train_len: int) -> list[int]:
+    """The lengths the trainer scores (``eval.during_training``): ``eval.lengths``, or the
+    training length."""
+    return list(cfg.eval.lengths) or [train_len]
+
+
+def training_cases(cfg: RunConfig, train_len: int) -> list[Case]:
+    """The grid ``usp-eval`` scores for this run (its tokenizer, haystack and seeds), at
+    ``passkey_lengths``; ValueError for a bad input."""
+    path = data_path(cfg, None)
+    return grid_cases(cfg, passkey_lengths(cfg, train_len), path, validation_tokens(path))[0]

@@ -21,6 +21,18 @@ def passkey_result(scores: list[dict], lengths: Sequence[int], depths: Sequence[
             "train_length": train_len, "cases": scores}
 
 
+def passkey_metrics(result: dict) -> dict[str, float]:
+    """The metrics of a passkey result, keyed as ``metrics.jsonl`` and wandb hold them:
+    ``passkey_acc/<L>`` (the pass rate over every case of length L, all depths) and
+    ``passkey_logprob/<L>`` (their mean key log-likelihood per token), lengths in order."""
+    out = {}
+    for length in result["lengths"]:
+        mine = [c for c in result["cases"] if c["length"] == length]
+        out[f"passkey_acc/{length}"] = sum(c["passed"] for c in mine) / len(mine)
+        out[f"passkey_logprob/{length}"] = sum(c["key_logprob"] for c in mine) / len(mine)
+    return out
+
+
 def passkey_lines(result: dict) -> list[str]:
     """One console line per length: accuracy over its depths and the mean key log-likelihood."""
     lines = []

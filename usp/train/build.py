@@ -13,7 +13,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from ..attention import usp_attention
 from ..config import MemmapData, OptimConfig, RunConfig, torch_dtype
 from ..data.files import tokenizer_dir
 from ..layout import SequenceLayout
@@ -25,6 +24,7 @@ from ..models.shard_load import load_shards
 from ..models.llama import Transformer
 from ..models.offload import ActivationOffload, StreamCopier
 from ..run import RunLayout
+from .passkey import LayoutAttention, patch_layout
 
 
 def lr_lambda(cfg: OptimConfig, steps: int):
@@ -62,9 +62,9 @@ def shard_model(model, mesh: DeviceMesh, dtype: str, blocks=None) -> None:
 
 
 def _hf_model(cfg: RunConfig, run: RunLayout, mesh: SPMesh, layout: SequenceLayout):
-    """(transformers model, its decoder layers): built on every rank alike, its attention
-    routed through usp as ``run`` says; rank 0 writes its config to ``run_dir/hf_config``
-    for export."""
+    """(transformers model, its decoder layers, its ``use(layout)``): built on every rank
+    alike, its attention routed through usp as ``run`` says; rank 0 writes its config to
+    ``run_dir/hf_config`` for export."""
     from ..models import hf
     from ..models.hf_model import build_model
     from ..models.run_records import save_config
@@ -75,14 +75,17 @@ def _hf_model(cfg: RunConfig, run: RunLayout, mesh: SPMesh, layout: SequenceLayo
     hf.patch(model, mesh, layout, **run.attention_options())
     if dist.get_rank() == 0:
         save_config(model.config, run.run_dir)
-    return model, model.model.layers
+    return model, model.model.layers, partial(patch_layout, hf.patch, model, mesh,
+                                              run.attention_options())
 
 
 def sharded_model(cfg: RunConfig, run: RunLayout, mesh: SPMesh, layout: SequenceLayout,
                   device: torch.device):
-    """The run's model (``cfg.model``: the built-in ``Transformer``, or a transformers model
-    for ``model.hf``) on ``device``, initialised alike on every rank (``trainer.seed``),
-    attention through usp as ``run`` says, then FSDP2-sharded over dp x sp (collective)."""
+    """(the run's model, ``use(layout)``): the model (``cfg.model``: the built-in
+    ``Transformer``, or a transformers model for ``model.hf``) on ``device``, initialised
+    alike on every rank (``trainer.seed``), attention through usp on ``layout`` as ``run``
+    says, then FSDP2-sharded over dp x sp (collective); ``use`` routes its attention through
+    another layout (the passkey lengths; ``usp.train.passkey``)."""
     # FSDP averages gradients over the dp x sp ranks; the loss is normalised by the global
     # token count and scaled by the rank count (models.tiling.loss_share), so the average
     # is the exact sum. bf16 is FSDP's mixed precision (bf16 compute, fp32 master weights),
@@ -90,8 +93,7 @@ def sharded_model(cfg: RunConfig, run: RunLayout, mesh: SPMesh, layout: Sequence
     # and merge, loss).
     tc = cfg.trainer
     if cfg.model.hf is None:
-        attn = partial(usp_attention, mesh=mesh, layout=layout, causal=True,
-                       **run.attention_options())
+        attn = LayoutAttention(mesh, run.attention_options(), layout)
         offload = ActivationOffload(StreamCopier(device)) if tc.activation_offload else None
         # model.pretrained: built without weights, each rank reads its shard after sharding
         with torch.device("meta") if cfg.model.pretrained else contextlib.nullcontext():
@@ -100,15 +102,15 @@ def sharded_model(cfg: RunConfig, run: RunLayout, mesh: SPMesh, layout: Sequence
                                 checkpoint_part=tc.checkpoint_part, offload=offload)
         if cfg.model.pretrained is None:
             model.init_weights(tc.seed)
-        blocks = model.layers
+        blocks, use = model.layers, attn.use
     else:
-        model, blocks = _hf_model(cfg, run, mesh, layout)
+        model, blocks, use = _hf_model(cfg, run, mesh, layout)
     if cfg.model.hf is not None or cfg.model.pretrained is None:
         model.to(device)
     shard_model(model, mesh.submesh("fsdp"), run.dtype, blocks)
     if cfg.model.hf is None and cfg.model.pretrained is not None:
         load_shards(model, cfg.model, device)  # usp.models.shard_load: this rank's rows only
-    return model
+    return model, use
 
 
 def optimizer(oc: OptimConfig, model, steps: int):

@@ -28,7 +28,8 @@ class Console:
 
     def should_log(self, record: dict) -> bool:
         return self.rank == 0 and (bool(self.every and record["step"] % self.every == 0)
-                                   or "val_loss" in record)
+                                   or "val_loss" in record
+                                   or any(k.startswith("passkey_acc/") for k in record))
 
     def log(self, record: dict) -> None:
         if self.bar is not None and "loss" in record:  # step 0's validation is no step

@@ -29,6 +29,7 @@ from ..layout import SequenceLayout
 from ..models.llama import flops_per_token
 from ..models.tiling import loss_share
 from ..run import RunLayout, resolve_run_group
+from ..scoring.grid import training_cases
 from .build import optimizer, record_for_export, sharded_model
 from .checkpointer import Checkpointer, Position
 from .console import Console
@@ -36,6 +37,7 @@ from .faults import NonFiniteGuard, Preempted, Preemption
 from .fingerprint import run_fingerprint
 from .forward import loss_and_predictions
 from .metrics import MetricsLogger, PeakMemory
+from .passkey import PasskeyScore
 from .validator import Validator, evaluate, missing_splits
 
 FaultHook = Callable[[int, torch.Tensor], torch.Tensor]
@@ -110,15 +112,19 @@ class Trainer:
         if self.rank == 0:
             print(self.mesh.describe(), flush=True)
             record_for_export(cfg, run.run_dir)
-        self.model = sharded_model(cfg, run, self.mesh, layout, self.device)
+        self.model, use_layout = sharded_model(cfg, run, self.mesh, layout, self.device)
         self.opt, self.sched = optimizer(cfg.optim, self.model, tc.steps)
         self.data = build_dataset(cfg.data, cfg.model)
         splits = build_validation(cfg.data, cfg.model, tc.eval_windows)  # [(name, weight, split)]
         note = missing_splits(cfg.data, splits)
         if self.rank == 0 and note:
             print(note, flush=True)
+        passkey = None  # eval.during_training: the grid usp-eval scores, at every validation
+        if cfg.eval.during_training:
+            passkey = PasskeyScore(cfg, training_cases(cfg, run.seq_len), self.mesh, use_layout,
+                                   layout, run.run_dir, self.device)
         self.validator = Validator(splits, tc.eval_every, tc.steps, run.batch_per_dp_rank,
-                                   self.mesh, self.positions, self.device)
+                                   self.mesh, self.positions, self.device, passkey)
         self.guard = NonFiniteGuard(tc.on_nonfinite)
         self.checkpointer = Checkpointer(tc, run, run_fingerprint(cfg), self.rank)
         self.dp_sp = self.mesh.group("loss")  # the loss's token count, the metrics (dp_sp)

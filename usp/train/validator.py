@@ -60,26 +60,30 @@ def validation_loss(model, val: TrainingData, windows: int, batch_per_dp_rank: i
 
 class Validator:
     """``trainer.eval_every``: the validation loss of the validation ``splits``
-    [(name, weight, split)] (``usp.data.dataset.build_validation``) every ``every`` steps and
-    at the last step (``last`` = ``trainer.steps``); none when there are no splits.
+    [(name, weight, split)] (``usp.data.dataset.build_validation``) and, with ``passkey``
+    (``usp.train.passkey.PasskeyScore``, ``eval.during_training``), the passkey grid's
+    scores, every ``every`` steps and at the last step (``last`` = ``trainer.steps``); none
+    when there are neither splits nor passkey.
 
     ``should_validate(step)`` for 1-based optimizer step ``step``, or 0: before the first
     step, when ``every`` is set (a pretrained model's own loss); ``validate(model)`` is
     collective over dp x sp."""
 
     def __init__(self, splits: list, every: int, last: int, batch_per_dp_rank: int,
-                 mesh: SPMesh, positions: torch.Tensor, device: torch.device):
-        self.splits, self.every, self.last = splits, every, last
+                 mesh: SPMesh, positions: torch.Tensor, device: torch.device, passkey=None):
+        self.splits, self.every, self.last, self.passkey = splits, every, last, passkey
         self.batch_per_dp_rank, self.mesh = batch_per_dp_rank, mesh
         self.positions, self.device = positions, device
 
     def should_validate(self, step: int) -> bool:
-        return bool(self.splits) and (step == self.last
+        return bool(self.splits or self.passkey) and (step == self.last
                                       or bool(self.every and step % self.every == 0))
 
     def validate(self, model) -> dict:
-        """``val_loss`` and ``val_ppl``; for a blend also each source's (``val_loss/<name>``),
-        and ``val_loss`` is their mean by the blend's weights."""
+        """One plain dict keyed as the metrics are: ``val_loss`` and ``val_ppl``; for a blend
+        also each source's (``val_loss/<name>``), and ``val_loss`` is their mean by the
+        blend's weights; with ``passkey``, ``passkey_acc/<L>`` and ``passkey_logprob/<L>``
+        per length (the same on every rank). A gate on the run's progress reads it here."""
         out, total, weights = {}, 0.0, 0.0
         for name, weight, split in self.splits:
             loss = validation_loss(model, split, split.eval_windows, self.batch_per_dp_rank,
@@ -87,8 +91,11 @@ class Validator:
             if len(self.splits) > 1:
                 out[f"val_loss/{name}"] = loss
             total, weights = total + weight * loss, weights + weight
-        out["val_loss"] = total / weights
-        out["val_ppl"] = math.exp(min(out["val_loss"], 700.0))
+        if self.splits:
+            out["val_loss"] = total / weights
+            out["val_ppl"] = math.exp(min(out["val_loss"], 700.0))
+        if self.passkey is not None:
+            out.update(self.passkey.score(model))
         return out
 
 
