@@ -18,9 +18,11 @@ from .runner import run_eval
 
 
 def _decide(cfg: RunConfig, world: int, device: str, out: str | None):
-    """(EvalJob, RunLayout): every bad input refused here, before any process group."""
+    """(EvalJob, RunLayout): every bad input refused here, before any process group; the
+    planner's table (forward-only memory) printed when it chose a degree."""
     job = plan_eval(cfg, out)
-    return job, resolve_eval(job.cfg, world, device, job.lengths)
+    return job, resolve_eval(job.cfg, world, device, job.lengths,
+                             say=lambda text: print(text, flush=True))
 
 
 def _device(run) -> torch.device:

@@ -43,6 +43,14 @@ Terms of ``MemorySplit`` (each is its own largest size over the step):
   the last layer's attention and MLP forward, the loss, and each layer's MLP and attention
   backward (recomputed when checkpointed); ``peak_at`` names it.
 
+Forward only (``forward_only=True``: usp-eval's scoring, no gradients, no optimizer state,
+nothing saved for backward): ``state`` is the weights alone (``a N`` unsharded, as usp-eval
+holds the model on every rank; with ``fsdp``, the fp32 shards ``4 N / W`` plus the root and
+two blocks gathered); ``activations`` the residual stream and RoPE tables only (a layer's
+intermediates are freed as it runs; no checkpoint policy applies); ``attention`` and ``mlp``
+their forward buffers; ``logits`` the forward of the loss (whole: ``(a + 8) B T V``; chunked:
+one chunk's ``8 c V``); ``total`` the largest of a layer's attention, a layer's MLP and the loss.
+
 Not counted: per-thread kernel tiles (the CPU flash kernel and flash-attn hold
 ``O(threads x tile^2)``), the data batch, allocator fragmentation, a2a_chunks stages
 (the unpipelined call is counted, an upper bound on their buffers), masks.
@@ -200,18 +208,69 @@ def logits_bytes(model: ModelConfig, batch: int, tokens: float, dtype_bytes: int
     return 8 * c * V + V * D * (FP32 + a + low) + a * B * T * D
 
 
+def forward_state_bytes(model: ModelConfig, world: int, dtype_bytes: int, fsdp: bool) -> float:
+    """The forward-only ``state`` term (module docstring): the weights, no gradients and no
+    optimizer state; unsharded in the compute dtype, or FSDP's fp32 shards plus the root
+    and two blocks gathered."""
+    m, a = model, dtype_bytes
+    n = m.num_params()
+    if not fsdp:
+        return a * n
+    block = m.layer_matmul_params() + 2 * m.dim
+    return FP32 * n / world + (n - m.n_layers * block + 2 * block) * a
+
+
+def forward_logits_bytes(model: ModelConfig, batch: int, tokens: float, dtype_bytes: int) -> float:
+    """The forward-only ``logits`` term: the loss's forward over whole logits (the logits
+    and their fp32 log-probabilities), or one ``model.loss_chunk`` chunk's fp32 logits and
+    softmax."""
+    B, T, V = batch, tokens, model.vocab_size
+    if not model.loss_chunk:
+        return (dtype_bytes + 8) * B * T * V
+    return 8 * min(model.loss_chunk, B * T) * V
+
+
+def _forward_split(model: ModelConfig, seq_len: int, dp: int, ring: int, ulysses: int,
+                   batch: int, dtype_bytes: int, fsdp: bool, kernel: str,
+                   device: str) -> MemorySplit:
+    """``memory_split(..., forward_only=True)``: one forward pass, nothing kept for backward."""
+    m, a, B, u, r = model, dtype_bytes, batch, ulysses, ring
+    D, F, d, hq, hkv = m.dim, m.ffn_dim, m.head_dim, m.n_heads, m.n_kv_heads
+    check_heads(hq, hkv, u)
+    T = seq_len / (r * u)
+    state = forward_state_bytes(m, dp * r * u, a, fsdp)
+    norm = (8 + a) * D * T  # an RMSNorm's fp32 copy, normalised and output
+    stream = B * (a * D * T + T * d * FP32)  # the residual stream and the RoPE tables
+    af, _ = attention_buffers(seq_len, r, u, hq, hkv, d, a, kernel, device)
+    tile_tok = T if m.mlp_tiles == 1 else math.ceil(T / m.mlp_tiles)
+    mlp = B * 4 * a * F * tile_tok  # gate, SiLU, up and product of a tile
+    qkv = B * (norm + 4 * (hq + hkv) * d * T + a * hq * d * T)  # normed input, fp32 q/k, out
+    logits = forward_logits_bytes(m, B, T, a)
+    moments = {"forward of a layer's attention": state + stream + qkv + B * af,
+               "forward of a layer's MLP": state + stream + B * norm + mlp,
+               "loss": state + stream + logits}
+    peak_at = max(moments, key=moments.get)
+    return MemorySplit(state=state, activations=stream, attention=B * af, mlp=mlp,
+                       logits=logits, total=moments[peak_at], peak_at=peak_at)
+
+
 def memory_split(model: ModelConfig, seq_len: int, dp: int, ring: int, ulysses: int, *,
                  batch: int = 1, dtype_bytes: int = 2, fsdp: bool = True,
                  policy: CheckpointPolicy = CheckpointPolicy(), kernel: str = "torch",
-                 device: str = "cuda") -> MemorySplit:
+                 device: str = "cuda", forward_only: bool = False) -> MemorySplit:
     """Memory of one step of ``batch`` sequences of ``seq_len`` tokens per dp rank on the
     busiest rank of ``dp x ring x ulysses``, in the module docstring's model. ``model``
     supplies ``loss_chunk`` and ``mlp_tiles``; ``policy`` the activation checkpointing.
-    Raises ``ValueError`` when the heads cannot split over ``ulysses``."""
+    ``forward_only``: one forward pass with no gradients and no optimizer state (scoring;
+    ``policy`` does not apply). Raises ``ValueError`` when the heads cannot split over
+    ``ulysses``."""
     if min(dp, ring, ulysses, batch, seq_len) < 1:
         raise ValueError(f"memory_split needs positive dp, ring, ulysses, batch and seq_len; "
                          f"got dp={dp}, ring={ring}, ulysses={ulysses}, batch={batch}, "
                          f"seq_len={seq_len}")
+    if forward_only:
+        return _forward_split(model, seq_len, dp, ring, ulysses, batch, dtype_bytes, fsdp,
+                              kernel, device)
     m, a, B = model, dtype_bytes, batch
     D, F, d, hq, hkv = m.dim, m.ffn_dim, m.head_dim, m.n_heads, m.n_kv_heads
     u, r = ulysses, ring

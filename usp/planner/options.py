@@ -109,7 +109,10 @@ class StepPolicy:
     mask, ``fsdp`` over all ranks (else replicated data parallel), the activation
     ``checkpoint`` policy, and the attention ``kernel`` on ``device`` whose work buffers the
     memory counts (``memory.attention_buffers``); a layout fits when its peak memory
-    (``memory.memory_split``) is at most ``mem_fraction`` of the device's ``mem_bytes``."""
+    (``memory.memory_split``) is at most ``mem_fraction`` of the device's ``mem_bytes``.
+    ``forward_only``: the step is one forward pass with no gradients and no optimizer state
+    (usp-eval's scoring; ``fsdp=False``: the model whole on every rank, as usp-eval holds
+    it); the memory is priced so, the time still as a training step."""
 
     dtype_bytes: int = 2
     causal: bool = True
@@ -118,6 +121,7 @@ class StepPolicy:
     kernel: str = "torch"
     device: str = "cuda"
     mem_fraction: float = 0.9
+    forward_only: bool = False
 
     def budget(self, cluster: ClusterSpec) -> float:
         """Bytes per rank a layout may use on ``cluster``."""
@@ -126,7 +130,7 @@ class StepPolicy:
     def memory_kw(self) -> dict:
         """``memory_split``'s keywords for this policy (and ``max_seq_len``'s)."""
         return dict(dtype_bytes=self.dtype_bytes, fsdp=self.fsdp, policy=self.checkpoint,
-                    kernel=self.kernel, device=self.device)
+                    kernel=self.kernel, device=self.device, forward_only=self.forward_only)
 
     def memory(self, model: ModelConfig, seq_len: int, dp: int, ring: int, ulysses: int,
                batch: int) -> MemorySplit:

@@ -210,6 +210,8 @@ class Plan:
         head = (
             f"plan: world {self.world} ({c0.nodes} x {c0.ranks_per_node} on {c0.name}), "
             f"seq_len {self.seq_len}, {self.batch.text()}, {self.search.balance}"
+            + (", memory forward only (no gradients, no optimizer state)"
+               if self.step.forward_only else "")
         )
         rows = [head, f"{'#':>2} {'dp':>3} {'ring':>4} {'ulysses':>7} {'step_s':>9} "
                 f"{'vs best':>8} {'comm':>6} {'mem/rank':>9}  notes"]

@@ -25,11 +25,13 @@ def config_degree(value, name: str) -> int | None:
     return v
 
 
-def plan_run(cfg: RunConfig | PlanConfig, spec, world: int) -> Plan:
+def plan_run(cfg: RunConfig | PlanConfig, spec, world: int, forward_only: bool = False) -> Plan:
     """The planner's ranking (``usp.planner.Plan``) of the layouts of ``world`` ranks on
     ``spec`` for this run: its model, sequence, balance, placement, fixed degrees,
     ``trainer.dtype``, checkpoint policy and kernel. Every dp the planner considers runs
-    ``batch_per_dp_rank`` sequences per dp rank, as the trainer does."""
+    ``batch_per_dp_rank`` sequences per dp rank, as the trainer does. ``forward_only``:
+    usp-eval's scoring, one forward pass of the whole model on every rank (no gradients, no
+    optimizer state, no FSDP: ``StepPolicy.forward_only``)."""
     pc, tc = cfg.parallel, cfg.trainer
     search = Search(ulysses=config_degree(pc.ulysses_degree, "ulysses_degree"),
                     ring=config_degree(pc.ring_degree, "ring_degree"),
@@ -37,7 +39,8 @@ def plan_run(cfg: RunConfig | PlanConfig, spec, world: int) -> Plan:
                     placement=pc.placement, a2a_chunks=pc.a2a_chunks)
     step = StepPolicy(dtype_bytes=tc.compute_dtype.itemsize,
                       checkpoint=CheckpointPolicy.from_trainer(tc), kernel=pc.kernel,
-                      device="cpu" if tc.device == "cpu" else "cuda")
+                      device="cpu" if tc.device == "cpu" else "cuda",
+                      forward_only=forward_only, fsdp=not forward_only)
     return plan(cfg.model, spec, cfg.data.seq_len, world=world, search=search,
                 batch=BatchSpec(per_dp_rank=cfg.data.batch_per_dp_rank), step=step)
 

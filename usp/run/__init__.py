@@ -26,11 +26,11 @@ placement or chunk fields of ``cfg.parallel`` again (``tests/unit/test_run_layou
 
 from .decide import decide_a2a_chunks, decide_degrees
 from .layout import RunLayout
-from .preflight import (check_degrees_fit, check_hf_model, check_inputs, check_recompute,
-                        check_run_dir, check_run_masks, check_task)
+from .preflight import (check_degrees_fit, check_hf_model, check_inputs, check_passkey_memory,
+                        check_recompute, check_run_dir, check_run_masks, check_task)
 from .resolve import resolve_eval, resolve_run, resolve_run_group, scheduler_hosts_notice
 
 __all__ = ["RunLayout", "check_degrees_fit", "check_hf_model", "check_inputs",
-           "check_recompute", "check_run_dir", "check_run_masks", "check_task",
+           "check_passkey_memory", "check_recompute", "check_run_dir", "check_run_masks", "check_task",
            "decide_a2a_chunks", "decide_degrees", "resolve_eval", "resolve_run",
            "resolve_run_group", "scheduler_hosts_notice"]

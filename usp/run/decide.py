@@ -34,12 +34,13 @@ def detected_cluster(cfg: RunConfig, world: int, ranks_per_node: int | None, env
     return spec, report
 
 
-def decide_degrees(cfg: RunConfig, world: int, env=None,
-                   topology=None) -> tuple[int, int, int, str]:
+def decide_degrees(cfg: RunConfig, world: int, env=None, topology=None,
+                   forward_only: bool = False) -> tuple[int, int, int, str]:
     """(ulysses, ring, dp, the planner's table or ""): fixed degrees pass through; ``auto``
     asks the planner on the detected cluster (``topology()``: ``detected_cluster``'s answer,
-    default detected here from ``env``). The degrees are checked against the world, the
-    heads and the sequence (``check_degrees_fit``) before they are returned."""
+    default detected here from ``env``), its memory forward-only for usp-eval
+    (``forward_only``). The degrees are checked against the world, the heads and the
+    sequence (``check_degrees_fit``) before they are returned."""
     pc = cfg.parallel
     u = config_degree(pc.ulysses_degree, "ulysses_degree")
     r = config_degree(pc.ring_degree, "ring_degree")
@@ -47,7 +48,7 @@ def decide_degrees(cfg: RunConfig, world: int, env=None,
     if u is None or r is None:
         spec, report = (topology() if topology else
                         detected_cluster(cfg, world, pc.ranks_per_node, env))
-        p = plan_run(cfg, spec, world)
+        p = plan_run(cfg, spec, world, forward_only)
         u, r = p.best.ulysses, p.best.ring
         table = plan_table(report, p)
     dp = check_degrees(world, u, r, config_degree(pc.dp_degree, "dp_degree"))

@@ -15,6 +15,8 @@ from ..masks import check_masks
 from ..models.hf_model import check_pretrained
 from ..dims.heads import check_heads
 from ..models.pretrained import check_checkpoint
+from ..planner.memory import max_seq_len, size
+from ..planner.options import StepPolicy
 from ..scoring.grid import passkey_lengths, training_cases
 from ..validate import check_kernel, check_seq_len
 from .layout import RunLayout
@@ -62,6 +64,32 @@ def check_degrees_fit(cfg: RunConfig, ulysses: int, ring: int) -> None:
                                  f"training layout: {e} (in eval.lengths)") from None
 
 
+def check_passkey_memory(cfg: RunConfig, dp: int, ring: int, ulysses: int, device: str) -> None:
+    """``eval.during_training``: each passkey length's forward pass (``eval.per_cell`` rows, on
+    the training layout) fits the device beside the state training keeps, by the planner's
+    forward-only memory (``forward_only=True``, FSDP shards) plus AdamW's m and v
+    (``8 N / W``); else refused with the longest length that fits."""
+    if not cfg.eval.during_training:
+        return
+    mc, pc, world = cfg.model, cfg.parallel, dp * ring * ulysses
+    step = StepPolicy(dtype_bytes=cfg.trainer.compute_dtype.itemsize, kernel=pc.kernel,
+                      device=device, forward_only=True, fsdp=True)
+    optimizer = 8 * mc.num_params() / world  # AdamW m and v, fp32, sharded
+    budget, rows = step.budget(cfg.cluster) - optimizer, cfg.eval.per_cell
+    for length in passkey_lengths(cfg, cfg.data.seq_len):
+        peak = step.memory(mc, length, dp, ring, ulysses, rows).total
+        if peak > budget:
+            most = max_seq_len(mc, budget, dp, ring, ulysses, balance=pc.balance, batch=rows,
+                               **step.memory_kw())
+            raise ValueError(
+                f"eval.during_training=true scores eval.lengths on the training layout (dp "
+                f"{dp}, ring {ring}, ulysses {ulysses}): a passkey forward of {rows} rows at "
+                f"{length} tokens needs {size(peak + optimizer)} per rank beside the "
+                f"optimizer state > {size(budget + optimizer)} ({step.mem_fraction:.0%} of "
+                f"cluster.mem_bytes); the longest that fits is {most}; use eval.lengths up to "
+                f"{most}, fewer eval.per_cell, or score the length with usp-eval")
+
+
 def check_task(cfg: RunConfig, layout: RunLayout) -> None:
     """What a task other than the resolving one checks of its own config and machine
     against the resolved ``layout``: it sees a GPU when the run computes on one, its
@@ -72,6 +100,7 @@ def check_task(cfg: RunConfig, layout: RunLayout) -> None:
                          "or use trainer.device=cpu")
     check_inputs(cfg, layout.device, layout.run_dir)  # every rank writes its checkpoint shard
     check_degrees_fit(cfg, layout.ulysses, layout.ring)
+    check_passkey_memory(cfg, layout.dp, layout.ring, layout.ulysses, layout.device)
 
 
 def check_run_dir(path: str | None) -> None:

@@ -13,7 +13,7 @@ from ..planner.batch import grad_accum_steps
 from ..validate import check_ranks_per_node, check_seq_len
 from .decide import decide_a2a_chunks, decide_degrees, detected_cluster
 from .layout import RunLayout
-from .preflight import check_inputs, check_task
+from .preflight import check_inputs, check_passkey_memory, check_task
 
 
 def _silent(text: str) -> None:
@@ -48,6 +48,7 @@ def resolve_run(cfg: RunConfig, world: int, device: str, env=None, *,
     # detected at most once, and only when an auto setting asks
     topology = cache(partial(detected_cluster, cfg, world, ranks_per_node, env))
     u, r, dp, table = decide_degrees(cfg, world, env, topology)
+    check_passkey_memory(cfg, dp, r, u, device)
     chunks = decide_a2a_chunks(cfg, world, u, r, dp, ranks_per_node, topology)
     accum = grad_accum_steps(cfg.trainer, cfg.data.seq_len, cfg.data.batch_per_dp_rank, dp)
     layout = RunLayout(world=world, dp=dp, ring=r, ulysses=u, placement=pc.placement,
@@ -104,20 +105,26 @@ def scheduler_hosts_notice(cfg: RunConfig, placement: str) -> str | None:
             f"mesh uses the job's hosts ({placement})")
 
 
-def resolve_eval(cfg: RunConfig, world: int, device: str, lengths: list[int],
-                 env=None) -> RunLayout:
-    """``usp-eval``'s layout for ``world`` ranks at the longest of ``lengths`` (``auto``
-    degrees planned there with the training memory model: a forward-only mode is not
-    modelled), every length checked against it (``check_seq_len``); one sample a row. The
-    data's own checks are ``usp.eval.plan``'s."""
-    longest = replace(cfg, data=replace(cfg.data, seq_len=max(lengths), batch_per_dp_rank=1))
+def resolve_eval(cfg: RunConfig, world: int, device: str, lengths: list[int], env=None,
+                 say=_silent) -> RunLayout:
+    """``usp-eval``'s layout for ``world`` ranks at the longest of ``lengths``: ``auto``
+    degrees planned there with the planner's forward-only memory (no gradients, no optimizer
+    state, the model whole on every rank) for the rows one forward pass holds (a passkey
+    cell's ``eval.per_cell``, or ``eval.windows`` position-loss windows), every length
+    checked against it (``check_seq_len``); one sample a row. ``say(text)``: the planner's
+    table when it chose a degree. The data's own checks are ``usp.eval.plan``'s."""
+    ec = cfg.eval
+    rows = max(ec.per_cell if ec.passkey else 1, ec.windows if ec.position_loss else 1)
+    longest = replace(cfg, data=replace(cfg.data, seq_len=max(lengths), batch_per_dp_rank=rows))
     pc = cfg.parallel
     check_ranks_per_node(world, pc.ranks_per_node, "parallel.ranks_per_node")
     topology = cache(partial(detected_cluster, longest, world, pc.ranks_per_node, env))
-    u, r, dp, _ = decide_degrees(longest, world, env, topology)
+    u, r, dp, table = decide_degrees(longest, world, env, topology, forward_only=True)
     for length in lengths:
         check_seq_len(length, u, r, pc.balance)
     chunks = decide_a2a_chunks(longest, world, u, r, dp, pc.ranks_per_node, topology)
+    if table:
+        say(table)
     return RunLayout(world=world, dp=dp, ring=r, ulysses=u, placement=pc.placement,
                      ranks_per_node=pc.ranks_per_node, balance=pc.balance, kernel=pc.kernel,
                      ring_impl=pc.ring_impl, a2a_chunks=chunks, device=device,
