@@ -9,11 +9,11 @@ from dataclasses import replace
 import pytest
 
 import usp.run.resolve as rs
-from usp.config import ClusterSpec, ModelConfig
+from usp.config import ClusterSpec, ParallelConfig, PlanConfig
 from usp.config.cluster import GiB
 from usp.planner.detect import DetectReport
 from usp.planner.memory import CheckpointPolicy, memory_split
-from usp.planner.report import plan_run
+from usp.planner.report import plan_report, plan_run
 from usp.run import check_passkey_memory, resolve_eval
 
 from _eval_runs import MODEL, byte_corpus, run_cfg
@@ -77,3 +77,15 @@ def test_the_trainers_passkey_lengths_must_fit_beside_its_optimizer_state(tmp_pa
         check_passkey_memory(big, 1, 2, 1, "cpu")
     check_passkey_memory(replace(big, eval=replace(big.eval, during_training=False)), 1, 2, 1,
                          "cpu")
+
+
+def test_usp_plan_forward_only_prices_the_forward_and_says_so():
+    cfg = PlanConfig(model=MODEL, cluster=ClusterSpec(ranks_per_node=2, nodes=1, mem_bytes=GiB),
+                     parallel=ParallelConfig(ulysses_degree="auto", ring_degree="auto"))
+    train, _ = plan_report(cfg)
+    fwd, _ = plan_report(replace(cfg, forward_only=True))
+    assert "forward only" not in train
+    assert "memory forward only (no gradients, no optimizer state)" in fwd.splitlines()[0]
+    longest = [int(ln.split(": ")[1].split()[0]) for t in (train, fwd) for ln in t.splitlines()
+               if ln.startswith("longest seq_len")]
+    assert longest[1] > longest[0]

@@ -35,6 +35,9 @@ class PlanConfig(RunConfig):
 
     nodes: Optional[int] = None  # overrides cluster.nodes
     png: Optional[str] = None  # also draw the mesh to this PNG
+    # price usp-eval's forward pass: no gradients, no optimizer state, the model whole on
+    # every rank (memory only; the time column stays a training step's)
+    forward_only: bool = False
 
     def __post_init__(self) -> None:
         if self.nodes is not None and not (isinstance(self.nodes, int) and self.nodes >= 1):

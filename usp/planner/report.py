@@ -55,7 +55,7 @@ def plan_report(cfg: PlanConfig) -> tuple[str, str]:
     """usp-plan's answer: (the ranking, the memory split and the chosen mesh as text, the
     mesh drawing's object for an optional PNG)."""
     spec = cfg.cluster if cfg.nodes is None else cfg.cluster.replace(nodes=cfg.nodes)
-    p = plan_run(cfg, spec, spec.world)
+    p = plan_run(cfg, spec, spec.world, cfg.forward_only)
     best = p.best
     drawing = draw_mesh(best.dp, best.ring, best.ulysses, spec.ranks_per_node,
                         cfg.parallel.placement)
