@@ -76,9 +76,9 @@ def test_the_trainer_scores_the_grid_usp_eval_scores(cfg):
 def test_preflight_refuses_a_length_the_training_layout_cannot_split(cfg):
     check_degrees_fit(cfg, 1, 2)
     bad = replace(cfg, eval=replace(cfg.eval, lengths=[128, 250]))
-    with pytest.raises(ValueError, match=r"eval.during_training=true scores eval.lengths on the "
-                       r"training layout: sequence length 250 is not divisible by 2 x ring x "
-                       r"ulysses = 4 .*use seq_len 248 or 252"):
+    with pytest.raises(ValueError, match=r"eval.during_training=true scores eval.lengths=\[128, "
+                       r"250\] on the training layout: sequence length 250 is not divisible by "
+                       r"2 x ring x ulysses = 4 .*use seq_len 248 or 252"):
         check_degrees_fit(bad, 1, 2)
     off = replace(bad, eval=replace(bad.eval, during_training=False))
     check_degrees_fit(off, 1, 2)  # usp-eval's lengths are not the trainer's business

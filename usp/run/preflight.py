@@ -56,12 +56,13 @@ def check_degrees_fit(cfg: RunConfig, ulysses: int, ring: int) -> None:
     check_heads(cfg.model.n_heads, cfg.model.n_kv_heads, ulysses)
     check_seq_len(cfg.data.seq_len, ulysses, ring, cfg.parallel.balance)
     if cfg.eval.during_training:  # each passkey length runs on the training layout
-        for length in passkey_lengths(cfg, cfg.data.seq_len):
+        lengths = passkey_lengths(cfg, cfg.data.seq_len)
+        for length in lengths:
             try:
                 check_seq_len(length, ulysses, ring, cfg.parallel.balance)
             except ValueError as e:
-                raise ValueError(f"eval.during_training=true scores eval.lengths on the "
-                                 f"training layout: {e} (in eval.lengths)") from None
+                raise ValueError(f"eval.during_training=true scores eval.lengths={lengths} on "
+                                 f"the training layout: {e}") from None
 
 
 def check_passkey_memory(cfg: RunConfig, dp: int, ring: int, ulysses: int, device: str) -> None:
@@ -84,10 +85,11 @@ def check_passkey_memory(cfg: RunConfig, dp: int, ring: int, ulysses: int, devic
             raise ValueError(
                 f"eval.during_training=true scores eval.lengths on the training layout (dp "
                 f"{dp}, ring {ring}, ulysses {ulysses}): a passkey forward of {rows} rows at "
-                f"{length} tokens needs {size(peak + optimizer)} per rank beside the "
-                f"optimizer state > {size(budget + optimizer)} ({step.mem_fraction:.0%} of "
-                f"cluster.mem_bytes); the longest that fits is {most}; use eval.lengths up to "
-                f"{most}, fewer eval.per_cell, or score the length with usp-eval")
+                f"{length} tokens needs {size(peak + optimizer)} per rank with the optimizer "
+                f"state training keeps (planner, forward only) > {size(budget + optimizer)} "
+                f"({step.mem_fraction:.0%} of cluster.mem_bytes={size(cfg.cluster.mem_bytes)})"
+                f"; the longest that fits is {most}; use eval.lengths up to {most}, fewer "
+                f"eval.per_cell, or score the length with usp-eval")
 
 
 def check_task(cfg: RunConfig, layout: RunLayout) -> None:
