@@ -8,14 +8,16 @@ The Python standard library's ``.py`` files (``tools.lab.balance``) packed in pa
 into rows of L tokens; per row, every ring rank's counted (query, key) pairs of the ring's
 own plan (``usp.bench.balance``); the busiest rank's work over the mean, mean and p90
 over rows. Then the time of a ring attention forward + backward at r=2 on ``--time-rows``
-rows spread over the corpus, both balances interleaved round by round.
+rows drawn at random (``--seed``) from the corpus's rows, both balances interleaved round
+by round; the ratio is the median of the per-round ratios per_document / zigzag.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from usp.bench.balance import BALANCES, imbalance, mean_p90, packed_rows, rank_work
+from usp.bench.balance import (BALANCES, imbalance, mean_p90, packed_rows, rank_work,
+                               sample_rows)
 from usp.bench.timing import time_ratios
 from tools.lab.balance import stdlib_doc_lens, stdlib_root, time_rows
 
@@ -29,6 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--time-len", type=int, default=32768)
     p.add_argument("--time-rows", type=int, default=None, help="rows timed at r=2 (6; 0: no timing)")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0, help="draws the timed rows")
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=32)
     p.add_argument("--quick", action="store_true")
@@ -50,9 +53,16 @@ def counted(lens, seq_len: int, rings, every: int) -> None:
 
 def timing(lens, args) -> str:
     rows = packed_rows(lens, args.time_len)
-    chosen = rows[len(rows) // (2 * args.time_rows)::len(rows) // args.time_rows][:args.time_rows]
+    picked = sample_rows(len(rows), args.time_rows, args.seed)
+    chosen = [rows[i] for i in picked]
+    busiest = {b: sum(max(rank_work(d, 2, b)) for d in chosen) for b in BALANCES}
+    print(f"timed rows: {len(chosen)} of {len(rows)} drawn with seed {args.seed}: {picked}; "
+          f"documents per row {[len(d) for d in chosen]}; counted busiest-rank work "
+          f"per_document/zigzag {busiest['per_document'] / busiest['zigzag']:.3f}", flush=True)
     times = time_rows(chosen, args.heads, args.head_dim, args.rounds)  # [round][balance]
     zig, per = ([t[j] for t in times] for j in range(len(BALANCES)))
+    print("per-round ratios per_document/zigzag: "
+          + " ".join(f"{p / z:.3f}" for p, z in zip(per, zig)), flush=True)
     ratio = time_ratios(per, zig)["paired_median"]
     med = sorted(zig)[len(zig) // 2] * 1e3, sorted(per)[len(per) // 2] * 1e3
     return (f"balance time: L={args.time_len} r=2 zigzag_ms={med[0]:.0f} "

@@ -13,11 +13,14 @@ key *inside one block* is a kernel call's "no contribution" (out 0, LSE -inf, wh
 
 ``block_pieces`` is the one function that turns the rule into kernel calls for one
 (query block, key block) pair. A block is a list of spans of consecutive global positions
-(``usp.ring.segment_spans``: one span per ring segment, two under zigzag). Each span pair is
-trimmed to the rows and keys that see anything; if the rule then leaves it whole, causal
-or empty it is one call or none; otherwise (a window edge, document boundaries) it is cut
-in halves at global multiples of ``tile_size``, recursively, down to tiles computed with
-a ``BlockMask`` (which kernels turn into an additive mask or a flash-attn window). Whole
+(``usp.ring.segment_spans``: one span per ring segment, two under zigzag). With documents,
+each span is first cut at their edges (``_doc_runs``): a run of at least a tile that is one
+document in every batch row meets only the runs of its own document, and then the positions
+alone decide (no document mask, nothing computed across documents); shorter runs side by
+side stay one span. Each span pair is trimmed to the rows and keys that see anything; if
+the rule then leaves it whole, causal or empty it is one call or none; otherwise (a window
+edge, document boundaries) it is cut in halves at global multiples of ``tile_size``,
+recursively, down to tiles computed with a ``BlockMask`` (which kernels turn into an additive mask or a flash-attn window). Whole
 pieces side by side merge into one call. The ring asks it for every block
 (``usp.ring.RingPlan``) and for how far K/V must travel (``usp.ring.ring_hops``); the
 kernels only read the ``BlockMask`` they are given.
@@ -258,8 +261,9 @@ def block_pieces(q_spans, k_spans, lo: int | None, hi: int | None, q_ids=None, k
     query block (spans ``q_spans``, document ids ``q_ids`` [B, Sq] or None) against a key
     block (``k_spans``, ``k_ids``), under ``bounds`` (lo, hi). Empty list: skip the block.
 
-    ``tile``: the smallest piece a masked span pair is cut into (``tile_size``); None: no
-    cutting (causal order alone); ``merge_diagonal``: a block
+    ``tile``: the smallest piece a masked span pair is cut into (``tile_size``), and the
+    shortest document run planned on its own (``_doc_runs``); None: no cutting (causal
+    order alone); ``merge_diagonal``: a block
     against itself under plain causal order is one causal call; ``k_barrier``: no merged
     call crosses this key offset (the ring's backward splits its diagonal there).
     """
@@ -271,10 +275,43 @@ def block_pieces(q_spans, k_spans, lo: int | None, hi: int | None, q_ids=None, k
             size = last[0] + last[2]
             return [Piece(slice(0, size), slice(0, size), causal=True)]
     pieces: list[Piece] = []
-    for q in q_spans:
-        for k in k_spans:
-            _quad(q, k, lo, hi, q_ids, k_ids, tile, pieces)
+    if q_ids is None or tile is None:
+        for q in q_spans:
+            for k in k_spans:
+                _quad(q, k, lo, hi, q_ids, k_ids, tile, pieces)
+        return _merge(pieces, k_barrier)
+    for q, qdoc in _doc_runs(q_spans, q_ids, tile):
+        for k, kdoc in _doc_runs(k_spans, k_ids, tile):
+            if qdoc is not None and qdoc == kdoc:  # one document, in every batch row
+                _quad(q, k, lo, hi, None, None, tile, pieces)  # the positions decide alone
+            elif qdoc is None or kdoc is None or any(a == b for a, b in zip(qdoc, kdoc)):
+                _quad(q, k, lo, hi, q_ids, k_ids, tile, pieces)
     return _merge(pieces, k_barrier)
+
+
+def _doc_runs(spans, ids: torch.Tensor, tile: int) -> list[tuple[Span, tuple | None]]:
+    """``spans`` cut where the document ids ``ids`` [B, block len] change in some batch
+    row: each run of at least ``tile`` tokens is one document in every row (paired with
+    its ids per row); shorter runs side by side stay one span (None: several documents,
+    tiled by ``_quad``). A run never holds two documents' tokens, so a pair of runs is
+    whole, causal, masked by the window alone or skipped, with no document mask."""
+    cut = ((ids[:, 1:] != ids[:, :-1]).any(0).nonzero().flatten() + 1).tolist()  # offsets
+    runs = []
+    for off, start, n in spans:
+        edges = [off] + [c for c in cut if off < c < off + n] + [off + n]
+        firsts = ids[:, edges[:-1]].T.tolist()  # [runs][B]: each run's ids
+        short = None  # (first offset, end offset) of the short runs gathered so far
+        for a, b, doc in zip(edges, edges[1:], firsts):
+            if b - a < tile:
+                short = (short[0] if short else a, b)
+                continue
+            if short:
+                runs.append(((short[0], start + short[0] - off, short[1] - short[0]), None))
+                short = None
+            runs.append(((a, start + a - off, b - a), tuple(doc)))
+        if short:
+            runs.append(((short[0], start + short[0] - off, short[1] - short[0]), None))
+    return runs
 
 
 def _asked(segment_ids, window) -> list[str]:

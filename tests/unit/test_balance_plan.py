@@ -74,6 +74,21 @@ def test_counted_pairs_are_the_work_of_each_rank():
     assert len(set(work)) == 1
 
 
+@pytest.mark.parametrize("ring", [2, 4])
+def test_documents_of_a_tile_or_more_need_no_document_mask(ring):
+    """Documents off the tile grid, every part at least a tile long: a rank's spans are cut
+    at the documents' edges, so no call carries a mask (each is whole or causal) and each
+    rank's counted pairs are exactly the visible pairs of its queries."""
+    docs, tile = (75, 67, 91, 87), 8
+    segments = per_document_segments(docs, ring)
+    for plan in _plans(docs, ring, tile=tile):
+        pieces = [p for s in range(plan.hops + 1) for p in plan.step(s)]
+        pieces += sum(plan.diagonal_split(), [])
+        assert all(p.mask is None for p in pieces)
+        fwd = sum(piece_pairs(p) for s in range(plan.hops + 1) for p in plan.step(s))
+        assert fwd == visible_pairs(segments[plan.rank], docs)
+
+
 def test_trailing_steps_empty_for_every_rank_are_dropped():
     ones = (1,) * 64  # one-token documents: nothing to see on another rank
     plans = _plans(ones, 4)

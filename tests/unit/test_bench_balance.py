@@ -2,7 +2,7 @@
 
 import pytest
 
-from usp.bench.balance import imbalance, mean_p90, packed_rows, rank_work
+from usp.bench.balance import imbalance, mean_p90, packed_rows, rank_work, sample_rows
 from usp.dims.balance import visible_pairs
 from usp.dims.tokens import segment_ranges
 
@@ -31,3 +31,12 @@ def test_mean_p90():
     assert mean_p90([1.0, 2.0, 3.0]) == pytest.approx((2.0, 2.8))
     with pytest.raises(ValueError, match="balance must be one of"):
         rank_work((64,), 2, "contiguous")
+
+
+def test_sample_rows_is_a_seeded_draw():
+    a = sample_rows(1000, 6, seed=0)
+    assert a == sample_rows(1000, 6, seed=0) != sample_rows(1000, 6, seed=1)
+    assert a == sorted(set(a)) and len(a) == 6 and 0 <= a[0] and a[-1] < 1000
+    assert sample_rows(5, 5, seed=3) == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="cannot draw 7 of 5 rows"):
+        sample_rows(5, 7, seed=0)

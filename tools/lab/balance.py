@@ -6,7 +6,8 @@ lengths matter, for both the counted work and the timing (q, k, v are random).
 
 Timing: two ring ranks (one thread each) run a ring attention forward + backward of the
 same rows under the document mask, ``zigzag`` and ``per_document`` interleaved round by
-round (``usp.bench.timing.round_robin``, the slowest rank's time per call).
+round (``usp.bench.timing.round_robin``, the slowest rank's time per call); each row's plan
+is built inside the timed call, as ``usp_attention`` builds it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import tempfile
 
 import torch
 
-from usp.bench.balance import BALANCES, row_plans
+from usp.bench.balance import BALANCES, row_plan
 
 
 def stdlib_root() -> str:
@@ -51,14 +52,11 @@ def _worker(rows, heads: int, head_dim: int, rounds: int, path: str) -> None:
         kernel, gen = get_kernel("torch"), torch.Generator().manual_seed(mesh.rank)
         n = sum(rows[0]) // 2
         q, k, v, dout = (torch.randn(1, n, heads, head_dim, generator=gen) for _ in range(4))
-        plans = {b: [row_plans(docs, 2, b)[mesh.ring_rank] for docs in rows] for b in BALANCES}
-        for b in BALANCES:  # plan every block up front: the timing is the ring's
-            for p in plans[b]:
-                [p.step(s) for s in range(p.hops + 1)], p.diagonal_split()
 
         def call(balance):
             def run():
-                for plan in plans[balance]:
+                for docs in rows:  # the plan is built in the call, as usp_attention does
+                    plan = row_plan(docs, 2, balance, mesh.ring_rank)
                     x = [t.clone().requires_grad_() for t in (q, k, v)]
                     out = RingAttention.apply(*x, comm, plan, kernel, head_dim ** -0.5)
                     out.backward(dout)

@@ -11,6 +11,7 @@ waits for its slowest rank, so this is what the ring loses to the layout.
 
 from __future__ import annotations
 
+import random
 from itertools import accumulate
 
 import torch
@@ -44,14 +45,27 @@ def row_ids(docs: tuple[int, ...]) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))[None]
 
 
-def row_plans(docs: tuple[int, ...], ring: int, balance: str) -> list[RingPlan]:
-    """Every ring rank's causal plan of one row under the document mask."""
+def row_plan(docs: tuple[int, ...], ring: int, balance: str, rank: int) -> RingPlan:
+    """Ring rank ``rank``'s causal plan of one row under the document mask (what
+    ``usp_attention`` builds for the row)."""
     if balance not in BALANCES:
         raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
     seq_len, ids = sum(docs), row_ids(docs)
     segments = per_document_segments(docs, ring) if balance == "per_document" else None
-    return [RingPlan(i, ring, seq_len // ring, True, "zigzag", None, ids, segments=segments)
-            for i in range(ring)]
+    return RingPlan(rank, ring, seq_len // ring, True, "zigzag", None, ids, segments=segments)
+
+
+def row_plans(docs: tuple[int, ...], ring: int, balance: str) -> list[RingPlan]:
+    """Every ring rank's causal plan of one row under the document mask."""
+    return [row_plan(docs, ring, balance, i) for i in range(ring)]
+
+
+def sample_rows(count: int, n: int, seed: int) -> list[int]:
+    """``n`` of the row indices ``0..count-1`` drawn at random without replacement
+    (``random.Random(seed)``), in increasing order: the same rows for every run."""
+    if not 0 < n <= count:
+        raise ValueError(f"cannot draw {n} of {count} rows; ask for 1..{count}")
+    return sorted(random.Random(seed).sample(range(count), n))
 
 
 def plan_pairs(plan: RingPlan) -> int:
