@@ -1,0 +1,102 @@
+"""Length phases (``trainer.phases``): a run grown in context, one resolved layout per phase.
+
+A run is a sequence of **phases** (the word "stages" is the a2a pipeline's): each phase
+trains at its own ``seq_len`` with the base config overlaid by the phase's keys
+(``data.seq_len``, RoPE, lr, batch, parallel degrees), under its own ``RunLayout``, all
+resolved before any process group exists. A run without ``trainer.phases`` is one phase
+made of today's keys (``PhasePlan.single``).
+
+Steps count globally across phases: phase k's planned steps are
+``planned_starts[k] + 1 .. planned_starts[k] + steps``. A phase with a gate (``until``) may
+end earlier; the steps where phases actually started are recorded in the checkpoints
+(``starts``), and ``phase_at`` reads a global step against them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+from ..config import RunConfig
+from .layout import RunLayout
+
+
+@dataclass(frozen=True)
+class PhaseGate:
+    """When a phase may end before its ``steps`` (checked at each validation, every rank
+    alike, from all-reduced scores): every criterion given must hold.
+
+    ``passkey_acc``: passkey accuracy at the phase's own length at least this;
+    ``val_loss_within``: the validation loss at the first phase's length within this
+    relative margin of its value at the end of the first phase (0.02: at most 2% above)."""
+
+    passkey_acc: Optional[float] = None
+    val_loss_within: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One phase of a run: ``index`` (0-based), ``cfg`` (the base config with this phase's
+    keys overlaid), ``run`` (its layout, resolved for ``cfg``), ``steps`` (its planned
+    optimizer steps, the upper bound under a gate), ``lr`` (a new peak with its own warmup,
+    or None: the run's schedule continues) and ``until`` (its gate, or None)."""
+
+    index: int
+    cfg: RunConfig
+    run: RunLayout
+    steps: int
+    lr: Optional[float] = None
+    until: Optional[PhaseGate] = None
+
+    @property
+    def seq_len(self) -> int:
+        return self.run.seq_len
+
+
+@dataclass(frozen=True)
+class PhasePlan:
+    """The phases of one run, in order, every layout resolved."""
+
+    phases: tuple[Phase, ...]
+
+    def __post_init__(self) -> None:
+        if not self.phases:
+            raise ValueError("a phase plan needs at least one phase")
+
+    @classmethod
+    def single(cls, cfg: RunConfig, run: RunLayout) -> PhasePlan:
+        """A run without ``trainer.phases``: one phase of ``trainer.steps`` steps."""
+        return cls((Phase(0, cfg, run, cfg.trainer.steps),))
+
+    def __len__(self) -> int:
+        return len(self.phases)
+
+    def __getitem__(self, k: int) -> Phase:
+        return self.phases[k]
+
+    @property
+    def total_steps(self) -> int:
+        """Steps of the whole run when no gate ends a phase early (``trainer.steps``)."""
+        return sum(p.steps for p in self.phases)
+
+    @property
+    def planned_starts(self) -> tuple[int, ...]:
+        """Global steps completed before each phase, when no gate ends one early."""
+        out, at = [], 0
+        for p in self.phases:
+            out.append(at)
+            at += p.steps
+        return tuple(out)
+
+    def phase_at(self, step: int, starts: Sequence[int] | None = None) -> int:
+        """The 0-based phase that 1-based global step ``step`` belongs to, given the steps
+        completed before each phase that has started (``starts``; default: the planned
+        ones). A phase ends at the earlier of its planned steps and the next start."""
+        starts = list(self.planned_starts if starts is None else starts)
+        k = max((i for i, s in enumerate(starts) if step > s), default=0)
+        end = starts[k] + self.phases[k].steps  # the started phase runs at most its steps,
+        while step > end and k + 1 < len(self.phases):  # then the rest follow as planned
+            k += 1
+            end += self.phases[k].steps
+        return k
