@@ -106,7 +106,7 @@ def unknown_keys(node, prefix: str = "") -> list[str]:
         name, child = f"{prefix}{key}", node._get_node(key)
         if known is not None and key not in known:
             found.append(stray_key(name, key, known, prefix))
-        elif OmegaConf.is_dict(child):
+        elif OmegaConf.is_dict(child) and not child._is_none():  # None: an unset dataclass
             found += unknown_keys(node[key], f"{name}.")
         elif OmegaConf.is_list(child) and not child._is_none():
             for i in range(len(child)):
@@ -354,9 +354,10 @@ def _plan_main(dcfg) -> None:
 
 
 def _plan(cfg: PlanConfig) -> None:
+    from .planner.phase_report import phases_report
     from .planner.report import plan_report
 
-    text, drawing = plan_report(cfg)
+    text, drawing = phases_report(cfg) if cfg.trainer.phases else plan_report(cfg)
     print(text)
     if cfg.png:
         drawing.save_png(cfg.png)

@@ -8,7 +8,7 @@ planner and the CLI (only the CLI touches Hydra/OmegaConf; it turns YAML into th
 | ``cluster/``     | ``ClusterSpec``                             | ``usp.config.cluster``  |
 | ``data/``        | ``RecallData`` / ``MemmapData`` (by kind)   | ``usp.config.data``     |
 | ``optim/``       | ``OptimConfig``                             | ``usp.config.optim``    |
-| ``trainer/``     | ``TrainerConfig``                           | ``usp.config.trainer``  |
+| ``trainer/``     | ``TrainerConfig`` (``phases``: ``PhaseConfig``) | ``usp.config.trainer``  |
 | ``logging/``     | ``LoggingConfig``                           | ``usp.config.logging``  |
 | ``eval/``        | ``EvalConfig``                              | ``usp.config.eval``     |
 | ``train.yaml``   | ``RunConfig``; ``plan.yaml``: ``PlanConfig`` | ``usp.config.run``      |
@@ -29,6 +29,7 @@ from .logging import LoggingConfig
 from .model import ModelConfig
 from .optim import OptimConfig
 from .parallel import ParallelConfig
+from .phases import PhaseConfig, PhaseGateConfig, phase_config
 from .trainer import DTYPES, TrainerConfig, parse_signals, torch_dtype
 from .run import PlanConfig, RunConfig
 
@@ -44,11 +45,14 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "ParallelConfig",
+    "PhaseConfig",
+    "PhaseGateConfig",
     "PlanConfig",
     "RecallData",
     "RunConfig",
     "TrainerConfig",
     "load_cluster",
     "parse_signals",
+    "phase_config",
     "torch_dtype",
 ]

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import signal
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
 from .checks import above, at_least, one_of
+from .phases import PhaseConfig, check_phases
 
 # trainer.dtype -> the dtype forward and backward compute in; master weights, gradients and
 # optimizer state stay fp32 (FSDP2 mixed precision)
@@ -62,6 +63,10 @@ class TrainerConfig:
     global_batch_tokens: Optional[int] = None  # T: tokens per optimizer step; sets grad_accum_steps
     eval_every: int = 0  # steps between validation-loss evaluations (0: only after the last)
     eval_windows: Optional[int] = None  # validation windows scored; None: up to 16 if a split exists
+    # length phases (usp/config/phases.py): [{seq_len, steps | tokens, ...}, ...]; None or
+    # empty: one phase of the keys above. With phases, steps is derived as the phases' total
+    # (usp.run.resolve_phases), and stop_after is checked against that total there
+    phases: Optional[List[PhaseConfig]] = None
 
     def __post_init__(self) -> None:
         at_least("trainer", 1, steps=self.steps, keep_checkpoints=self.keep_checkpoints,
@@ -82,7 +87,12 @@ class TrainerConfig:
         for key in ("grad_accum_steps", "global_batch_tokens", "eval_windows"):
             if getattr(self, key) is not None:
                 at_least("trainer", 1, **{key: getattr(self, key)})
-        if self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
+        self.phases = list(self.phases) if self.phases else None
+        if self.phases:
+            check_phases(self.phases)
+            if self.stop_after is not None:  # its upper bound, the total: resolve_phases
+                at_least("trainer", 1, stop_after=self.stop_after)
+        elif self.stop_after is not None and not 1 <= self.stop_after <= self.steps:
             raise ValueError(f"trainer.stop_after={self.stop_after} is outside 1..trainer.steps="
                              f"{self.steps}; set it in that range or to null")
 

@@ -32,17 +32,27 @@ def plan_run(cfg: RunConfig | PlanConfig, spec, world: int, forward_only: bool =
     ``batch_per_dp_rank`` sequences per dp rank, as the trainer does. ``forward_only``:
     usp-eval's scoring, one forward pass of the whole model on every rank (no gradients, no
     optimizer state, no FSDP: ``StepPolicy.forward_only``)."""
+    return plan(cfg.model, spec, cfg.data.seq_len, world=world, search=run_search(cfg),
+                batch=BatchSpec(per_dp_rank=cfg.data.batch_per_dp_rank),
+                step=run_step(cfg, forward_only))
+
+
+def run_search(cfg: RunConfig) -> Search:
+    """The layouts ``plan_run`` ranks for this run: its fixed degrees, balance, placement."""
+    pc = cfg.parallel
+    return Search(ulysses=config_degree(pc.ulysses_degree, "ulysses_degree"),
+                  ring=config_degree(pc.ring_degree, "ring_degree"),
+                  dp=config_degree(pc.dp_degree, "dp_degree"), balance=pc.balance,
+                  placement=pc.placement, a2a_chunks=pc.a2a_chunks)
+
+
+def run_step(cfg: RunConfig, forward_only: bool = False) -> StepPolicy:
+    """How every rank of this run computes its step, as ``plan_run`` prices it."""
     pc, tc = cfg.parallel, cfg.trainer
-    search = Search(ulysses=config_degree(pc.ulysses_degree, "ulysses_degree"),
-                    ring=config_degree(pc.ring_degree, "ring_degree"),
-                    dp=config_degree(pc.dp_degree, "dp_degree"), balance=pc.balance,
-                    placement=pc.placement, a2a_chunks=pc.a2a_chunks)
-    step = StepPolicy(dtype_bytes=tc.compute_dtype.itemsize,
+    return StepPolicy(dtype_bytes=tc.compute_dtype.itemsize,
                       checkpoint=CheckpointPolicy.from_trainer(tc), kernel=pc.kernel,
                       device="cpu" if tc.device == "cpu" else "cuda",
                       forward_only=forward_only, fsdp=not forward_only)
-    return plan(cfg.model, spec, cfg.data.seq_len, world=world, search=search,
-                batch=BatchSpec(per_dp_rank=cfg.data.batch_per_dp_rank), step=step)
 
 
 def plan_table(detected: DetectReport, p: Plan) -> str:
