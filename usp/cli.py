@@ -187,19 +187,20 @@ def run_training(cfg: RunConfig, run_dir: str | None = None) -> None:
     """Launch: torchrun/Slurm environment if present, else spawn ``trainer.nprocs`` local ranks.
     ``run_dir``: where the run writes when ``trainer.run_dir`` is not set (Hydra's folder).
 
-    The run's layout (``usp.run.RunLayout``) is resolved once, before any process starts
-    training: here, in the parent of the spawned ranks; under torchrun/Slurm by rank 0 before
-    any process group, checked by every other task on its own config and machine, the
-    verdicts exchanged in the rendezvous store (``usp.launch.decide_together``: a layout
-    that cannot fit the allocation is refused at once, alike on every task). Every rank
-    builds its mesh, model and trainer from that one object.
+    The run's plan (``usp.run.PhasePlan``: a ``RunLayout`` per length phase, one without
+    ``trainer.phases``) is resolved once, before any process starts training: here, in the
+    parent of the spawned ranks; under torchrun/Slurm by rank 0 before any process group,
+    checked by every other task on its own config and machine, the verdicts exchanged in the
+    rendezvous store (``usp.launch.decide_together``: a layout that cannot fit the
+    allocation is refused at once, alike on every task). Every rank builds its mesh, model
+    and trainer from that one object: ``train(plan.cfg, plan)``.
     """
     from functools import partial
 
     import torch
 
     from .launch import choose_device, launcher_env, run_local
-    from .run import resolve_run, scheduler_hosts_notice
+    from .run import resolve_phases, scheduler_hosts_notice
 
     info = launcher_env()
     say = partial(print, flush=True)
@@ -208,8 +209,8 @@ def run_training(cfg: RunConfig, run_dir: str | None = None) -> None:
         _, device = choose_device(cfg.trainer.device, nprocs, torch.cuda.is_available(),
                                   torch.cuda.device_count())  # the run's device, decided once
         # refuse bad layouts/data before spawning
-        run = resolve_run(cfg, nprocs, device, run_dir=run_dir, say=say)
-        code = run_local(_local_worker, nprocs, cfg, run, device_type=run.device,
+        plan = resolve_phases(cfg, nprocs, device, run_dir=run_dir, say=say)
+        code = run_local(_local_worker, nprocs, plan.cfg, plan, device_type=plan[0].run.device,
                          max_restarts=cfg.trainer.max_restarts, timeout_s=cfg.trainer.timeout_s)
         if code:  # the ranks' own exit code, e.g. preempted after a forwarded SIGTERM
             _local_exit(cfg, code)
@@ -223,7 +224,7 @@ def run_training(cfg: RunConfig, run_dir: str | None = None) -> None:
     # device against it; the verdicts meet in the rendezvous store, so one refusal is
     # raised on every task within a second of start-up
     from .launch import decide_together, rendezvous_store
-    from .run import check_task
+    from .run import check_phase_tasks
 
     # (resolve_run and check_task include the data checks: vocabulary, validation split)
     said = []  # rank 0's planner table, said once every task agreed
@@ -232,22 +233,22 @@ def run_training(cfg: RunConfig, run_dir: str | None = None) -> None:
         _, device = choose_device(cfg.trainer.device, 1, torch.cuda.is_available(),
                                   torch.cuda.device_count())  # the run's device, decided once
         # every rank composed its own config; rank 0's run directory is the run's
-        return resolve_run(cfg, info["world"], device, scheduler_hosts=slurm, run_dir=run_dir,
-                           say=said.append)
+        return resolve_phases(cfg, info["world"], device, scheduler_hosts=slurm,
+                              run_dir=run_dir, say=said.append)
 
     def check(decided):
-        check_task(cfg, decided)  # this task on rank 0's layout, its device included
+        check_phase_tasks(decided)  # this task on rank 0's layouts, its device included
 
     store = rendezvous_store(info, cfg.trainer.timeout_s)
-    run = decide_together(store, info, decide, check, cfg.trainer.timeout_s)
+    plan = decide_together(store, info, decide, check, cfg.trainer.timeout_s)
     for text in said:
         say(text)
-    _train_launched(cfg, info, run, store)
+    _train_launched(cfg, info, plan, store)
 
 
-def _train_launched(cfg: RunConfig, info: dict, run, store) -> None:
-    """Join the launch's process group and train ``run``; a preempted Slurm job is
-    requeued by rank 0 after its checkpoint (``usp.slurm.requeue``)."""
+def _train_launched(cfg: RunConfig, info: dict, plan, store) -> None:
+    """Join the launch's process group and train ``plan`` (``usp.run.PhasePlan``); a
+    preempted Slurm job is requeued by rank 0 after its checkpoint (``usp.slurm.requeue``)."""
     import torch.distributed as dist
 
     from .launch import init_from_env
@@ -255,10 +256,10 @@ def _train_launched(cfg: RunConfig, info: dict, run, store) -> None:
     from .train.trainer import train
 
     # refuses a missing GPU before joining; trainer.timeout_s bounds every collective
-    init_from_env(info, run.device, timeout_s=cfg.trainer.timeout_s, store=store)
+    init_from_env(info, plan[0].run.device, timeout_s=cfg.trainer.timeout_s, store=store)
     preempted, requeued = None, False
     try:
-        train(cfg, run)
+        train(plan.cfg, plan)
     except Preempted as e:  # every rank checkpointed at e.step
         preempted = e
         requeued, line = _requeue(cfg, info)
@@ -320,10 +321,10 @@ def _local_exit(cfg: RunConfig, code: int) -> None:
     raise SystemExit(code)
 
 
-def _local_worker(cfg: RunConfig, run) -> None:
+def _local_worker(cfg: RunConfig, plan) -> None:
     from .train.trainer import train
 
-    train(cfg, run)
+    train(cfg, plan)  # plan.cfg: the base config, trainer.steps the phases' total
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="train", version_base="1.3")

@@ -153,16 +153,16 @@ def local_launch(monkeypatch, fake_dist):
         return 0, "ok", ""
 
     monkeypatch.setattr(launcher, "_run_once", run_once)
-    monkeypatch.setattr(cli, "_local_worker",
-                        lambda cfg, run: fake_dist.append(("train", cfg, run)))
+    monkeypatch.setattr(cli, "_local_worker",  # a run without phases: a plan of one layout
+                        lambda cfg, plan: fake_dist.append(("train", cfg, plan[0].run)))
     resolved = []
-    real_resolve = usp.run.resolve_run
+    real_resolve = usp.run.phase_layouts.resolve_run
 
     def counting_resolve(*a, **kw):
         resolved.append(a)
         return real_resolve(*a, **kw)
 
-    monkeypatch.setattr(usp.run, "resolve_run", counting_resolve)
+    monkeypatch.setattr(usp.run.phase_layouts, "resolve_run", counting_resolve)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     monkeypatch.setattr(dist, "barrier", lambda: None)
     monkeypatch.setattr(dist, "destroy_process_group", lambda: None)

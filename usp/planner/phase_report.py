@@ -149,6 +149,6 @@ def phases_report(cfg: PlanConfig) -> tuple[str, object]:
     out += changes or ["the same layout in every phase"]
     last = rows[-1][2]
     drawing = draw_mesh(last.dp, last.ring, last.ulysses, spec.ranks_per_node,
-                        cfg.parallel.placement)
+                        p.search.placement)
     out.append(str(drawing))
     return "\n".join(out), drawing

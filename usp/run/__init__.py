@@ -20,6 +20,12 @@ an ``auto`` choice is text of ``usp.planner.report``, said by the resolver, not 
   (only it runs topology detection for ``auto`` degrees), broadcasts the layout, and every
   task checks what is its own (data files, run directory, kernel on its device).
 
+A run in length phases (``trainer.phases``) is resolved by ``resolve_phases`` into a
+``PhasePlan`` (``phases``): a ``RunLayout`` per phase, each from ``resolve_run`` on that
+phase's config (``usp.config.phase_config``), its steps and its gate; a run without phases
+is ``PhasePlan.single`` of ``resolve_run``'s layout. ``resolve_phases_group`` is its
+collective twin, ``check_phase_tasks`` what the other tasks of a torchrun/Slurm launch check.
+
 The mesh, the model and the trainer take the layout; nothing downstream reads the degree,
 placement or chunk fields of ``cfg.parallel`` again (``tests/unit/test_run_layout.py``).
 """
@@ -29,8 +35,11 @@ from .layout import RunLayout
 from .preflight import (check_degrees_fit, check_hf_model, check_inputs, check_passkey_memory,
                         check_recompute, check_run_dir, check_run_masks, check_task)
 from .resolve import resolve_eval, resolve_run, resolve_run_group, scheduler_hosts_notice
+from .phases import Phase, PhaseGate, PhasePlan
+from .phase_layouts import check_gate, check_phase_tasks, resolve_phases, resolve_phases_group
 
-__all__ = ["RunLayout", "check_degrees_fit", "check_hf_model", "check_inputs",
+__all__ = ["Phase", "PhaseGate", "PhasePlan", "RunLayout", "check_gate", "check_phase_tasks", "check_degrees_fit", "check_hf_model", "check_inputs",
            "check_passkey_memory", "check_recompute", "check_run_dir", "check_run_masks", "check_task",
            "decide_a2a_chunks", "decide_degrees", "resolve_eval", "resolve_run",
-           "resolve_run_group", "scheduler_hosts_notice"]
+           "resolve_phases", "resolve_phases_group", "resolve_run_group",
+           "scheduler_hosts_notice"]

@@ -56,9 +56,13 @@ class Phase:
 
 @dataclass(frozen=True)
 class PhasePlan:
-    """The phases of one run, in order, every layout resolved."""
+    """The phases of one run, in order, every layout resolved. ``cfg``: the base config
+    with ``trainer.steps`` the planned total (``total_steps``), the config ``train`` takes
+    with the plan (``usp.run.resolve_phases`` and ``single`` set it; None only in a plan
+    made by hand)."""
 
     phases: tuple[Phase, ...]
+    cfg: Optional[RunConfig] = None
 
     def __post_init__(self) -> None:
         if not self.phases:
@@ -67,7 +71,7 @@ class PhasePlan:
     @classmethod
     def single(cls, cfg: RunConfig, run: RunLayout) -> PhasePlan:
         """A run without ``trainer.phases``: one phase of ``trainer.steps`` steps."""
-        return cls((Phase(0, cfg, run, cfg.trainer.steps),))
+        return cls((Phase(0, cfg, run, cfg.trainer.steps),), cfg)
 
     def __len__(self) -> int:
         return len(self.phases)
@@ -100,3 +104,25 @@ class PhasePlan:
             k += 1
             end += self.phases[k].steps
         return k
+
+    def describe(self, k: int) -> str:
+        """Phase ``k``'s heading (0-based ``k``), e.g. ``phase 2/3: seq_len 4096, ulysses 2 x
+        ring 2 (dp 1), rope_theta 40000, K=2, steps 301..400``, with its new peak ``lr`` and
+        its gate when it has them."""
+        p, start = self.phases[k], self.planned_starts[k]
+        r, m = p.run, p.cfg.model
+        text = (f"phase {k + 1}/{len(self)}: seq_len {r.seq_len}, ulysses {r.ulysses} x ring "
+                f"{r.ring} (dp {r.dp}), rope_theta {m.rope_theta:g}")
+        if m.rope_scaling:
+            text += f", rope_scaling {m.rope_scaling}"
+        text += f", K={r.grad_accum}, steps {start + 1}..{start + p.steps}"
+        if p.lr is not None:
+            text += f", lr {p.lr:g}"
+        if p.until is not None:
+            gate, held = p.until, []
+            if gate.passkey_acc is not None:
+                held.append(f"passkey_acc >= {gate.passkey_acc:g}")
+            if gate.val_loss_within is not None:
+                held.append(f"val_loss_within {gate.val_loss_within:g}")
+            text += ", until " + " and ".join(held)
+        return text

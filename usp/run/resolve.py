@@ -69,19 +69,28 @@ def resolve_run_group(cfg: RunConfig, device_type: str, env=None, say=_print) ->
     every rank receives rank 0's layout and checks its own task (``check_task``). A refusal
     on any rank is raised on every rank (none is left waiting in a collective). Once every
     rank agreed, rank 0 says the planner's table (``say``), when the planner chose."""
+    return decide_in_group(
+        lambda world, said: resolve_run(cfg, world, device_type, env, say=said),
+        lambda layout: check_task(cfg, layout), say)
+
+
+def decide_in_group(resolve, check, say):
+    """The collective protocol of ``resolve_run_group``: rank 0 runs ``resolve(world,
+    say)``, every rank receives its value and the others run ``check(value)``; a refusal
+    on any rank is raised on every rank; then rank 0's words go to ``say``."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    layout, error, said = None, None, []
+    value, error, said = None, None, []
     if rank == 0:
         try:
-            layout = resolve_run(cfg, world, device_type, env, say=said.append)
+            value = resolve(world, said.append)
         except (ValueError, FileNotFoundError) as e:
             error = str(e)
-    decided = [(layout, error)]
+    decided = [(value, error)]
     dist.broadcast_object_list(decided, src=0)  # every rank now holds rank 0's decision
-    layout, error = decided[0]
+    value, error = decided[0]
     if error is None and rank != 0:
         try:
-            check_task(cfg, layout)
+            check(value)
         except (ValueError, FileNotFoundError) as e:
             error = f"rank {rank}: {e}"
     errors = [None] * world
@@ -91,7 +100,7 @@ def resolve_run_group(cfg: RunConfig, device_type: str, env=None, say=_print) ->
         raise ValueError(refused[0])
     for text in said:
         say(text)
-    return layout
+    return value
 
 
 def scheduler_hosts_notice(cfg: RunConfig, placement: str) -> str | None:

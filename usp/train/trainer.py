@@ -28,7 +28,7 @@ from ..data.packing import IGNORE_INDEX, Batch
 from ..layout import SequenceLayout
 from ..models.llama import flops_per_token
 from ..models.tiling import loss_share
-from ..run import RunLayout, resolve_run_group
+from ..run import PhasePlan, RunLayout, resolve_run_group
 from ..scoring.grid import training_cases
 from .build import optimizer, record_for_export, sharded_model
 from .checkpointer import Checkpointer, Position
@@ -43,11 +43,13 @@ from .validator import Validator, evaluate, missing_splits
 FaultHook = Callable[[int, torch.Tensor], torch.Tensor]
 
 
-def train(cfg: RunConfig, run: RunLayout | None = None, fault_hook: FaultHook | None = None,
+def train(cfg: RunConfig, run: RunLayout | PhasePlan | None = None,
+          fault_hook: FaultHook | None = None,
           memory_probe: Callable[[torch.device], PeakMemory] = PeakMemory) -> dict:
     """Train ``cfg.trainer.steps`` steps; returns the summary of the last step (every rank).
 
-    ``run``: the layout the launcher resolved (``usp.run.resolve_run``); None: resolved
+    ``run``: the layout the launcher resolved (``usp.run.resolve_run``), or a ``PhasePlan``
+    of one phase (``usp.run.resolve_phases``; several phases are not run here yet); None: resolved
     here, once, by rank 0 for the group (``resolve_run_group``), for a caller that made
     the process group itself. Degrees, placement, a2a chunks, device, dtype and per-rank
     batch come from it, not from ``cfg.parallel`` or the backend.
@@ -62,6 +64,10 @@ def train(cfg: RunConfig, run: RunLayout | None = None, fault_hook: FaultHook | 
     return a changed loss. ``memory_probe(device)`` builds the per-step memory probe
     (``start()`` at each step start, ``peak_mb()`` after the optimizer step).
     """
+    if isinstance(run, PhasePlan):  # one phase: its layout
+        if len(run) > 1:
+            raise NotImplementedError("a run of several length phases: the phase loop")
+        run = run[0].run
     trainer = Trainer(cfg, _resolved(cfg, run), fault_hook, memory_probe)  # build
     at = trainer.resume()
     with trainer.running(at):  # closes once, on every path
