@@ -1,6 +1,8 @@
 """The CLIs print a refused input as one line ``usp-...: error: ...`` with status 2, and start
 nothing."""
 
+from pathlib import Path
+
 import pytest
 
 
@@ -11,6 +13,14 @@ TRAIN_REFUSED = [
     ("trainer.step=5", "unknown config key trainer.step (did you mean trainer.steps?)"),
     ("model=nosuch", "Could not find 'model/nosuch'; options in 'model': hf_llama, "),
     ("cluster=nowhere/mine.yaml", "cluster=nowhere/mine.yaml: no such file"),
+    # length phases: a misspelt key inside the list, lengths that shrink (the config), a
+    # phase shorter than one step (resolve_phases, in the launching process)
+    ("trainer.phases=[{seq_len: 512, stpes: 2}]",
+     "unknown config key stpes in trainer.phases (did you mean steps?)"),
+    ("trainer.phases=[{seq_len: 1024, steps: 2}, {seq_len: 512, steps: 2}]",
+     "trainer.phases[1].seq_len=512 is shorter than phase 0's 1024"),
+    ("trainer.phases=[{seq_len: 512, steps: 2}, {seq_len: 1024, tokens: 100}]",
+     "trainer.phases[1].tokens=100 is less than one optimizer step of that phase (8192 tokens"),
 ]
 PLAN_REFUSED = "data.seq_len=1001"  # odd: no zigzag layout splits it
 
@@ -34,6 +44,13 @@ def test_usp_train_refuses_in_one_line(command_lines, override, needle):
     assert res.stderr.startswith("usp-train: error: ") and needle in res.stderr
     assert res.stderr.strip().count("\n") == 0  # one line, no traceback
     assert "SPMesh" not in res.stdout
+
+
+def test_a_refused_phase_plan_writes_nothing(command_lines, tmp_path_factory):
+    i = next(i for i, (o, _) in enumerate(TRAIN_REFUSED) if "tokens: 100" in o)
+    run_dir = command_lines["train_main", TRAIN_REFUSED[i][0]].args[-1].split("=", 1)[1]
+    written = {p.name for p in Path(run_dir).iterdir()} if Path(run_dir).exists() else set()
+    assert not written & {"checkpoints", "metrics.jsonl", "summary.json", "data_record.json"}
 
 
 def test_usp_plan_refuses_in_one_line(command_lines):

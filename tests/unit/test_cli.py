@@ -16,7 +16,10 @@ from usp.planner import load_cluster
 from usp.config.model import EXECUTION_FIELDS
 from usp.data.dataset import check_vocab
 from usp.planner.report import plan_run
-from usp.run import decide_degrees, resolve_run
+from usp.config import phase_config
+from usp.planner.batch import grad_accum_steps
+from usp.planner.phase_report import phases_report
+from usp.run import check_passkey_memory, decide_degrees, resolve_run
 from usp.validate import check_degrees, check_seq_len
 from usp.dims.heads import check_heads
 
@@ -61,9 +64,10 @@ def test_there_are_the_promised_recipes():
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_recipe_composes_and_is_feasible(recipe):
-    # an _extend_ recipe requires its checkpoint and data; stated shapes plan without them
-    needs = ["model.pretrained=/absent/ckpt", "data.path=/absent/tokens"] if "_extend_" in recipe \
-        else []
+    # an _extend_ or _phases_ recipe requires its checkpoint and data; stated shapes plan
+    # without them
+    needs = ["model.pretrained=/absent/ckpt", "data.path=/absent/tokens"] \
+        if "_extend_" in recipe or "_phases_" in recipe else []
     cfg = _compose(overrides=[f"recipe={recipe}", *needs])
     world = cfg.cluster.nodes * cfg.cluster.ranks_per_node
     if recipe == "tiny_cpu":
@@ -90,6 +94,33 @@ def test_recipe_specifics():
     assert q.parallel.ulysses_degree <= q.model.n_kv_heads < q.parallel.ring_degree
     auto = _compose(overrides=["recipe=llama3_8b_1m_auto_h100x32"])
     assert decide_degrees(auto, 32, env={})[:2] == (8, 4)
+
+
+def test_the_phases_recipe_plans_every_phase():
+    """8K -> 32K -> 128K on 4 x 8 H100, 1M tokens a step: usp-plan plans each phase, the
+    batch in tokens forces a smaller dp at 128K, and each phase's passkey forward fits
+    beside the training state on its layout."""
+    recipe = ["recipe=llama3_8b_phases_8k_to_128k_h100x32", "model.pretrained=/absent/ckpt",
+              "data.path=/absent/tokens"]
+    text, _ = phases_report(_compose("plan", recipe))
+    headings = [line for line in text.splitlines() if line.startswith("phase ")]
+    assert headings[0] == "phase 1/3: seq_len 8192, steps 1..500, rope_theta 500000"
+    assert headings[2].startswith("phase 3/3: seq_len 131072, steps 1501..3500, rope_theta "
+                                  "8000000, until passkey_acc >= 0.9 and val_loss_within 0.02")
+    assert "trainer.steps 3500 = 500 + 1000 + 2000" in text
+    assert ("phase 3 (131072): ulysses 1 x ring 1 x dp 32 of phase 2 no longer fits "
+            "(trainer.global_batch_tokens is 8 sequences a step") in text
+    cfg = _compose(overrides=recipe)
+    assert cfg.trainer.phases[2].until.passkey_acc == 0.9 and cfg.eval.during_training
+    layouts = []
+    for k in range(3):
+        phase = phase_config(cfg, k)
+        u, r, dp, _ = decide_degrees(phase, 32, env={})
+        check_passkey_memory(phase, dp, r, u, "cuda")
+        assert grad_accum_steps(phase.trainer, phase.data.seq_len, 1, dp) * dp * \
+            phase.data.seq_len == 1048576
+        layouts.append((dp, r, u))
+    assert layouts[0] == layouts[1] != layouts[2] and layouts[2][0] == 8
 
 
 @pytest.mark.parametrize("group", sorted(GROUPS))

@@ -116,6 +116,17 @@ class PhaseConfig:
                                  f"this one; gate a later phase on it, or use passkey_acc")
 
 
+def gate_text(gate) -> str:
+    """A gate's criteria as words (``PhaseGateConfig`` or ``usp.run.PhaseGate``), e.g.
+    ``passkey_acc >= 0.9 and val_loss_within 0.02``."""
+    held = []
+    if gate.passkey_acc is not None:
+        held.append(f"passkey_acc >= {gate.passkey_acc:g}")
+    if gate.val_loss_within is not None:
+        held.append(f"val_loss_within {gate.val_loss_within:g}")
+    return " and ".join(held)
+
+
 def check_phases(phases: list[PhaseConfig]) -> None:
     """Each phase's plain values (``PhaseConfig.check``) and their order: lengths that
     never shrink (a phase may repeat the length before it, e.g. to change only RoPE)."""

@@ -75,10 +75,13 @@ class BatchSpec:
     """The sequences each layout runs per step: ``per_dp_rank`` on every dp rank (the
     trainer's ``data.batch_per_dp_rank``, a global batch of ``per_dp_rank x dp``), or with
     ``global_batch`` set, that many split over dp (a dp that does not divide it is
-    refused)."""
+    refused). ``step_sequences``: the sequences of one optimizer step
+    (``trainer.global_batch_tokens / seq_len``), made of micro-batches of ``per_dp_rank x
+    dp`` by accumulation: a dp whose micro-batch does not divide it is refused."""
 
     per_dp_rank: int = 1
     global_batch: int | None = None
+    step_sequences: float | None = None
 
     def __post_init__(self) -> None:
         if self.per_dp_rank < 1 or (self.global_batch is not None and self.global_batch < 1):
@@ -88,6 +91,12 @@ class BatchSpec:
     def for_dp(self, dp: int) -> int:
         """Sequences per dp rank with ``dp`` ranks; ValueError when the global batch does
         not split over them."""
+        if self.step_sequences is not None and self.step_sequences % (self.per_dp_rank * dp):
+            n = self.step_sequences
+            raise ValueError(
+                f"trainer.global_batch_tokens makes {n:g} sequences a step, not a whole number "
+                f"of micro-batches of batch_per_dp_rank {self.per_dp_rank} x dp {dp}; a smaller "
+                f"dp (a larger sequence-parallel group) or another global_batch_tokens")
         if self.global_batch is None:
             return self.per_dp_rank
         if self.global_batch % dp:

@@ -5,7 +5,7 @@ layout of the world fits (the longest length that fits, the ranks that would fit
 from __future__ import annotations
 
 from ..config import PlanConfig, RunConfig, phase_config
-from ..config.phases import steps_for_tokens
+from ..config.phases import gate_text, steps_for_tokens
 from ..dims.heads import check_heads
 from .batch import grad_accum_steps
 from .draw import draw_mesh
@@ -95,6 +95,9 @@ def change_text(k: int, p: Plan, before: Candidate) -> str | None:
     if dropped is not None and dropped.rule == "memory":
         peak = p.step.memory(p.model, p.seq_len, *before.degrees, p.batch.for_dp(before.dp))
         why = f"peak {size(peak.total)} > {size(p.budget)}"
+    elif dropped is not None and dropped.rule == "batch" and p.batch.step_sequences:
+        why = (f"trainer.global_batch_tokens is {p.batch.step_sequences:g} sequences a step, "
+               f"no whole number of micro-batches of dp {before.dp}")
     elif dropped is not None:
         why = f"{dropped.rule}: {dropped.reason}"
     else:
@@ -125,9 +128,10 @@ def phases_report(cfg: PlanConfig) -> tuple[str, object]:
         except ValueError as e:
             raise ValueError(f"trainer.phases[{k}] (seq_len {L}) on dp {best.dp} x ring "
                              f"{best.ring} x ulysses {best.ulysses}: {e}") from None
-        extra = [f"{key} {value}" for key, value in (("rope_theta", f"{pcfg.model.rope_theta:g}"),
-                 ("rope_scaling", pcfg.model.rope_scaling), ("lr", entry.lr),
-                 ("until", entry.until)) if value is not None]
+        extra = [f"{key} {value}" for key, value in (
+            ("rope_theta", f"{pcfg.model.rope_theta:.10g}"),
+            ("rope_scaling", pcfg.model.rope_scaling), ("lr", entry.lr),
+            ("until", entry.until and gate_text(entry.until))) if value is not None]
         out.append(f"phase {k + 1}/{n}: seq_len {L}, steps {at + 1}..{at + steps}"
                    + "".join(f", {x}" for x in extra))
         out += [p.format_table(),
@@ -145,7 +149,7 @@ def phases_report(cfg: PlanConfig) -> tuple[str, object]:
                f"{'tokens/step':>11} {'steps':>6} {'mem/rank':>9} {'rope_theta':>10}")
     for i, L, c, accum, tokens, steps, theta in rows:
         out.append(f"{i:>5} {L:>8} {c.dp:>3} {c.ring:>4} {c.ulysses:>7} {accum:>3} {tokens:>11} "
-                   f"{steps:>6} {size(c.memory.total):>9} {theta:>10g}")
+                   f"{steps:>6} {size(c.memory.total):>9} {theta:>10.10g}")
     out += changes or ["the same layout in every phase"]
     last = rows[-1][2]
     drawing = draw_mesh(last.dp, last.ring, last.ulysses, spec.ranks_per_node,

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..config import RunConfig
+from ..config.phases import gate_text
 from .layout import RunLayout
 
 
@@ -112,17 +113,12 @@ class PhasePlan:
         p, start = self.phases[k], self.planned_starts[k]
         r, m = p.run, p.cfg.model
         text = (f"phase {k + 1}/{len(self)}: seq_len {r.seq_len}, ulysses {r.ulysses} x ring "
-                f"{r.ring} (dp {r.dp}), rope_theta {m.rope_theta:g}")
+                f"{r.ring} (dp {r.dp}), rope_theta {m.rope_theta:.10g}")
         if m.rope_scaling:
             text += f", rope_scaling {m.rope_scaling}"
         text += f", K={r.grad_accum}, steps {start + 1}..{start + p.steps}"
         if p.lr is not None:
             text += f", lr {p.lr:g}"
         if p.until is not None:
-            gate, held = p.until, []
-            if gate.passkey_acc is not None:
-                held.append(f"passkey_acc >= {gate.passkey_acc:g}")
-            if gate.val_loss_within is not None:
-                held.append(f"val_loss_within {gate.val_loss_within:g}")
-            text += ", until " + " and ".join(held)
+            text += f", until {gate_text(p.until)}"
         return text
