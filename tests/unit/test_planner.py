@@ -580,3 +580,18 @@ def test_plan_chooses_a2a_chunks_per_layout(h100):
     fixed = plan(LLAMA3_8B, h100, 1 << 18, world=8, search=Search(a2a_chunks=8))
     assert {c.ulysses for c in fixed.candidates} == {1, 2, 4}  # 32 heads / 8 < 8 stages
     assert any(d.rule == "a2a_chunks" and "a2a_chunks=8 > 4" in d.reason for d in fixed.dropped)
+
+
+def test_a_global_batch_in_tokens_drops_the_dp_that_cannot_make_it(h100):
+    """trainer.global_batch_tokens of 8 sequences a step: dp 16 and 32 cannot accumulate
+    whole micro-batches to it and are dropped by the batch rule; dp 8 and fewer stay."""
+    h100 = h100.replace(nodes=4)
+    model = dataclasses.replace(LLAMA3_8B, loss_chunk=8192, mlp_tiles=4)
+    free = plan(model, h100, 131072, world=32, batch=BatchSpec(per_dp_rank=1))
+    assert {c.dp for c in free.candidates} >= {16, 32}
+    eight = plan(model, h100, 131072, world=32,
+                 batch=BatchSpec(per_dp_rank=1, step_sequences=8))
+    assert max(c.dp for c in eight.candidates) == 8
+    dropped = {(d.dp, d.rule) for d in eight.dropped}
+    assert {(16, "batch"), (32, "batch")} <= dropped
+    assert not any(d.dp <= 8 and d.rule == "batch" for d in eight.dropped)
