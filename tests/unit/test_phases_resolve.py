@@ -22,7 +22,8 @@ def _cfg(*phases: dict, parallel=None, trainer=None, data=None, **groups) -> Run
     tc = TrainerConfig(**{"nprocs": 4, "device": "cpu", "steps": 5,
                           "phases": [_phase(p) for p in phases], **(trainer or {})})
     return RunConfig(model=ModelConfig(**MODEL), parallel=pc, trainer=tc,
-                     data=data or RecallData(seq_len=64, batch_per_dp_rank=2, n_pairs=2, n_queries=2),
+                     data=data or RecallData(seq_len=64, batch_per_dp_rank=2, n_pairs=2,
+                                             n_queries=2),
                      **groups)
 
 

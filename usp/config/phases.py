@@ -5,8 +5,9 @@ Each phase names its ``seq_len`` and its length, in optimizer ``steps`` or in ``
 ``rope_scaling``, ``lr`` (a new peak with its own warmup), ``batch_per_dp_rank``,
 ``global_batch_tokens``, ``ulysses_degree`` and ``ring_degree``. A key a phase leaves unset
 keeps its value from the phase before, and the first phase's from the base config
-(``parallel=auto`` in the base lets the planner choose the degrees of every phase). ``until`` is the phase's gate: it may end before its steps when
-every criterion given holds at a validation.
+(``parallel=auto`` in the base lets the planner choose the degrees of every phase).
+``until`` is the phase's gate: it may end before its steps when every criterion given holds
+at a validation.
 
 ``phase_config(cfg, k)`` is the base config with phase k's keys overlaid, the config that
 phase trains with; ``usp.run.resolve_phases`` resolves a layout for each. Rules on plain
@@ -74,7 +75,8 @@ class PhaseConfig:
             raise ValueError(f"{at} has no seq_len; give each phase its length, e.g. "
                              f"{{seq_len: 4096, steps: 100}}")
         if (self.steps is None) == (self.tokens is None):
-            given = "both steps and tokens" if self.steps is not None else "neither steps nor tokens"
+            given = ("both steps and tokens" if self.steps is not None
+                     else "neither steps nor tokens")
             raise ValueError(f"{at} has {given}; give one of them: steps (optimizer steps) or "
                              f"tokens (converted with the phase's tokens per step)")
         for key in ("seq_len", "steps", "tokens", "batch_per_dp_rank", "global_batch_tokens"):

@@ -67,6 +67,12 @@ def unfit_text(cfg: RunConfig, spec, world: int) -> str:
                    "trainer.activation_checkpointing=true, a smaller data.batch_per_dp_rank")
 
 
+def memory_refused(text: str) -> bool:
+    """Whether ``plan``'s refusal ``text`` (no feasible layout) counts layouts refused for
+    memory, so that a longer world or less memory per token would help."""
+    return text.startswith("no feasible layout") and "memory refused" in text
+
+
 def phase_steps(cfg: RunConfig, k: int, tokens_per_step: int, why: str) -> int:
     """Phase ``k``'s planned steps: its ``steps``, or its ``tokens`` in steps of
     ``tokens_per_step`` (``why``: how a step's tokens come about)."""
@@ -118,8 +124,8 @@ def phases_report(cfg: PlanConfig) -> tuple[str, object]:
         try:
             p = plan_run(pcfg, spec, world, cfg.forward_only)
         except ValueError as e:
-            raise ValueError(f"trainer.phases[{k}] (seq_len {L}): {e}; "
-                             f"{unfit_text(pcfg, spec, world)}") from None
+            more = f"; {unfit_text(pcfg, spec, world)}" if memory_refused(str(e)) else ""
+            raise ValueError(f"trainer.phases[{k}] (seq_len {L}): {e}{more}") from None
         best = p.best
         try:
             accum = grad_accum_steps(pcfg.trainer, L, b, best.dp)

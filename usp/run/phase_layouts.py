@@ -9,7 +9,7 @@ from functools import partial
 from ..config import MemmapData, RunConfig, phase_config
 from ..config.phases import PhaseConfig
 from ..data.dataset import build_validation
-from ..planner.phase_report import phase_steps, step_tokens_text, unfit_text
+from ..planner.phase_report import memory_refused, phase_steps, step_tokens_text, unfit_text
 from ..scoring.grid import passkey_lengths
 from .decide import detected_cluster
 from .phases import Phase, PhaseGate, PhasePlan
@@ -53,7 +53,7 @@ def resolve_phases(cfg: RunConfig, world: int, device: str, env=None, *,
                               run_dir=run_dir, say=lines.append)
         except (ValueError, FileNotFoundError) as e:
             text = str(e)
-            if text.startswith("no feasible layout"):  # auto degrees: say what would fit
+            if memory_refused(text):  # auto degrees: say what would fit
                 rpn = None if scheduler_hosts else cfg.parallel.ranks_per_node
                 spec, _ = detected_cluster(pcfg, world, rpn, env)
                 text += f"; {unfit_text(pcfg, spec, world)}"
