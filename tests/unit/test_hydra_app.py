@@ -42,6 +42,8 @@ def _own_dir(tmp_path: Path) -> Path:
     (["node=2"], "unknown config key node ("),
     (["data=memmap", "data.blend=[{path:a,wieght:2}]"],
      "unknown config key wieght in data.blend (did you mean weight?)"),
+    (["trainer.phases=[{seq_len:8,stpes:2}]"],
+     "unknown config key stpes in trainer.phases (did you mean steps?)"),
 ])
 def test_a_key_the_schema_lacks_gets_usps_message(refusal, overrides, line):
     text = refusal(*overrides)

@@ -595,3 +595,19 @@ def test_a_global_batch_in_tokens_drops_the_dp_that_cannot_make_it(h100):
     dropped = {(d.dp, d.rule) for d in eight.dropped}
     assert {(16, "batch"), (32, "batch")} <= dropped
     assert not any(d.dp <= 8 and d.rule == "batch" for d in eight.dropped)
+
+
+def test_a_forward_pass_ignores_the_training_batch_in_tokens():
+    """usp-eval's forward (``forward_only``) runs no optimizer step: a training config's
+    ``trainer.global_batch_tokens`` constrains no dp there."""
+    from usp.config import ParallelConfig, RecallData, RunConfig, TrainerConfig
+    from usp.planner.report import plan_run
+
+    model = dataclasses.replace(LLAMA3_8B, loss_chunk=8192, mlp_tiles=4)
+    cfg = RunConfig(model=model, data=RecallData(seq_len=131072, batch_per_dp_rank=1),
+                    parallel=ParallelConfig(ulysses_degree="auto", ring_degree="auto"),
+                    trainer=TrainerConfig(global_batch_tokens=3 * 131072, dtype="bf16",
+                                          activation_checkpointing=True))
+    spec = load_cluster("h100_ib").replace(nodes=1)
+    assert {c.dp for c in plan_run(cfg, spec, 8).candidates} <= {1}  # 3 sequences: dp 1 only
+    assert {c.dp for c in plan_run(cfg, spec, 8, forward_only=True).candidates} == {1, 2, 4, 8}

@@ -32,11 +32,12 @@ def plan_run(cfg: RunConfig | PlanConfig, spec, world: int, forward_only: bool =
     ``batch_per_dp_rank`` sequences per dp rank, as the trainer does. ``forward_only``:
     usp-eval's scoring, one forward pass of the whole model on every rank (no gradients, no
     optimizer state, no FSDP: ``StepPolicy.forward_only``). With
-    ``trainer.global_batch_tokens``, a dp whose micro-batch does not divide the step's
-    sequences is dropped (``BatchSpec.step_sequences``)."""
-    tokens = cfg.trainer.global_batch_tokens  # a step's sequences, by accumulation
+    ``trainer.global_batch_tokens`` (training only), a dp whose micro-batch does not divide
+    the step's sequences is dropped (``BatchSpec.step_sequences``)."""
+    tokens = cfg.trainer.global_batch_tokens  # a training step's sequences, by accumulation
     batch = BatchSpec(per_dp_rank=cfg.data.batch_per_dp_rank,
-                      step_sequences=None if tokens is None else tokens / cfg.data.seq_len)
+                      step_sequences=None if tokens is None or forward_only
+                      else tokens / cfg.data.seq_len)
     return plan(cfg.model, spec, cfg.data.seq_len, world=world, search=run_search(cfg),
                 batch=batch, step=run_step(cfg, forward_only))
 
