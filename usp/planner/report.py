@@ -33,13 +33,22 @@ def plan_run(cfg: RunConfig | PlanConfig, spec, world: int, forward_only: bool =
     usp-eval's scoring, one forward pass of the whole model on every rank (no gradients, no
     optimizer state, no FSDP: ``StepPolicy.forward_only``). With
     ``trainer.global_batch_tokens`` (training only), a dp whose micro-batch does not divide
-    the step's sequences is dropped (``BatchSpec.step_sequences``)."""
-    tokens = cfg.trainer.global_batch_tokens  # a training step's sequences, by accumulation
+    the step's sequences is dropped (``step_sequences``)."""
     batch = BatchSpec(per_dp_rank=cfg.data.batch_per_dp_rank,
-                      step_sequences=None if tokens is None or forward_only
-                      else tokens / cfg.data.seq_len)
+                      step_sequences=None if forward_only else step_sequences(cfg))
     return plan(cfg.model, spec, cfg.data.seq_len, world=world, search=run_search(cfg),
                 batch=batch, step=run_step(cfg, forward_only))
+
+
+def step_sequences(cfg: RunConfig) -> int | None:
+    """The sequences of one training step that ``trainer.global_batch_tokens`` asks for,
+    when it is a whole number of micro-batches of ``data.batch_per_dp_rank`` sequences (the
+    planner then drops a dp that cannot make it); None without it, or when no dp can (the
+    batch's own rule, ``grad_accum_steps``, says why)."""
+    tokens, L, b = cfg.trainer.global_batch_tokens, cfg.data.seq_len, cfg.data.batch_per_dp_rank
+    if tokens is None or tokens % (L * b):
+        return None
+    return tokens // L
 
 
 def run_search(cfg: RunConfig) -> Search:
