@@ -103,3 +103,24 @@ def test_the_boundary_line():
     assert phase_line(phase, 3, 300) == ("phase 2/3: seq_len 128, ulysses 2 x ring 2 (dp 1), "
                                          "rope_theta 40000, K=2, lr 0.0004 (new warmup), "
                                          "from step 300")
+
+
+def test_the_summary_has_a_row_per_phase():
+    from usp.train.metrics import phase_table
+
+    def rec(step, phase, seq_len, tokens, **more):
+        return {"step": step, "phase": phase, "seq_len": seq_len, "dp": 4 // phase,
+                "ring": phase, "ulysses": 1, "loss": 1.0, "step_s": 0.5,
+                "tokens_seen": tokens, **more}
+
+    records = [{"step": 0, "val_loss": 9.0},  # step 0's validation: no step
+               rec(1, 1, 64, 256), rec(2, 1, 64, 512, val_loss=3.0),
+               rec(3, 2, 128, 768, **{"passkey_acc/128": 0.25}),
+               rec(4, 2, 128, 1024, short_val_loss=3.1, **{"passkey_acc/128": 1.0})]
+    assert phase_table(records) == [
+        {"phase": 1, "seq_len": 64, "dp": 4, "ring": 1, "ulysses": 1, "steps": [1, 2],
+         "tokens": 512, "step_s": 0.5, "tokens_per_s": 512.0, "val_loss": 3.0},
+        {"phase": 2, "seq_len": 128, "dp": 2, "ring": 2, "ulysses": 1, "steps": [3, 4],
+         "tokens": 512, "step_s": 0.5, "tokens_per_s": 512.0, "short_val_loss": 3.1,
+         "passkey_acc": {"128": 1.0}}]
+    assert phase_table([{"step": 5}]) == []  # records from before phases: no table
