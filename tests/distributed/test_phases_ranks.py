@@ -8,6 +8,9 @@ All runs share one spawn (process start-up dominates on CPU); the tests read the
 directories."""
 
 import json
+import subprocess
+import sys
+import sysconfig
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,13 +18,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from usp.config import (LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, RecallData,
+from usp.config import (LoggingConfig, MemmapData, ModelConfig, OptimConfig, ParallelConfig, RecallData,
                         RunConfig, TrainerConfig)
 from usp.launch import spawn_local
 from usp.run import resolve_run
 from usp.run.phases import Phase, PhaseGate, PhasePlan
 from usp.train.trainer import train
 
+ROOT = Path(__file__).resolve().parents[2]
 QUIET = LoggingConfig(wandb="disabled", jsonl=True, plot=True, progress=False)
 # (seq_len, (ulysses, ring), batch_per_dp_rank, rope_theta, lr): 256 tokens a step throughout
 PHASES = [(64, (1, 1), 1, 10000.0, None), (128, (2, 2), 2, 20000.0, 2e-3),
@@ -29,8 +33,10 @@ PHASES = [(64, (1, 1), 1, 10000.0, None), (128, (2, 2), 2, 20000.0, 2e-3),
 STEPS = (3, 3, 3)
 
 
-def _plan(run_dir, steps=STEPS, gate=None, **trainer) -> tuple[RunConfig, PhasePlan]:
-    """The base config and its plan, each phase resolved for 4 ranks before any group."""
+def _plan(run_dir, steps=STEPS, gate=None, tokens=None,
+          **trainer) -> tuple[RunConfig, PhasePlan]:
+    """The base config and its plan, each phase resolved for 4 ranks before any group;
+    ``tokens``: the prefix of token files to train on instead of the recall task."""
     base = RunConfig(
         model=ModelConfig(vocab_size=320, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                           ffn_dim=128),
@@ -39,6 +45,8 @@ def _plan(run_dir, steps=STEPS, gate=None, **trainer) -> tuple[RunConfig, PhaseP
         optim=OptimConfig(lr=3e-3, warmup_steps=2),
         trainer=TrainerConfig(steps=sum(steps), run_dir=str(run_dir), nprocs=4, **trainer),
         logging=QUIET)
+    if tokens is not None:
+        base = replace(base, data=MemmapData(path=str(tokens), seq_len=64, batch_per_dp_rank=1))
     phases = []
     for k, ((seq_len, (u, r), b, theta, lr), n) in enumerate(zip(PHASES, steps)):
         cfg = replace(base, data=replace(base.data, seq_len=seq_len, batch_per_dp_rank=b),
@@ -85,6 +93,10 @@ def _runs(root, plans):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("phases")
+    tokens = root / "pyjson"  # a small corpus with a validation split (usp-prepare)
+    subprocess.run([sys.executable, "-m", "usp.data.prepare", "--src",
+                    sysconfig.get_paths()["stdlib"], "--glob", "json/*.py", "--out",
+                    str(tokens), "--val-fraction", "0.5", "--quiet"], check=True, cwd=ROOT)
     plans = {"straight": _plan(root / "straight"),
              # stopped exactly at the first boundary, then resumed
              "boundary": _plan(root / "boundary", stop_after=3),
@@ -92,7 +104,11 @@ def runs(tmp_path_factory) -> Path:
              # stopped mid-phase (the second phase's second step), then resumed
              "mid": _plan(root / "mid", stop_after=5),
              "mid+": _plan(root / "mid"),
-             "gated": _plan(root / "gated", steps=(3, 4, 2), gate=PhaseGate(passkey_acc=0.9))}
+             "gated": _plan(root / "gated", steps=(3, 4, 2), gate=PhaseGate(passkey_acc=0.9)),
+             # validated every 2 steps: the second phase's short-length loss is within the
+             # (wide) margin of the first phase's final loss at its first validation
+             "short": _plan(root / "short", steps=(2, 4), tokens=tokens, eval_every=2,
+                            eval_windows=4, gate=PhaseGate(val_loss_within=10.0))}
     spawn_local(_runs, 4, str(root), plans)
     return root
 
@@ -146,3 +162,17 @@ def test_a_gate_ends_its_phase_at_the_validation_where_it_holds(runs):
     assert m[4]["passkey_acc/128"] == 0.5 and m[5]["passkey_acc/128"] == 1.0
     extra = _newest_extra(runs / "gated")
     assert (extra["step"], extra["starts"]) == (7, [0, 3, 5])
+
+
+def test_a_later_phase_scores_the_first_phases_length_for_its_gate(runs):
+    m = _metrics(runs / "short")
+    # step 0 is the validation before the first step (eval_every); the last phase, planned
+    # to step 6, ended at step 4
+    assert sorted(m) == [0, 1, 2, 3, 4]
+    assert "short_val_loss" not in m[2] and "short_val_loss" in m[4]
+    assert m[4]["seq_len"] == 128 and m[4]["short_val_loss"] <= 11 * m[2]["val_loss"]
+    extra = _newest_extra(runs / "short")
+    assert extra["reference_val_loss"] == m[2]["val_loss"]  # the first phase's final loss
+    assert (extra["step"], extra["starts"]) == (4, [0, 2])
+    summary = json.loads((runs / "short" / "summary.json").read_text())
+    assert summary["phases"][1]["short_val_loss"] == m[4]["short_val_loss"]

@@ -233,7 +233,7 @@ class Trainer:
         """The model and optimizer (FSDP state holds the mesh's groups) and what holds the
         mesh, then the mesh's groups, freed while the interpreter is alive (see
         ``SPMesh.close``): the next phase builds its own."""
-        self.model = self.opt = self.sched = self.validator = None
+        self.model = self.opt = self.sched = self.validator = self.dp_sp = None
         self.mesh.close(barrier=barrier)
 
     def loop(self, at: Position) -> tuple[dict, tuple[Path, Position] | None]:
