@@ -33,10 +33,11 @@ PHASES = [(64, (1, 1), 1, 10000.0, None), (128, (2, 2), 2, 20000.0, 2e-3),
 STEPS = (3, 3, 3)
 
 
-def _plan(run_dir, steps=STEPS, gate=None, tokens=None,
+def _plan(run_dir, steps=STEPS, gate=None, tokens=None, degrees=None,
           **trainer) -> tuple[RunConfig, PhasePlan]:
     """The base config and its plan, each phase resolved for 4 ranks before any group;
-    ``tokens``: the prefix of token files to train on instead of the recall task."""
+    ``tokens``: the prefix of token files to train on instead of the recall task;
+    ``degrees``: {phase: (ulysses, ring)} laid out otherwise (a re-plan)."""
     base = RunConfig(
         model=ModelConfig(vocab_size=320, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                           ffn_dim=128),
@@ -49,6 +50,7 @@ def _plan(run_dir, steps=STEPS, gate=None, tokens=None,
         base = replace(base, data=MemmapData(path=str(tokens), seq_len=64, batch_per_dp_rank=1))
     phases = []
     for k, ((seq_len, (u, r), b, theta, lr), n) in enumerate(zip(PHASES, steps)):
+        u, r = (degrees or {}).get(k, (u, r))
         cfg = replace(base, data=replace(base.data, seq_len=seq_len, batch_per_dp_rank=b),
                       model=replace(base.model, rope_theta=theta),
                       parallel=replace(base.parallel, ulysses_degree=u, ring_degree=r),
@@ -65,12 +67,18 @@ def _gate_scores(step: int) -> dict:
 
 def _runs(root, plans):
     """Every run, in one process group; the gated run's validator is a stand-in that
-    scores ``_gate_scores`` at every step (the decision is the trainer's)."""
+    scores ``_gate_scores`` at every step (the decision is the trainer's). After the run
+    stopped mid-phase, rank 0 copies its directory for the re-planned resume."""
+    import shutil
+
     import usp.train.trainer as trainer_module
 
     for name, (base, plan) in plans.items():
         if name != "gated":
             train(base, plan)
+            if name == "mid" and dist.get_rank() == 0:
+                shutil.copytree(Path(root) / "mid", Path(root) / "moved")
+            dist.barrier()
             continue
         real = trainer_module.Validator
 
@@ -104,6 +112,8 @@ def runs(tmp_path_factory) -> Path:
              # stopped mid-phase (the second phase's second step), then resumed
              "mid": _plan(root / "mid", stop_after=5),
              "mid+": _plan(root / "mid"),
+             # the same checkpoint resumed with the second phase re-planned as ring 4
+             "moved+": _plan(root / "moved", degrees={1: (1, 4)}),
              "gated": _plan(root / "gated", steps=(3, 4, 2), gate=PhaseGate(passkey_acc=0.9)),
              # validated every 2 steps: the second phase's short-length loss is within the
              # (wide) margin of the first phase's final loss at its first validation
@@ -153,6 +163,14 @@ def test_stopped_at_a_boundary_or_mid_phase_resumes_into_the_right_phase(runs):
             assert resumed[s]["loss"] == straight[s]["loss"], (name, s)
             assert resumed[s]["phase"] == straight[s]["phase"], (name, s)
         assert _newest_extra(runs / name)["starts"] == [0, 3, 6]
+
+
+def test_a_resume_into_a_re_planned_phase_follows_within_1e_5(runs):
+    straight, moved = _metrics(runs / "straight"), _metrics(runs / "moved")
+    assert [(moved[s]["ulysses"], moved[s]["ring"]) for s in (5, 6)] == [(2, 2), (1, 4)]
+    for s in range(6, 10):
+        a, b = straight[s]["loss"], moved[s]["loss"]
+        assert abs(a - b) <= 1e-5 * a, (s, a, b)
 
 
 def test_a_gate_ends_its_phase_at_the_validation_where_it_holds(runs):

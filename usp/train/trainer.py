@@ -175,7 +175,7 @@ class Trainer:
         self.data = build_dataset(cfg.data, cfg.model, phase.index)  # the phase's own passes
         splits = build_validation(cfg.data, cfg.model, tc.eval_windows)  # [(name, weight, split)]
         note = missing_splits(cfg.data, splits)
-        if self.rank == 0 and note and phase.index == 0:
+        if self.rank == 0 and note:
             print(note, flush=True)
         passkey = None  # eval.during_training: the grid usp-eval scores, at every validation
         if cfg.eval.during_training:
@@ -200,7 +200,7 @@ class Trainer:
         """A later phase's validation at the first phase's length (``short_val_loss``),
         when the data has validation splits; None in the first phase or without them."""
         first = plan[0].cfg
-        if self.phase.index == 0 or not splits or first.data.seq_len == self.run.seq_len:
+        if self.phase.index == 0 or not splits:
             return None
         short = build_validation(first.data, first.model, self.tc.eval_windows)
         return LengthLoss(short, SequenceLayout(self.mesh, first.data.seq_len, self.run.balance),
