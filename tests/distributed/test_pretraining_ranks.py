@@ -193,7 +193,8 @@ def test_validation_loss_falls_and_is_recorded(runs):
     evals = sorted(s for s, rec in hist.items() if "val_loss" in rec)
     assert evals == [0, 4, 8]  # step 0: before the first step
     assert hist[8]["val_loss"] < hist[4]["val_loss"] < hist[0]["val_loss"]
-    assert set(hist[0]) == {"step", "val_loss", "val_ppl"}
+    assert set(hist[0]) == {"step", "phase", "seq_len", "dp", "ring", "ulysses", "val_loss",
+                            "val_ppl"}  # where the run stands, and the scores
     assert hist[8]["val_ppl"] == pytest.approx(np.exp(hist[8]["val_loss"]))
     summary = json.loads((runs / "val" / "summary.json").read_text())
     assert summary["val_loss"] == hist[8]["val_loss"]

@@ -153,3 +153,46 @@ def test_blend_rows_come_from_their_corpus(tmp_path):
     assert ((b.tokens >= 500).all(1) == torch.from_numpy(corpus == 1)).all()
     counts = blend.order.counts(4096 + 8)
     assert blend.epochs(4096 + 8) == {"c0": counts[0] / 8, "c1": counts[1] / 8}
+
+
+# ---- length phases: each phase its own passes at its length, ordered by (seed, phase, epoch)
+
+
+def test_phase_zero_is_the_order_of_a_run_without_phases():
+    # pinned from the order before phases existed: single-phase runs read what they read
+    order = WindowOrder(num_windows=10, seed=3)
+    assert order.lookup(np.arange(20))[1].tolist() == [7, 4, 3, 8, 2, 6, 5, 0, 1, 9,
+                                                       6, 0, 1, 2, 5, 4, 7, 9, 3, 8]
+    assert WindowOrder(10, 3, phase=0).lookup(np.arange(20))[1].tolist() == \
+        order.lookup(np.arange(20))[1].tolist()
+
+
+def test_a_later_phase_makes_its_own_passes_at_its_length(tmp_path):
+    prefix = _tokens(tmp_path, 16 * 40 + 1)
+    short = MemmapTokens(prefix, seq_len=16, seed=1)  # phase 0: 40 windows of 16
+    long = MemmapTokens(prefix, seq_len=64, seed=1, phase=1)  # phase 1: 10 windows of 64
+    assert (short.num_windows, long.num_windows) == (40, 10)
+    # phase 1 starts its count at 0: its first 10 samples are every 64-window once, whatever
+    # phase 0 consumed; its second pass is another permutation of them
+    first = long.rows(np.arange(10)).tokens[:, 0].tolist()
+    assert sorted(first) == [64 * w % 1000 for w in range(10)]
+    second = long.rows(np.arange(10, 20)).tokens[:, 0].tolist()
+    assert sorted(second) == sorted(first) and second != first
+    # keyed by the phase: the same length in another phase is another order
+    again = MemmapTokens(prefix, seq_len=64, seed=1, phase=2)
+    assert again.order.lookup(np.arange(10))[1].tolist() != \
+        long.order.lookup(np.arange(10))[1].tolist()
+    assert long.order.epochs(15) == 1.5  # epochs count the phase's own passes
+
+
+def test_recall_samples_of_a_phase_are_at_its_length_and_keyed_by_it():
+    from usp.data.synthetic import RecallTask
+
+    base = RecallTask(vocab_size=320, seq_len=128, seed=4)
+    pinned = RecallTask(vocab_size=320, seq_len=128, seed=4, phase=0)
+    assert np.array_equal(base.sample(3)[0], pinned.sample(3)[0])
+    longer = RecallTask(vocab_size=320, seq_len=256, seed=4, phase=1)
+    tokens, labels = longer.sample(3)
+    assert tokens.shape == labels.shape == (256,)
+    same_len = RecallTask(vocab_size=320, seq_len=128, seed=4, phase=1)
+    assert not np.array_equal(same_len.sample(3)[0], base.sample(3)[0])

@@ -194,8 +194,10 @@ def build_validation(dc: DataConfig, mc: ModelConfig,
     return out
 
 
-def build_dataset(dc: DataConfig, mc: ModelConfig) -> TrainingData:
-    """The dataset ``dc`` describes, for a model of ``mc``'s vocabulary and RoPE."""
+def build_dataset(dc: DataConfig, mc: ModelConfig, phase: int = 0) -> TrainingData:
+    """The dataset ``dc`` describes, for a model of ``mc``'s vocabulary and RoPE, as length
+    phase ``phase`` reads it: its own passes, in the order ``(seed, phase, epoch)`` fixes
+    (``usp.data.order``; phase 0 is a run without phases)."""
     if mc.rope == "per_document" and not dc.packed:
         raise ValueError(f"model.rope=per_document restarts positions at each document, but "
                          f"data.packing={dc.packing} gives the model no documents; set "
@@ -206,14 +208,14 @@ def build_dataset(dc: DataConfig, mc: ModelConfig) -> TrainingData:
 
         task = RecallTask(vocab_size=mc.vocab_size, seq_len=dc.seq_len, n_pairs=dc.n_pairs,
                           n_queries=dc.n_queries, seed=dc.seed,
-                          documents_per_row=dc.documents_per_row)
+                          documents_per_row=dc.documents_per_row, phase=phase)
         return TrainingData(task, answers_per_sequence=dc.n_queries * dc.documents_per_row,
                             eval_batches=dc.eval_batches, **packing)
     if isinstance(dc, MemmapData):
         from .memmap import MemmapTokens
 
-        sources = [MemmapTokens(path, dc.seq_len, seed=dc.seed + i, documents=dc.packed)
-                   for i, (path, _) in enumerate(dc.sources())]
+        sources = [MemmapTokens(path, dc.seq_len, seed=dc.seed + i, documents=dc.packed,
+                                phase=phase) for i, (path, _) in enumerate(dc.sources())]
         check_vocab(dc, mc)
         if dc.blend:
             from .blend import Blend

@@ -32,11 +32,12 @@ class MemmapTokens:
     file and ValueError for bad metadata, a size mismatch, a file shorter than
     ``seq_len + 1`` tokens, or out-of-range ids; every message names the file and numbers.
     ``documents``: load the document boundaries for ``packed_batch`` (ValueError when the
-    file records none, or they do not fit the tokens).
+    file records none, or they do not fit the tokens). ``phase``: the length phase whose
+    passes the windows are read in (``usp.data.order``; 0 for a run without phases).
     """
 
     def __init__(self, path: str | os.PathLike, seq_len: int, seed: int = 0, verify: bool = True,
-                 documents: bool = False):
+                 documents: bool = False, phase: int = 0):
         self.bin_path, self.json_path = data_paths(path)
         prefix = self.bin_path.with_suffix("")
         if not self.bin_path.is_file():
@@ -71,7 +72,7 @@ class MemmapTokens:
         self.doc_starts = self._load_documents(prefix) if documents else None
         # non-overlapping windows, each read with the token after it; the remainder dropped
         self.num_windows = (self.num_tokens - 1) // seq_len
-        self.order = WindowOrder(self.num_windows, seed)
+        self.order = WindowOrder(self.num_windows, seed, phase)  # a length phase's own passes
 
     def _load_documents(self, prefix: Path) -> np.ndarray:
         """The document start offsets [num_documents] int64 (read lazily from ``.docs``)."""

@@ -62,7 +62,8 @@ class RecallTask:
     Small K*V keeps the number of pair-token embeddings to learn small.
     ``documents_per_row`` > 1 packs that many recall documents of random lengths (each at
     least ``min_document_len``) into a row; the ``pair_lo``/``query_start`` attributes
-    describe the one-document row. Raises ValueError, naming the numbers, when the
+    describe the one-document row. ``phase``: the length phase the samples are drawn for
+    (keyed by it too; 0 for a run without phases). Raises ValueError, naming the numbers, when the
     vocabulary or the sequence is too small.
     """
 
@@ -77,12 +78,15 @@ class RecallTask:
         n_values: int | None = None,
         pair_density: float = 1.0,
         documents_per_row: int = 1,
+        phase: int = 0,
     ):
         K = n_pairs if n_keys is None else n_keys
         V = min(8, (vocab_size - N_SPECIAL - K - 1) // (K + 1)) if n_values is None else n_values
         self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
         self.n_pairs, self.n_queries, self.n_keys, self.n_values = n_pairs, n_queries, K, V
         self.pair_density, self.documents_per_row = pair_density, documents_per_row
+        # a length phase's samples: keyed by its index too (phase 0: a run without phases)
+        self.key = [seed] if phase == 0 else [seed, phase]
         self.value_base = N_SPECIAL
         self.query_base = self.value_base + V
         self.pair_base = self.query_base + K
@@ -178,8 +182,8 @@ class RecallTask:
 
     def packed_sample(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Global sample ``index`` -> (tokens, labels, document ids), each [L] int64, from
-        (seed, index) only."""
-        rng = np.random.default_rng([self.seed, index])
+        (seed, phase, index) only."""
+        rng = np.random.default_rng([*self.key, index])
         L = self.seq_len
         tokens = self.filler_base + rng.integers(0, self.n_filler, size=L)
         labels = np.full(L, IGNORE_INDEX, dtype=np.int64)
@@ -192,7 +196,8 @@ class RecallTask:
         return tokens.astype(np.int64), labels, ids
 
     def sample(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-        """Global sample ``index`` -> (tokens [L], labels [L]) int64, from (seed, index) only."""
+        """Global sample ``index`` -> (tokens [L], labels [L]) int64, from (seed, phase, index)
+        only."""
         tokens, labels, _ = self.packed_sample(index)
         return tokens, labels
 

@@ -35,6 +35,26 @@ class PhaseGate:
     passkey_acc: Optional[float] = None
     val_loss_within: Optional[float] = None
 
+    def holds(self, passkey_acc: Optional[float], loss: Optional[float],
+              reference: Optional[float]) -> bool:
+        """Whether every criterion given holds for one validation's scores: ``passkey_acc``
+        (at the phase's length), ``loss`` (the validation loss at the first phase's length)
+        against ``reference`` (its value at the end of the first phase). A criterion whose
+        score is None cannot be decided: ValueError naming it."""
+        missing = [name for name, need, have in (
+            ("passkey_acc (eval.during_training at the phase's length)",
+             self.passkey_acc, passkey_acc),
+            ("val_loss_within (the validation split at the first phase's length, and its "
+             "value at the end of the first phase)", self.val_loss_within,
+             None if loss is None or reference is None else loss))
+            if need is not None and have is None]
+        if missing:
+            raise ValueError(f"the phase's gate (until) needs {' and '.join(missing)}, which "
+                             f"this run does not score; configure it or drop the criterion")
+        ok = self.passkey_acc is None or passkey_acc >= self.passkey_acc
+        return ok and (self.val_loss_within is None
+                       or loss <= (1 + self.val_loss_within) * reference)
+
 
 @dataclass(frozen=True)
 class Phase:
@@ -93,6 +113,19 @@ class PhasePlan:
             out.append(at)
             at += p.steps
         return tuple(out)
+
+    def starts_of(self, starts: Sequence[int]) -> tuple[int, ...]:
+        """Global steps completed before every phase: the recorded ``starts`` of the phases
+        that have started, then the planned ones after them."""
+        out = list(starts)
+        for k in range(len(out), len(self.phases)):
+            out.append(out[-1] + self.phases[k - 1].steps)
+        return tuple(out)
+
+    def end(self, k: int, starts: Sequence[int]) -> int:
+        """The last global step phase ``k`` may run (the end of its planned steps from its
+        start), given the recorded ``starts``; a gate may end it earlier."""
+        return self.starts_of(starts)[k] + self.phases[k].steps
 
     def phase_at(self, step: int, starts: Sequence[int] | None = None) -> int:
         """The 0-based phase that 1-based global step ``step`` belongs to, given the steps

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -24,6 +25,7 @@ from ..models.shard_load import load_shards
 from ..models.llama import Transformer
 from ..models.offload import ActivationOffload, StreamCopier
 from ..run import RunLayout
+from ..run.phases import PhasePlan
 from .passkey import LayoutAttention, patch_layout
 
 
@@ -36,6 +38,27 @@ def lr_lambda(cfg: OptimConfig, steps: int):
         t = (step - cfg.warmup_steps) / max(1, steps - cfg.warmup_steps)
         floor = cfg.min_lr / cfg.lr
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+    return f
+
+
+def phase_schedule(oc: OptimConfig, plan: PhasePlan, starts):
+    """The lr factor (of the base ``optim.lr``) after ``count`` schedule steps, for a run of
+    ``plan``'s phases started at the recorded ``starts`` (the later ones as planned): in a
+    phase without ``lr``, the run's schedule (``lr_lambda`` over ``plan.total_steps``,
+    ``trainer.steps``) at that count; in a phase with ``lr``, a new peak with its own
+    warmup (``optim.warmup_steps``) decaying to ``optim.min_lr`` over its planned steps from
+    its start. ``count`` steps done: the next step is ``count + 1``. A run without phases
+    gets exactly ``lr_lambda(oc, trainer.steps)``."""
+    run_f, starts = lr_lambda(oc, plan.total_steps), plan.starts_of(starts)
+    own = {p.index: lr_lambda(replace(p.cfg.optim, lr=p.lr), p.steps)
+           for p in plan.phases if p.lr is not None}
+
+    def f(count: int) -> float:
+        k = plan.phase_at(count + 1, starts)
+        if k not in own:
+            return run_f(count)
+        return plan[k].lr * own[k](count - starts[k]) / oc.lr
 
     return f
 
@@ -113,11 +136,21 @@ def sharded_model(cfg: RunConfig, run: RunLayout, mesh: SPMesh, layout: Sequence
     return model, use
 
 
-def optimizer(oc: OptimConfig, model, steps: int):
-    """(AdamW over ``model``'s parameters, its ``lr_lambda`` schedule over ``steps`` steps)."""
+def optimizer(oc: OptimConfig, model, schedule):
+    """(AdamW over ``model``'s parameters at peak ``optim.lr``, its ``LambdaLR`` by
+    ``schedule(count)``, the factor of that peak: ``phase_schedule``)."""
     opt = torch.optim.AdamW(model.parameters(), lr=oc.lr, betas=(oc.beta1, oc.beta2),
                             weight_decay=oc.weight_decay)
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(oc, steps))
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+
+
+def continue_schedule(opt, sched) -> None:
+    """After a checkpoint is loaded into ``opt`` and ``sched``: each param group's lr from
+    this phase's schedule at the loaded count, not the lr the checkpoint's optimizer state
+    holds (a phase boundary may start a new warmup). ``LambdaLR``'s own formula, so a run
+    without phases gets the very lr the checkpoint holds."""
+    for group, base, factor in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas):
+        group["lr"] = base * factor(sched.last_epoch)
 
 
 def record_for_export(cfg: RunConfig, run_dir: str) -> None:

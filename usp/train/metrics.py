@@ -122,6 +122,36 @@ class PeakMemory:
         return None
 
 
+def phase_table(records: list[dict]) -> list[dict]:
+    """One row per length phase of the step records (``metrics.jsonl``, those with a
+    ``phase``): its layout (``seq_len``, ``dp``, ``ring``, ``ulysses``), its ``steps``
+    [first, last], the ``tokens`` it trained on, its mean ``step_s`` and ``tokens_per_s``
+    (tokens over the summed step times), and its last ``val_loss``, ``short_val_loss`` and
+    ``passkey_acc`` ({length: accuracy}) where it scored them."""
+    rows: dict[int, list[dict]] = {}
+    for r in records:
+        if "loss" in r and "phase" in r:  # a step's record, not step 0's validation alone
+            rows.setdefault(r["phase"], []).append(r)
+    table, before = [], 0
+    for phase, recs in sorted(rows.items()):
+        first, last = recs[0], recs[-1]
+        tokens, seconds = last["tokens_seen"] - before, sum(r["step_s"] for r in recs)
+        row = {"phase": phase, **{k: first[k] for k in ("seq_len", "dp", "ring", "ulysses")},
+               "steps": [first["step"], last["step"]], "tokens": tokens,
+               "step_s": seconds / len(recs), "tokens_per_s": tokens / seconds}
+        for key in ("val_loss", "short_val_loss"):
+            scored = [r[key] for r in recs if key in r]
+            if scored:
+                row[key] = scored[-1]
+        passkey = [r for r in recs if any(k.startswith("passkey_acc/") for k in r)]
+        if passkey:
+            row["passkey_acc"] = {k.split("/", 1)[1]: v for k, v in passkey[-1].items()
+                                  if k.startswith("passkey_acc/")}
+        table.append(row)
+        before = last["tokens_seen"]
+    return table
+
+
 class MetricsLogger:
     """Writes one record per step. Construct on every rank; only rank 0 writes.
 
@@ -202,9 +232,12 @@ class MetricsLogger:
             self._wandb_call(lambda run: run.log(values, step=record["step"]))
 
     def finish(self, summary: dict) -> None:
-        """Final figures of the run: ``run_dir/summary.json`` and the wandb run summary."""
+        """Final figures of the run: ``run_dir/summary.json`` (with ``phases``, the table of
+        ``phase_table``, when the records name their phase) and the wandb run summary."""
         if not self.active:
             return
+        table = phase_table(self.records())
+        summary = {**summary, "phases": table} if table else summary
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if self._wandb is not None:
             self._wandb_call(lambda run: run.summary.update(summary))
@@ -228,6 +261,10 @@ class MetricsLogger:
 
         steps = [r["step"] for r in recs]
         fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
+        for a, b in zip(recs, recs[1:]):  # the phase boundaries (trainer.phases)
+            if a.get("phase") != b.get("phase"):
+                for axis in ax:
+                    axis.axvline(a["step"] + 0.5, color="grey", linestyle=":", linewidth=1)
         ax[0].plot(steps, [r["loss"] for r in recs])
         ax[0].set(xlabel="step", ylabel="loss (answer tokens)" if "acc" in recs[0] else "loss",
                   yscale="log", title="training loss")

@@ -1,7 +1,9 @@
 """The training loop, top to bottom. Runs on every rank of an initialised process group.
 
-``train`` builds the run (``Trainer``), resumes it, loops over its steps and closes it,
-once, however the run ends. ``Trainer.train_step`` is one optimizer step: the
+``train`` finds where the run stands (``newest``), then for each length phase from there
+builds it (``Trainer``), resumes it, loops over its steps and closes it, once, however the
+phase ends; a phase boundary is a checkpoint the next phase resumes from, in the same
+processes. A run without phases is one phase. ``Trainer.train_step`` is one optimizer step: the
 micro-batches' forward and backward (``forward_backward``), then the optimizer. Around a
 step, one component per concern, each with one verb: ``Validator`` (``should_validate`` /
 ``validate``), ``MetricsLogger`` (``log``: every step to JSONL and wandb), ``Console``
@@ -15,7 +17,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -28,17 +30,18 @@ from ..data.packing import IGNORE_INDEX, Batch
 from ..layout import SequenceLayout
 from ..models.llama import flops_per_token
 from ..models.tiling import loss_share
-from ..run import PhasePlan, RunLayout, resolve_run_group
+from ..run import PhasePlan, RunLayout, resolve_phases_group
 from ..scoring.grid import training_cases
-from .build import optimizer, record_for_export, sharded_model
-from .checkpointer import Checkpointer, Position
-from .console import Console
+from .build import (continue_schedule, optimizer, phase_schedule, record_for_export,
+                    sharded_model)
+from .checkpointer import Checkpointer, Position, newest
+from .console import Console, phase_line
 from .faults import NonFiniteGuard, Preempted, Preemption
 from .fingerprint import run_fingerprint
 from .forward import loss_and_predictions
 from .metrics import MetricsLogger, PeakMemory
 from .passkey import PasskeyScore
-from .validator import Validator, evaluate, missing_splits
+from .validator import LengthLoss, Validator, evaluate, missing_splits
 
 FaultHook = Callable[[int, torch.Tensor], torch.Tensor]
 
@@ -46,13 +49,21 @@ FaultHook = Callable[[int, torch.Tensor], torch.Tensor]
 def train(cfg: RunConfig, run: RunLayout | PhasePlan | None = None,
           fault_hook: FaultHook | None = None,
           memory_probe: Callable[[torch.device], PeakMemory] = PeakMemory) -> dict:
-    """Train ``cfg.trainer.steps`` steps; returns the summary of the last step (every rank).
+    """Train ``cfg.trainer.steps`` steps, phase after phase; returns the summary of the last
+    step (every rank).
 
-    ``run``: the layout the launcher resolved (``usp.run.resolve_run``), or a ``PhasePlan``
-    of one phase (``usp.run.resolve_phases``; several phases are not run here yet); None: resolved
-    here, once, by rank 0 for the group (``resolve_run_group``), for a caller that made
-    the process group itself. Degrees, placement, a2a chunks, device, dtype and per-rank
-    batch come from it, not from ``cfg.parallel`` or the backend.
+    ``run``: the run's phases (``usp.run.phases.PhasePlan``: each phase's config and layout,
+    resolved before any process group), or the layout of a run without phases
+    (``usp.run.resolve_run``: one phase); None: resolved here, once, by rank 0 for the group
+    (``resolve_phases_group``), for a caller that made the process group itself. Degrees,
+    placement, a2a chunks, device, dtype and per-rank batch come from the phase's layout,
+    not from ``cfg.parallel`` or the backend. ``cfg`` is the base config (the fingerprint's,
+    and the loop's ``trainer`` settings); each phase builds from its own ``Phase.cfg``.
+
+    Phases run one after another in these processes: at each boundary a checkpoint, the
+    phase's model, optimizer and mesh closed, the next phase's built (mesh, sequence layout,
+    model with its RoPE settings, data) and the checkpoint loaded into it (DCP reshards it).
+    A resume reads which phase the newest checkpoint is in before it builds anything.
 
     Faults (``usp.train.faults``): a signal in ``trainer.preempt_signals`` on any rank makes
     every rank checkpoint at the next step boundary and raise ``Preempted`` (its
@@ -64,33 +75,65 @@ def train(cfg: RunConfig, run: RunLayout | PhasePlan | None = None,
     return a changed loss. ``memory_probe(device)`` builds the per-step memory probe
     (``start()`` at each step start, ``peak_mb()`` after the optimizer step).
     """
-    if isinstance(run, PhasePlan):  # one phase: its layout
-        if len(run) > 1:
-            raise NotImplementedError("a run of several length phases: the phase loop")
-        run = run[0].run
-    trainer = Trainer(cfg, _resolved(cfg, run), fault_hook, memory_probe)  # build
-    at = trainer.resume()
-    with trainer.running(at):  # closes once, on every path
-        summary = trainer.loop(at)
-        plot = trainer.finish(summary)
-    trainer.report(summary, at, plot)
+    plan = _planned(cfg, run)
+    cfg = plan.cfg or cfg  # with phases: trainer.steps is their total
+    ckpt, at = newest(cfg.trainer, plan[0].run.run_dir, run_fingerprint(cfg, plan),
+                      plan[0].run.global_batch)  # where the run stands, before any mesh
+    start, report = at, ckpt is not None
+    with _records(cfg, plan, at) as (logger, console):  # every phase's metrics, closed once
+        while True:
+            trainer = Trainer(cfg, plan, at, (logger, console), fault_hook, memory_probe)
+            with trainer.running():  # closes the phase's model and mesh, on every path
+                trainer.resume(ckpt, report)  # the newest checkpoint, or the boundary's
+                summary, boundary = trainer.loop(at)
+                if boundary is None:  # the run's last step, or trainer.stop_after
+                    plot = trainer.finish(summary)
+                    break
+            (ckpt, at), report = boundary, False  # the next phase, from its checkpoint
+    trainer.report(summary, start, plot)
     return summary
 
 
-def _resolved(cfg: RunConfig, run: RunLayout | None) -> RunLayout:
-    """``run``, or for a caller that made the process group itself the layout rank 0
-    resolves for it (``resolve_run_group``), on the device its backend computes on."""
+def _planned(cfg: RunConfig, run: RunLayout | PhasePlan | None) -> PhasePlan:
+    """The run's phases: ``run``, a layout as one phase, or for a caller that made the
+    process group itself the phases rank 0 resolves for it (``resolve_phases_group``), on
+    the device its backend computes on."""
     if run is None:
-        # rank 0 prints the planner's table
-        run = resolve_run_group(cfg, "cuda" if dist.get_backend() == "nccl" else "cpu")
-    if run.run_dir is None:
+        # rank 0 prints the planner's tables
+        run = resolve_phases_group(cfg, "cuda" if dist.get_backend() == "nccl" else "cpu")
+    plan = run if isinstance(run, PhasePlan) else PhasePlan.single(cfg, run)
+    run_dirs = {p.run.run_dir for p in plan.phases}
+    if None in run_dirs:
         raise ValueError("the run has no run directory: set trainer.run_dir=PATH (usp-train "
                          "takes Hydra's output folder when it is not set)")
-    if run.world != dist.get_world_size():
-        raise ValueError(f"the run was laid out for {run.world} ranks but this group has "
-                         f"{dist.get_world_size()}; resolve it for this launch "
-                         f"(usp.run.resolve_run)")
-    return run
+    if len(run_dirs) > 1:
+        raise ValueError(f"the phases were resolved for different run directories "
+                         f"{sorted(run_dirs)}; resolve every phase with the same run_dir")
+    for p in plan.phases:
+        if p.run.world != dist.get_world_size():
+            raise ValueError(f"phase {p.index + 1} was laid out for {p.run.world} ranks but "
+                             f"this group has {dist.get_world_size()}; resolve it for this "
+                             f"launch (usp.run.resolve_run)")
+    return plan
+
+
+@contextmanager
+def _records(cfg: RunConfig, plan: PhasePlan, at: Position) -> Iterator[tuple]:
+    """The run's ``MetricsLogger`` (from step ``at.step``) and ``Console``, for every phase;
+    closed once, however the run ends."""
+    rank = dist.get_rank()
+    layouts = {"layout": asdict(plan[at.phase].run)}
+    if len(plan) > 1:
+        layouts["phases"] = [asdict(p.run) for p in plan.phases]
+    logger = MetricsLogger(cfg.logging, Path(plan[0].run.run_dir), rank,
+                           {**asdict(cfg), **layouts}, resume_step=at.step)
+    console = Console(rank, cfg.trainer.log_every, cfg.logging.progress, cfg.trainer.steps,
+                      at.step)
+    try:
+        yield logger, console
+    finally:
+        console.close()
+        logger.close()
 
 
 def _device(run: RunLayout) -> torch.device:
@@ -101,64 +144,83 @@ def _device(run: RunLayout) -> torch.device:
 
 
 class Trainer:
-    """One run on this rank. ``__init__`` (collective) builds it from ``run``: the mesh and
-    sequence layout, the sharded model, optimizer and schedule, the data and the
-    components around a step; ``running`` opens the metrics and the console and closes
-    everything once."""
+    """One phase of a run on this rank (a run without phases: the whole run). ``__init__``
+    (collective) builds it from its ``Phase``: the mesh and sequence layout, the sharded
+    model, optimizer and schedule, the data and the components around a step; ``running``
+    closes the model, optimizer and mesh once. The run's metrics and console (``records``)
+    outlive it."""
 
-    def __init__(self, cfg: RunConfig, run: RunLayout, fault_hook: FaultHook | None,
+    def __init__(self, base: RunConfig, plan: PhasePlan, at: Position, records: tuple,
+                 fault_hook: FaultHook | None,
                  memory_probe: Callable[[torch.device], PeakMemory]):
-        tc = cfg.trainer
-        self.cfg, self.run, self.fault_hook = cfg, run, fault_hook
+        self.phase = phase = plan[at.phase]
+        cfg, run, tc = phase.cfg, phase.run, base.trainer  # the loop's settings: the base's
+        self.cfg, self.run, self.tc, self.plan = cfg, run, tc, plan
+        self.logger, self.console = records
+        self.fault_hook = fault_hook
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = _device(run)
+        self.end = plan.end(phase.index, at.starts)  # its last step, unless its gate ends it
         self.mesh = run.build_mesh()
         layout = SequenceLayout(self.mesh, seq_len=run.seq_len, balance=run.balance)
         self.positions = layout.positions(self.device)  # global ids of this rank's tokens
         if self.rank == 0:
+            if len(plan) > 1:
+                print(phase_line(phase, len(plan), at.step), flush=True)
             print(self.mesh.describe(), flush=True)
-            record_for_export(cfg, run.run_dir)
-        self.model, use_layout = sharded_model(cfg, run, self.mesh, layout, self.device)
-        self.opt, self.sched = optimizer(cfg.optim, self.model, tc.steps)
-        self.data = build_dataset(cfg.data, cfg.model)
+            record_for_export(cfg, run.run_dir)  # the latest phase's model and length
+        self.model, use = sharded_model(cfg, run, self.mesh, layout, self.device)
+        self.opt, self.sched = optimizer(base.optim, self.model,
+                                         phase_schedule(base.optim, plan, at.starts))
+        self.data = build_dataset(cfg.data, cfg.model, phase.index)  # the phase's own passes
         splits = build_validation(cfg.data, cfg.model, tc.eval_windows)  # [(name, weight, split)]
         note = missing_splits(cfg.data, splits)
         if self.rank == 0 and note:
             print(note, flush=True)
         passkey = None  # eval.during_training: the grid usp-eval scores, at every validation
         if cfg.eval.during_training:
-            passkey = PasskeyScore(cfg, training_cases(cfg, run.seq_len), self.mesh, use_layout,
+            passkey = PasskeyScore(cfg, training_cases(cfg, run.seq_len), self.mesh, use,
                                    layout, run.run_dir, self.device)
-        self.validator = Validator(splits, tc.eval_every, tc.steps, run.batch_per_dp_rank,
-                                   self.mesh, self.positions, self.device, passkey)
+        self.validator = Validator(splits, tc.eval_every, self.end, run.batch_per_dp_rank,
+                                   self.mesh, self.positions, self.device, passkey,
+                                   self._short_loss(plan, use, layout, splits))
         self.guard = NonFiniteGuard(tc.on_nonfinite)
-        self.checkpointer = Checkpointer(tc, run, run_fingerprint(cfg), self.rank)
+        self.checkpointer = Checkpointer(tc, run, run_fingerprint(base, plan), self.rank,
+                                         self.end)
         self.dp_sp = self.mesh.group("loss")  # the loss's token count, the metrics (dp_sp)
         self.n_shard = self.mesh.submesh("fsdp").size()
         self.flops = flops_per_token(cfg.model, run.seq_len)
         self.peak_mem = memory_probe(self.device)
-        self.logger = self.console = None  # opened by running()
+        # in every record: which phase and layout made it
+        self.where = {"phase": phase.index + 1, "seq_len": run.seq_len, "dp": run.dp,
+                      "ring": run.ring, "ulysses": run.ulysses}
 
-    def resume(self) -> Position:
-        """Collective: the position of the newest checkpoint, loaded (``trainer.resume``;
-        ``Position()`` without one)."""
-        at = self.checkpointer.load(self.model, self.opt, self.sched)
-        self.guard.skipped = at.skipped
-        return at
+    def _short_loss(self, plan: PhasePlan, use, layout: SequenceLayout,
+                    splits: list) -> LengthLoss | None:
+        """A later phase's validation at the first phase's length (``short_val_loss``),
+        when the data has validation splits; None in the first phase or without them."""
+        first = plan[0].cfg
+        if self.phase.index == 0 or not splits:
+            return None
+        short = build_validation(first.data, first.model, self.tc.eval_windows)
+        return LengthLoss(short, SequenceLayout(self.mesh, first.data.seq_len, self.run.balance),
+                          use, layout, self.run.batch_per_dp_rank, self.mesh, self.device)
+
+    def resume(self, ckpt: Path | None, report: bool) -> None:
+        """Collective: checkpoint ``ckpt`` (the newest at the start of a run, the boundary's
+        in a later phase; None: a fresh start) loaded into the phase's model, optimizer and
+        schedule, resharded to its layout; the phase's schedule then sets the lr.
+        ``report``: rank 0 says where the run resumed."""
+        if ckpt is not None:
+            self.checkpointer.load(ckpt, self.model, self.opt, self.sched, report)
+            continue_schedule(self.opt, self.sched)  # a new phase may start a new warmup
 
     @contextmanager
-    def running(self, at: Position) -> Iterator[None]:
-        """Opens the metrics (from step ``at.step``) and the console for the block; closes
-        them, the model and the mesh (``close``) however it ends."""
-        cfg = self.cfg
-        self.logger = MetricsLogger(cfg.logging, Path(self.run.run_dir), self.rank,
-                                    {**asdict(cfg), "layout": asdict(self.run)},
-                                    resume_step=at.step)
-        self.console = Console(self.rank, cfg.trainer.log_every, cfg.logging.progress,
-                               cfg.trainer.steps, at.step)
+    def running(self) -> Iterator[None]:
+        """Closes the phase's model, optimizer and mesh (``close``) however the block ends."""
         try:
             yield
-        except BaseException as e:  # Preempted, NonFiniteError, a lost peer: flush what was logged
+        except BaseException as e:  # Preempted, NonFiniteError, a lost peer
             if isinstance(e, Preempted):
                 # the checkpoint is written and the process is ending: a second SIGTERM (the
                 # scheduler's own, a requeue ending the step) must not cut the close below
@@ -168,52 +230,71 @@ class Trainer:
         self.close()
 
     def close(self, barrier: bool = True) -> None:
-        """The console and the metrics, then the model and optimizer (FSDP state holds the
-        mesh's groups), then the mesh's groups, freed while the interpreter is alive (see
-        ``SPMesh.close``)."""
-        self.console.close()
-        self.logger.close()
-        self.model = self.opt = self.sched = None
+        """The model and optimizer (FSDP state holds the mesh's groups) and what holds the
+        mesh, then the mesh's groups, freed while the interpreter is alive (see
+        ``SPMesh.close``): the next phase builds its own."""
+        self.model = self.opt = self.sched = self.validator = self.dp_sp = None
         self.mesh.close(barrier=barrier)
 
-    def loop(self, at: Position) -> dict:
-        """Optimizer steps ``at.step + 1`` .. ``trainer.steps`` (1-based; ``trainer.stop_after``
-        ends earlier) from ``at``; the last step's summary ({} when no step is left)."""
-        tc = self.cfg.trainer
+    def loop(self, at: Position) -> tuple[dict, tuple[Path, Position] | None]:
+        """Optimizer steps ``at.step + 1`` .. the phase's last (1-based; its gate or
+        ``trainer.stop_after`` ends it earlier) from ``at``: (the last step's summary, {}
+        when no step is left; the boundary, (its checkpoint, the next phase's position), or
+        None when the run ends in this phase)."""
+        tc, phase, last_phase = self.tc, self.phase, self.phase.index == len(self.plan) - 1
         summary: dict = {}
+        self.guard.skipped = at.skipped
         # The handlers only set a flag; the previous ones are back however the loop ends.
         with Preemption(tc.preempt_signals) as preemption:
             if at.step == 0 and self.validator.should_validate(0):  # where the model starts
-                record = {"step": 0, **self.validator.validate(self.model)}
+                record = {"step": 0, **self.where, **self.validator.validate(self.model)}
                 self.logger.log(record)
                 self.console.log(record)
-            for step in range(at.step + 1, tc.steps + 1):
-                summary = self.train_step(step, at.consumed)
-                at = Position(step, summary["samples"], summary["skipped_steps"])
-                if self.validator.should_validate(step):
+            for step in range(at.step + 1, self.end + 1):
+                summary = self.train_step(step, at)
+                at = replace(at, step=step, consumed=summary["samples"],
+                             skipped=summary["skipped_steps"])
+                validated = self.validator.should_validate(step)
+                if validated:
                     summary.update(self.validator.validate(self.model))
+                # the phase ends here: its last step, or its gate holds at this validation
+                ends = step == self.end or (validated and self.gate_holds(summary, at))
+                if ends and phase.index == 0:  # the first phase's final validation loss
+                    at = replace(at, reference=summary.get("val_loss"))
                 self.logger.log(summary)
                 self.console.log(summary)
                 # Sync: every rank learns whether any rank got a preemption signal (none is
                 # needed after the last step: the run is complete and exits normally).
-                sig = None if step == tc.steps else preemption.agree(self.device)
-                if self.checkpointer.should_save(step, preempted=sig is not None):
-                    ckpt = self.checkpointer.save(step, self.model, self.opt, self.sched, at)
+                done = ends and last_phase
+                sig = None if done else preemption.agree(self.device)
+                after = at if done or not ends else at.next_phase(self.run.seq_len)
+                if self.checkpointer.should_save(step, preempted=sig is not None,
+                                                 ends_phase=ends):
+                    ckpt = self.checkpointer.save(step, self.model, self.opt, self.sched, after)
                 if sig is not None:
                     err = Preempted(step, sig.name, str(ckpt))
                     if self.rank == 0:
                         print(f"usp: {err}", flush=True)
                     raise err
-                if step == tc.stop_after:
+                if step == tc.stop_after or done:
                     break
-        return summary
+                if ends:
+                    return summary, (ckpt, after)
+        return summary, None
 
-    def train_step(self, step: int, consumed: int) -> dict:
-        """Optimizer step ``step`` (1-based) on the global batch after ``consumed`` samples:
-        forward and backward of its micro-batches, then the optimizer and schedule (not
-        for a skipped non-finite step); the step's summary (``samples``: the position after
-        it)."""
-        run, data = self.run, self.data
+    def gate_holds(self, scores: dict, at: Position) -> bool:
+        """Whether the phase's gate (``until``) holds on a validation's ``scores``: they are
+        all-reduced (the passkey's broadcast), so every rank decides alike."""
+        gate = self.phase.until
+        return gate is not None and gate.holds(scores.get(f"passkey_acc/{self.run.seq_len}"),
+                                               scores.get("short_val_loss"), at.reference)
+
+    def train_step(self, step: int, at: Position) -> dict:
+        """Optimizer step ``step`` (1-based) on the global batch after the phase's
+        ``at.consumed`` samples: forward and backward of its micro-batches, then the optimizer
+        and schedule (not for a skipped non-finite step); the step's summary (``samples``:
+        the phase's position after it)."""
+        run, data, consumed = self.run, self.data, at.consumed
         t0, comm0 = time.perf_counter(), self.mesh.comm.total_seconds()
         pairs0 = sum(self.mesh.comm.kernel_pairs.values())  # the ring's counted work so far
         self.peak_mem.start()  # the peak below is this step's, not the run's
@@ -251,6 +332,7 @@ class Trainer:
         consumed += run.global_batch
         summary = {
             "step": step,
+            **self.where,
             "loss": loss,
             "lr": self.sched.get_last_lr()[0],
             "grad_norm": gn,
@@ -265,8 +347,8 @@ class Trainer:
                                     if total.item() else 1.0),
             "step_s": dt,
             "skipped_steps": self.guard.skipped,
-            "samples": consumed,  # the data position: global samples consumed
-            "tokens_seen": consumed * run.seq_len,
+            "samples": consumed,  # the data position: the phase's samples consumed
+            "tokens_seen": replace(at, consumed=consumed).tokens_seen(run.seq_len),
         }
         summary.update(data.epochs(consumed))
         if data.has_answers:

@@ -58,6 +58,44 @@ def validation_loss(model, val: TrainingData, windows: int, batch_per_dp_rank: i
     return (sums[0] / sums[1].clamp(min=1)).item()
 
 
+def _mean_loss(model, splits: list, batch_per_dp_rank: int, mesh: SPMesh, positions,
+               device, out: dict | None = None) -> float:
+    """The validation loss of ``splits`` [(name, weight, split)]: each split's, their mean by
+    weight (a blend's ``val_loss``); with ``out``, each source's there too
+    (``val_loss/<name>``) when there are several."""
+    total = weights = 0.0
+    for name, weight, split in splits:
+        loss = validation_loss(model, split, split.eval_windows, batch_per_dp_rank, mesh,
+                               positions, device)
+        if out is not None and len(splits) > 1:
+            out[f"val_loss/{name}"] = loss
+        total, weights = total + weight * loss, weights + weight
+    return total / weights
+
+
+class LengthLoss:
+    """The validation loss at another length than the training steps' on the same mesh:
+    ``short_val_loss``, at the first phase's length in a later phase (a gate's
+    ``val_loss_within``, and the recovery of short-context quality it shows).
+    ``splits`` are the validation splits cut at that length, ``layout`` its
+    ``SequenceLayout``; ``use(layout)`` routes the model's attention through a layout
+    (``usp.train.build.sharded_model``), back to ``train_layout`` afterwards."""
+
+    def __init__(self, splits: list, layout, use, train_layout, batch_per_dp_rank: int,
+                 mesh: SPMesh, device):
+        self.splits, self.layout, self.use, self.train_layout = splits, layout, use, train_layout
+        self.batch_per_dp_rank, self.mesh, self.device = batch_per_dp_rank, mesh, device
+
+    def loss(self, model) -> float:
+        """Collective over dp x sp: the mean cross-entropy of the splits' first windows."""
+        self.use(self.layout)
+        try:
+            return _mean_loss(model, self.splits, self.batch_per_dp_rank, self.mesh,
+                              self.layout.positions(self.device), self.device)
+        finally:
+            self.use(self.train_layout)  # the training steps' layout again
+
+
 class Validator:
     """``trainer.eval_every``: the validation loss of the validation ``splits``
     [(name, weight, split)] (``usp.data.dataset.build_validation``) and, with ``passkey``
@@ -67,11 +105,15 @@ class Validator:
 
     ``should_validate(step)`` for 1-based optimizer step ``step``, or 0: before the first
     step, when ``every`` is set (a pretrained model's own loss); ``validate(model)`` is
-    collective over dp x sp."""
+    collective over dp x sp. ``short`` (``LengthLoss``): also ``short_val_loss``, the loss
+    at the first phase's length, in a later length phase (``last`` is then the phase's
+    last step)."""
 
     def __init__(self, splits: list, every: int, last: int, batch_per_dp_rank: int,
-                 mesh: SPMesh, positions: torch.Tensor, device: torch.device, passkey=None):
+                 mesh: SPMesh, positions: torch.Tensor, device: torch.device, passkey=None,
+                 short: LengthLoss | None = None):
         self.splits, self.every, self.last, self.passkey = splits, every, last, passkey
+        self.short = short
         self.batch_per_dp_rank, self.mesh = batch_per_dp_rank, mesh
         self.positions, self.device = positions, device
 
@@ -82,18 +124,15 @@ class Validator:
     def validate(self, model) -> dict:
         """One plain dict keyed as the metrics are: ``val_loss`` and ``val_ppl``; for a blend
         also each source's (``val_loss/<name>``), and ``val_loss`` is their mean by the
-        blend's weights; with ``passkey``, ``passkey_acc/<L>`` and ``passkey_logprob/<L>``
-        per length (the same on every rank). A gate on the run's progress reads it here."""
-        out, total, weights = {}, 0.0, 0.0
-        for name, weight, split in self.splits:
-            loss = validation_loss(model, split, split.eval_windows, self.batch_per_dp_rank,
-                                   self.mesh, self.positions, self.device)
-            if len(self.splits) > 1:
-                out[f"val_loss/{name}"] = loss
-            total, weights = total + weight * loss, weights + weight
+        blend's weights; ``short_val_loss`` with ``short``; with ``passkey``,
+        ``passkey_acc/<L>`` and ``passkey_logprob/<L>`` per length (the same on every rank). A gate on the run's progress reads it here."""
+        out = {}
         if self.splits:
-            out["val_loss"] = total / weights
+            out["val_loss"] = _mean_loss(model, self.splits, self.batch_per_dp_rank, self.mesh,
+                                         self.positions, self.device, out)
             out["val_ppl"] = math.exp(min(out["val_loss"], 700.0))
+        if self.short is not None:
+            out["short_val_loss"] = self.short.loss(model)
         if self.passkey is not None:
             out.update(self.passkey.score(model))
         return out
