@@ -222,18 +222,6 @@ def test_a_passkey_gate_needs_its_length_scored():
     check_gate(cfg, 1)
 
 
-def test_a_plan_of_one_phase_trains_as_its_layout(monkeypatch):
-    import usp.train.trainer as trainer
-
-    cfg = _cfg()
-    plan = PhasePlan.single(cfg, resolve_run(cfg, 4, "cpu"))
-    seen = []
-    monkeypatch.setattr(trainer, "_resolved", lambda c, run: seen.append(run) or 1 / 0)
-    with pytest.raises(ZeroDivisionError):
-        trainer.train(cfg, plan)
-    assert seen == [plan[0].run]
-
-
 # ---- usp-plan ---------------------------------------------------------------------------------
 
 
