@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..config import PlanConfig, RunConfig
+from ..dims.balance import choose_balance
 from .batch import grad_accum_steps
 from .detect import DetectReport
 from .draw import draw_mesh
@@ -25,18 +26,24 @@ def config_degree(value, name: str) -> int | None:
     return v
 
 
-def plan_run(cfg: RunConfig | PlanConfig, spec, world: int, forward_only: bool = False) -> Plan:
+def plan_run(cfg: RunConfig | PlanConfig, spec, world: int, forward_only: bool = False,
+             balance: str | None = None) -> Plan:
     """The planner's ranking (``usp.planner.Plan``) of the layouts of ``world`` ranks on
     ``spec`` for this run: its model, sequence, balance, placement, fixed degrees,
     ``trainer.dtype``, checkpoint policy and kernel. Every dp the planner considers runs
     ``batch_per_dp_rank`` sequences per dp rank, as the trainer does. ``forward_only``:
     usp-eval's scoring, one forward pass of the whole model on every rank (no gradients, no
-    optimizer state, no FSDP: ``StepPolicy.forward_only``)."""
+    optimizer state, no FSDP: ``StepPolicy.forward_only``). ``balance``: the run's, as the
+    resolver decided it (None: ``parallel.balance``, ``auto`` resolved by ``choose_balance``)."""
     pc, tc = cfg.parallel, cfg.trainer
+    if balance is None:
+        balance = choose_balance(pc.balance, cfg.data.packed, pc.ring_impl)[0]
     search = Search(ulysses=config_degree(pc.ulysses_degree, "ulysses_degree"),
                     ring=config_degree(pc.ring_degree, "ring_degree"),
-                    dp=config_degree(pc.dp_degree, "dp_degree"), balance=pc.balance,
-                    placement=pc.placement, a2a_chunks=pc.a2a_chunks)
+                    dp=config_degree(pc.dp_degree, "dp_degree"), balance=balance,
+                    placement=pc.placement,
+                    # per_document runs the ring row by row, its all-to-alls whole
+                    a2a_chunks=1 if balance == "per_document" else pc.a2a_chunks)
     step = StepPolicy(dtype_bytes=tc.compute_dtype.itemsize,
                       checkpoint=CheckpointPolicy.from_trainer(tc), kernel=pc.kernel,
                       device="cpu" if tc.device == "cpu" else "cuda",
@@ -55,11 +62,13 @@ def plan_report(cfg: PlanConfig) -> tuple[str, str]:
     """usp-plan's answer: (the ranking, the memory split and the chosen mesh as text, the
     mesh drawing's object for an optional PNG)."""
     spec = cfg.cluster if cfg.nodes is None else cfg.cluster.replace(nodes=cfg.nodes)
-    p = plan_run(cfg, spec, spec.world, cfg.forward_only)
+    pc = cfg.parallel
+    balance, why = choose_balance(pc.balance, cfg.data.packed, pc.ring_impl)
+    p = plan_run(cfg, spec, spec.world, cfg.forward_only, balance=balance)
     best = p.best
     drawing = draw_mesh(best.dp, best.ring, best.ulysses, spec.ranks_per_node,
                         cfg.parallel.placement)
-    text = "\n".join([p.format_table(),
+    text = "\n".join([p.format_table(), f"balance: {balance} ({why})",
                       f"choice: dp {best.dp} x ring {best.ring} x ulysses {best.ulysses}",
                       global_batch_text(cfg, p), p.memory_text(), str(drawing)])
     return text, drawing
