@@ -24,12 +24,12 @@ import torch.distributed as dist
 from ..comm import naming_collectives
 from ..config import RunConfig
 from ..data.dataset import build_dataset, build_validation
-from ..data.packing import IGNORE_INDEX, Batch
-from ..layout import SequenceLayout
+from ..data.packing import IGNORE_INDEX
 from ..models.llama import flops_per_token
 from ..models.tiling import loss_share
 from ..run import RunLayout, resolve_run_group
 from ..scoring.grid import training_cases
+from .batches import RowLayouts, Rows
 from .build import optimizer, record_for_export, sharded_model
 from .checkpointer import Checkpointer, Position
 from .console import Console
@@ -107,12 +107,14 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = _device(run)
         self.mesh = run.build_mesh()
-        layout = SequenceLayout(self.mesh, seq_len=run.seq_len, balance=run.balance)
-        self.positions = layout.positions(self.device)  # global ids of this rank's tokens
+        # who holds which tokens: the run's one layout, or under per_document each batch's own
+        self.layouts = RowLayouts(self.mesh, run.seq_len, run.balance, self.device)
+        layout = self.layouts.sequence
         if self.rank == 0:
-            print(self.mesh.describe(), flush=True)
+            print(f"{self.mesh.describe()}\nbalance={run.balance}", flush=True)
             record_for_export(cfg, run.run_dir)
         self.model, use_layout = sharded_model(cfg, run, self.mesh, layout, self.device)
+        self.layouts.use = use_layout
         self.opt, self.sched = optimizer(cfg.optim, self.model, tc.steps)
         self.data = build_dataset(cfg.data, cfg.model)
         splits = build_validation(cfg.data, cfg.model, tc.eval_windows)  # [(name, weight, split)]
@@ -124,7 +126,7 @@ class Trainer:
             passkey = PasskeyScore(cfg, training_cases(cfg, run.seq_len), self.mesh, use_layout,
                                    layout, run.run_dir, self.device)
         self.validator = Validator(splits, tc.eval_every, tc.steps, run.batch_per_dp_rank,
-                                   self.mesh, self.positions, self.device, passkey)
+                                   self.mesh, self.layouts, passkey)
         self.guard = NonFiniteGuard(tc.on_nonfinite)
         self.checkpointer = Checkpointer(tc, run, run_fingerprint(cfg), self.rank)
         self.dp_sp = self.mesh.group("loss")  # the loss's token count, the metrics (dp_sp)
@@ -213,10 +215,10 @@ class Trainer:
         self.peak_mem.start()  # the peak below is this step's, not the run's
         # Data: the step's global batch is the next global_batch samples after `consumed`;
         # micro-batch k takes [k, k+1) x micro_batch of them and this dp rank its own part.
-        # Only this rank's tokens are read; labels were shifted (and, for packed documents,
-        # cut at document boundaries) on the global sequence.
-        micro = [data.model_rows(run.samples(consumed, k, self.mesh.dp_rank),
-                                 self.positions).to(self.device)
+        # Only this rank's tokens are read (per_document: each row's own, from its documents);
+        # labels were shifted (and, for packed documents, cut at document boundaries) on the
+        # global sequence.
+        micro = [self.layouts.rows(data, run.samples(consumed, k, self.mesh.dp_rank))
                  for k in range(run.grad_accum)]  # each [B, L/P]
         stats, count, gn = self.forward_backward(step, micro)
         loss = stats[0].item() / count
@@ -267,14 +269,15 @@ class Trainer:
             summary["acc"] = stats[1].item() / max(1.0, stats[2].item())
         return summary
 
-    def forward_backward(self, step: int, micro: list[Batch]) -> tuple[torch.Tensor, float, float]:
+    def forward_backward(self, step: int, micro: list[Rows]) -> tuple[torch.Tensor, float, float]:
         """Forward and backward of optimizer step ``step``'s micro-batches (each [B, L/P]),
         their gradients added up and clipped to ``optim.grad_clip``: (stats [loss sum,
         correct answers, answers] fp64 over dp x sp, labelled tokens over dp x sp, the
         global grad norm before clipping)."""
         accum, device, dp_sp = len(micro), self.device, self.dp_sp
         # Sync: the target tokens of all micro-batches over dp x sp normalise the loss.
-        counts = torch.tensor([float(sum((b.labels != IGNORE_INDEX).sum().item() for b in micro))],
+        counts = torch.tensor([float(sum((m.batch.labels != IGNORE_INDEX).sum().item()
+                                         for m in micro))],
                               dtype=torch.float64, device=device)
         loss_total = torch.zeros((), dtype=torch.float64, device=device)
         correct = answers = 0
@@ -282,11 +285,13 @@ class Trainer:
         # (usp's all-to-all and ring name their own axis inside)
         with naming_collectives("dp_sp", dp_sp):
             dist.all_reduce(counts, group=dp_sp)
-            for k, b in enumerate(micro):
+            for k, m in enumerate(micro):
                 if accum > 1:  # FSDP reduce-scatters the gradients once, after the last
                     self.model.set_requires_gradient_sync(k == accum - 1)
+                self.layouts.enter(m)  # per_document: attention on this batch's layout
+                b = m.batch
                 # fp32 sum over this rank's labelled tokens; predictions [B, L/P]
-                loss_sum, predictions = loss_and_predictions(self.model, b, self.positions)
+                loss_sum, predictions = loss_and_predictions(self.model, b, m.positions)
                 if self.fault_hook is not None and k == 0:
                     loss_sum = self.fault_hook(step, loss_sum)
                 # the micro-batches' gradients add up to the step's
@@ -312,7 +317,7 @@ class Trainer:
         self.console.close()
         if self.data.eval_batches > 0:
             summary["eval_acc"] = evaluate(self.model, self.data, self.run.batch_per_dp_rank,
-                                           self.mesh, self.positions, self.device)
+                                           self.mesh, self.layouts)
         self.logger.finish(summary)
         return self.logger.plot()
 

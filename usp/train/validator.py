@@ -11,23 +11,27 @@ import torch.distributed as dist
 
 from ..config import DataConfig, MemmapData
 from ..data.dataset import TrainingData, source_names
-from ..data.indexing import held_out_batch
+from ..data.indexing import held_out_batch, step_indices
 from ..data.packing import IGNORE_INDEX
 from ..mesh import SPMesh
+from .batches import RowLayouts
 from .forward import loss_and_predictions
 
 
 @torch.no_grad()
-def evaluate(model, data: TrainingData, batch_per_dp_rank: int, mesh: SPMesh, positions,
-             device) -> float:
-    """Answer accuracy on ``data.eval_batches`` batches no training step has drawn (held out)."""
+def evaluate(model, data: TrainingData, batch_per_dp_rank: int, mesh: SPMesh,
+             layouts: RowLayouts) -> float:
+    """Answer accuracy on ``data.eval_batches`` batches no training step has drawn (held out),
+    each laid out by ``layouts``."""
     model.eval()
+    device = layouts.device
     hits = torch.zeros(2, dtype=torch.float64, device=device)
     for i in range(data.eval_batches):
-        b = data.model_batch(held_out_batch(i), batch_per_dp_rank, mesh.dp_rank, mesh.dp,
-                             positions=positions).to(device)
-        _, predictions = loss_and_predictions(model, b, positions)
-        correct, answers = data.answer_accuracy(predictions, b.labels)
+        rows = layouts.rows(data, step_indices(held_out_batch(i), batch_per_dp_rank,
+                                               mesh.dp_rank, mesh.dp))
+        layouts.enter(rows)
+        _, predictions = loss_and_predictions(model, rows.batch, rows.positions)
+        correct, answers = data.answer_accuracy(predictions, rows.batch.labels)
         hits += torch.tensor([correct, answers], dtype=torch.float64, device=device)
     dist.all_reduce(hits, group=mesh.group("loss"))
     model.train()
@@ -36,21 +40,23 @@ def evaluate(model, data: TrainingData, batch_per_dp_rank: int, mesh: SPMesh, po
 
 @torch.no_grad()
 def validation_loss(model, val: TrainingData, windows: int, batch_per_dp_rank: int,
-                    mesh: SPMesh, positions, device) -> float:
+                    mesh: SPMesh, layouts: RowLayouts) -> float:
     """Mean cross-entropy per target token on the first ``windows`` windows of the
     validation split, whatever the dp split: dp rank r scores windows ``first + r*b ...``
     of each round; a rank short of windows in the last round scores a window with every
-    label ignored (it must still join every collective of the forward)."""
+    label ignored (it must still join every collective of the forward). Each batch laid
+    out by ``layouts``."""
     model.eval()
-    b, dp = batch_per_dp_rank, mesh.dp
+    b, dp, device = batch_per_dp_rank, mesh.dp, layouts.device
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     for first in range(0, windows, b * dp):
         ids = torch.arange(first + mesh.dp_rank * b, first + (mesh.dp_rank + 1) * b)
         real = ids < windows
-        batch = val.model_windows(torch.where(real, ids, 0).numpy(), positions)
-        batch.labels[~real] = IGNORE_INDEX  # [B, L/P]: rows past the last window count for nothing
-        batch = batch.to(device)
-        loss_sum, _ = loss_and_predictions(model, batch, positions)
+        rows = layouts.windows(val, torch.where(real, ids, 0).numpy())
+        batch = rows.batch  # [B, L/P]: rows past the last window count for nothing
+        batch.labels[~real.to(device)] = IGNORE_INDEX
+        layouts.enter(rows)
+        loss_sum, _ = loss_and_predictions(model, batch, rows.positions)
         sums += torch.stack([loss_sum.double(),
                              (batch.labels != IGNORE_INDEX).sum().to(torch.float64)])
     dist.all_reduce(sums, group=mesh.group("loss"))
@@ -70,10 +76,9 @@ class Validator:
     collective over dp x sp."""
 
     def __init__(self, splits: list, every: int, last: int, batch_per_dp_rank: int,
-                 mesh: SPMesh, positions: torch.Tensor, device: torch.device, passkey=None):
+                 mesh: SPMesh, layouts: RowLayouts | None, passkey=None):
         self.splits, self.every, self.last, self.passkey = splits, every, last, passkey
-        self.batch_per_dp_rank, self.mesh = batch_per_dp_rank, mesh
-        self.positions, self.device = positions, device
+        self.batch_per_dp_rank, self.mesh, self.layouts = batch_per_dp_rank, mesh, layouts
 
     def should_validate(self, step: int) -> bool:
         return bool(self.splits or self.passkey) and (step == self.last
@@ -87,7 +92,7 @@ class Validator:
         out, total, weights = {}, 0.0, 0.0
         for name, weight, split in self.splits:
             loss = validation_loss(model, split, split.eval_windows, self.batch_per_dp_rank,
-                                   self.mesh, self.positions, self.device)
+                                   self.mesh, self.layouts)
             if len(self.splits) > 1:
                 out[f"val_loss/{name}"] = loss
             total, weights = total + weight * loss, weights + weight
