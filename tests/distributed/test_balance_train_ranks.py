@@ -48,7 +48,7 @@ def cfg(run_dir: Path, prefix: Path, model: ModelConfig, balance: str) -> RunCon
         data=MemmapData(path=str(prefix), seq_len=L, batch_per_dp_rank=2, packing="documents",
                         seed=3),
         optim=OptimConfig(lr=5e-3, warmup_steps=1),
-        trainer=TrainerConfig(steps=3, run_dir=str(run_dir), nprocs=4, eval_every=3,
+        trainer=TrainerConfig(steps=2, run_dir=str(run_dir), nprocs=4, eval_every=2,
                               eval_windows=3),
         logging=QUIET)
 
@@ -78,7 +78,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 @pytest.mark.parametrize("name", ["builtin", "hf"])
 def test_per_document_trains_to_zigzags_losses(runs, name):
     zig, per = _metrics(runs / f"{name}_zigzag"), _metrics(runs / f"{name}_per_document")
-    assert [r["step"] for r in zig] == [r["step"] for r in per] == [1, 2, 3]
+    assert [r["step"] for r in zig] == [r["step"] for r in per] == [1, 2]
     for a, b in zip(zig, per):
         assert abs(a["loss"] - b["loss"]) <= 1e-5, (name, a["step"], a["loss"], b["loss"])
     # the validation windows, each batch laid out by its own documents too
@@ -89,8 +89,8 @@ def test_per_document_trains_to_zigzags_losses(runs, name):
 def test_per_document_evens_the_counted_work(runs, name):
     """The busiest rank's counted pairs over the mean (``attn_work_imbalance``). Rows of 128
     tokens cut documents into parts of a few tokens, whose tiles leave per_document a few
-    percent over the mean (1.03-1.06 here; 1.000-1.001 at 32K, docs/performance.md);
-    zigzag's cut documents put 1.12-1.17 on the busiest rank of these rows."""
+    percent over the mean (1.03 and 1.06 here; 1.000-1.001 at 32K, docs/performance.md);
+    zigzag's cut documents put 1.13 and 1.12 on the busiest rank of these rows."""
     zig, per = _metrics(runs / f"{name}_zigzag"), _metrics(runs / f"{name}_per_document")
     work = [(a["attn_work_imbalance"], b["attn_work_imbalance"]) for a, b in zip(zig, per)]
     assert all(p <= 1.07 and p < z for z, p in work), work
