@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
-BALANCES = ("contiguous", "zigzag")
+FIXED_BALANCES = ("contiguous", "zigzag")  # one ownership for every row (usp.dims.tokens)
+BALANCES = (*FIXED_BALANCES, "per_document")  # a run's rows: per_document per row's documents
+BALANCE_SETTINGS = (*BALANCES, "auto")  # parallel.balance; auto: usp.dims.balance.choose_balance
 PLACEMENTS = ("ulysses_inner", "ring_inner")
 KERNELS = ("torch", "flash_attn", "reference")  # usp.kernels has one adapter each
 RING_IMPLS = ("usp", "ring_flash_attn")
@@ -50,23 +52,46 @@ def check_degrees(world_size: int, ulysses: int, ring: int, dp: int | None = Non
 
 
 def seq_multiple(ulysses: int, ring: int, balance: str) -> int:
-    """The number the global sequence length must be a multiple of."""
+    """The number the global sequence length must be a multiple of: ``2 * ring * ulysses``
+    under zigzag and per_document (each document cut in 2r parts, each ring segment in u
+    shares), ``ring * ulysses`` under contiguous."""
     if balance not in BALANCES:
         raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
-    return (2 if balance == "zigzag" else 1) * ring * ulysses
+    return (1 if balance == "contiguous" else 2) * ring * ulysses
 
 
 def check_seq_len(seq_len: int, ulysses: int, ring: int, balance: str) -> None:
-    """Zigzag needs ``2 * ring * ulysses | L``; contiguous needs ``ring * ulysses | L``."""
+    """Zigzag and per_document need ``2 * ring * ulysses | L``; contiguous needs
+    ``ring * ulysses | L``."""
     m = seq_multiple(ulysses, ring, balance)
     if seq_len < 1 or seq_len % m != 0:
         lo = max(m, seq_len // m * m)
-        rule = "2 x ring x ulysses" if balance == "zigzag" else "ring x ulysses"
+        rule = "ring x ulysses" if balance == "contiguous" else "2 x ring x ulysses"
         raise ValueError(
             f"sequence length {seq_len} is not divisible by {rule} = {m} "
             f"(ulysses={ulysses}, ring={ring}, balance={balance}); "
             f"use seq_len {lo} or {lo + m}"
         )
+
+
+def check_balance(balance: str, ring_impl: str, packed: bool) -> None:
+    """``per_document`` lays each row out by its packed documents: it needs documents under
+    the document mask (``packed``: ``data.packing=documents``) and usp's own ring, which
+    runs a row's own plan (ring-flash-attn knows contiguous and zigzag only)."""
+    if balance not in BALANCE_SETTINGS:
+        raise ValueError(f"parallel.balance must be one of {BALANCE_SETTINGS}, got {balance!r}")
+    if balance != "per_document":
+        return
+    if ring_impl != "usp":
+        raise ValueError(f"parallel.balance=per_document runs each row's own ring plan, which "
+                         f"only usp's ring does, but parallel.ring_impl={ring_impl}; use "
+                         f"parallel.ring_impl=usp, or parallel.balance=zigzag (auto chooses "
+                         f"zigzag with {ring_impl})")
+    if not packed:
+        raise ValueError("parallel.balance=per_document balances the document-masked work of "
+                         "packed documents, but data.packing=none gives the rows no documents "
+                         "(a row is one causal sequence, which zigzag balances); set "
+                         "data.packing=documents, or parallel.balance=auto or zigzag")
 
 
 def check_ranks_per_node(world_size: int, ranks_per_node: int | None,

@@ -17,6 +17,7 @@ from usp.layout import SequenceLayout
 from usp.mesh import SPMesh
 from usp.data.dataset import build_dataset
 from usp.config import RunConfig
+from usp.train.batches import RowLayouts
 from usp.train.validator import evaluate
 
 EVAL_BATCHES = 3
@@ -55,7 +56,7 @@ def _worker():
     for dp, u, r in LAYOUTS:
         with SPMesh.build(ulysses=u, ring=r, dp=dp) as mesh:
             layout = SequenceLayout(mesh, seq_len=cfg.data.seq_len)
-            pos = layout.positions(cpu)
+            layouts = RowLayouts(mesh, cfg.data.seq_len, "zigzag", cpu)
             # every sequence a training step draws, on any dp replica (full rows: no positions)
             trained = {_key(row) for step in range(cfg.trainer.steps) for d in range(dp)
                        for row in data.batch(step, cfg.data.batch_per_dp_rank, d, dp, None)[0]}
@@ -69,7 +70,7 @@ def _worker():
 
             def score(rule):
                 model = Oracle(layout, cfg.model.vocab_size, rule)
-                acc = evaluate(model, data, cfg.data.batch_per_dp_rank, mesh, pos, cpu)
+                acc = evaluate(model, data, cfg.data.batch_per_dp_rank, mesh, layouts)
                 assert model.modes == [False] * EVAL_BATCHES and model.training, model.modes
                 return acc
 

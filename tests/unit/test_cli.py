@@ -19,7 +19,7 @@ from usp.planner.report import plan_run
 from usp.config import phase_config
 from usp.planner.batch import grad_accum_steps
 from usp.planner.phase_report import phases_report
-from usp.run import check_passkey_memory, decide_degrees, resolve_run
+from usp.run import check_passkey_memory, decide_balance, decide_degrees, resolve_run
 from usp.validate import check_degrees, check_seq_len
 from usp.dims.heads import check_heads
 
@@ -81,7 +81,7 @@ def test_every_recipe_composes_and_is_feasible(recipe):
         assert "ulysses" in table
     check_degrees(world, u, r)
     check_heads(cfg.model.n_heads, cfg.model.n_kv_heads, u)
-    check_seq_len(cfg.data.seq_len, u, r, cfg.parallel.balance)
+    check_seq_len(cfg.data.seq_len, u, r, decide_balance(cfg)[0])
     assert u <= cfg.cluster.ranks_per_node  # ulysses stays inside a node
 
 

@@ -45,12 +45,12 @@ class _Score:
 
 def test_a_passkey_score_alone_validates_on_the_schedule_and_joins_the_val_loss(monkeypatch):
     pk = _Score()
-    v = Validator([], 4, 10, 2, mesh=None, positions=None, device="cpu", passkey=pk)
+    v = Validator([], 4, 10, 2, mesh=None, layouts=None, passkey=pk)
     assert [s for s in range(0, 11) if v.should_validate(s)] == [0, 4, 8, 10]
     assert v.validate("model") == {"passkey_acc/64": 0.5}
     monkeypatch.setattr(va, "validation_loss", lambda *a: 2.0)
     split = SimpleNamespace(eval_windows=4)
-    both = Validator([("a", 1.0, split)], 4, 10, 2, mesh=None, positions=None, device="cpu",
+    both = Validator([("a", 1.0, split)], 4, 10, 2, mesh=None, layouts=None,
                      passkey=pk).validate("model")
     assert both["val_loss"] == 2.0 and both["passkey_acc/64"] == 0.5 and pk.calls == 2
 

@@ -111,10 +111,15 @@ def test_resolve_checks_the_heads_once_and_says_the_planners_table_once(monkeypa
     said = []
     run = resolve_run(auto_cfg(), 2, "cpu", env=RANK_ENVS[0], say=said.append)
     assert calls == [(8, 8, run.ulysses)]  # the chosen degree, checked once
-    assert len(said) == 1 and "plan: world 2" in said[0]
+    tables = [s for s in said if "plan: world" in s]
+    assert len(tables) == 1 and "plan: world 2" in tables[0]
+    assert said[0] == "usp: balance zigzag (parallel.balance=auto: the rows are one causal " \
+                      "sequence each (data.packing=none))"  # said first, before the table
     assert "plan_table" not in {f.name for f in dataclasses.fields(RunLayout)}  # data only
+    said.clear()
     resolve_run(_cfg(), 8, "cpu", say=said.append)
-    assert len(said) == 1  # fixed degrees: the planner was not asked, nothing said
+    assert said == ["usp: balance zigzag (parallel.balance=auto: the rows are one causal "
+                    "sequence each (data.packing=none))"]  # fixed degrees: no table
 
 
 def test_the_inputs_are_checked_before_anything_is_decided(monkeypatch, tmp_path):

@@ -17,7 +17,7 @@ def _split(windows):
 
 
 def _validator(splits, every=4, last=10) -> Validator:
-    return Validator(splits, every, last, 2, mesh=None, positions=None, device="cpu")
+    return Validator(splits, every, last, 2, mesh=None, layouts=None)
 
 
 def test_validates_every_eval_every_steps_and_at_the_last():

@@ -16,7 +16,9 @@ class ParallelConfig:
     ring_degree: Any = 2
     dp_degree: Any = None  # None: world / (ulysses * ring)
     placement: str = "ulysses_inner"
-    balance: str = "zigzag"
+    # zigzag | contiguous | per_document | auto: per_document when the data packs documents
+    # under the document mask and usp's ring runs, else zigzag (usp.dims.balance.choose_balance)
+    balance: str = "auto"
     kernel: str = "torch"
     ring_impl: str = "usp"
     ranks_per_node: Optional[int] = None  # CPU runs: pretend nodes of N ranks
@@ -26,10 +28,10 @@ class ParallelConfig:
     a2a_chunks: Any = "auto"
 
     def __post_init__(self) -> None:
-        from ..validate import BALANCES, PLACEMENTS, RING_IMPLS, check_a2a_setting
+        from ..validate import BALANCE_SETTINGS, PLACEMENTS, RING_IMPLS, check_a2a_setting
 
         one_of("parallel.placement", self.placement, PLACEMENTS)
-        one_of("parallel.balance", self.balance, BALANCES)
+        one_of("parallel.balance", self.balance, BALANCE_SETTINGS)
         one_of("parallel.ring_impl", self.ring_impl, RING_IMPLS)
         check_a2a_setting(self.a2a_chunks, "parallel.a2a_chunks")
         if self.ranks_per_node is not None:

@@ -81,12 +81,15 @@ class Blend:
 
     def rows(self, samples, positions: torch.Tensor | None = None,
              packed: bool = False) -> Batch:
-        """Each sample from its corpus (``BlendOrder``), in the order of ``samples``."""
+        """Each sample from its corpus (``BlendOrder``), in the order of ``samples``;
+        ``positions`` [n] for every row, or [B, n] each row its own."""
         corpus, ordinal = self.order.lookup(samples)
         parts, where = [], []
         for j in np.unique(corpus):
             sel = np.flatnonzero(corpus == j)
-            parts.append(self.sources[j].rows(ordinal[sel], positions, packed))
+            cols = positions if positions is None or positions.dim() == 1 else \
+                positions[torch.from_numpy(sel).to(positions.device)]  # [B, n] -> its rows
+            parts.append(self.sources[j].rows(ordinal[sel], cols, packed))
             where.append(sel)
         back = torch.from_numpy(np.argsort(np.concatenate(where), kind="stable"))
         fields = {}
@@ -94,6 +97,11 @@ class Blend:
             got = [getattr(p, name) for p in parts]
             fields[name] = None if got[0] is None else torch.cat(got)[back]
         return Batch(**fields)
+
+    def doc_lengths(self, samples) -> list[tuple[int, ...]]:
+        """Each sample's document lengths, from its corpus, in the order of ``samples``."""
+        corpus, ordinal = self.order.lookup(samples)
+        return [self.sources[j].doc_lengths([o])[0] for j, o in zip(corpus, ordinal)]
 
     def epochs(self, consumed: int) -> dict[str, float]:
         """Epochs each corpus has completed after ``consumed`` global samples."""

@@ -41,10 +41,20 @@ class TrainingData:
                                positions)
 
     def model_rows(self, samples, positions) -> Batch:
-        """The ``Batch`` [B, L/P] of global samples ``samples`` as the model takes it:
+        """The ``Batch`` [B, L/P] of global samples ``samples`` as the model takes it, at the
+        columns ``positions`` ([L/P] for every row, or [B, L/P] each row its own):
         ``segment_ids`` when packed, ``doc_positions`` (the RoPE positions) when
         ``rope=per_document``, else None."""
         return self._model(self.source.rows(samples, positions, packed=self.packed))
+
+    def doc_lengths(self, samples) -> list[tuple[int, ...]]:
+        """The document lengths of each row of global samples ``samples`` (packed data):
+        what a per_document layout of their batch is made of, the same on every rank."""
+        return self.source.doc_lengths(samples)
+
+    def window_doc_lengths(self, windows) -> list[tuple[int, ...]]:
+        """``doc_lengths`` of the token file's windows ``windows`` (``model_windows``'s)."""
+        return self.source.window_doc_lengths(windows)
 
     def model_windows(self, windows, positions) -> Batch:
         """``model_rows`` for the token file's windows ``windows`` in file order (the

@@ -4,7 +4,8 @@ hold; ``usp-prepare`` writes them).
 The file is cut into non-overlapping windows of ``seq_len`` tokens, each read with the
 token after it so the label of the last position is the token after the window; training
 visits them in epochs without replacement (``usp.data.order``). With ``positions`` a rank
-reads only the tokens it owns (and their successors).
+reads only the tokens it owns (and their successors): the same columns of every row [n],
+or each row its own [B, n] (per_document balance, from the rows' ``doc_lengths``).
 """
 
 from __future__ import annotations
@@ -129,9 +130,30 @@ class MemmapTokens:
         return self.rows(step_indices(step, batch_per_dp_rank, dp_rank, dp_size), positions,
                          packed=True)
 
+    def doc_lengths(self, samples) -> list[tuple[int, ...]]:
+        """The document lengths of each row of global samples ``samples`` [B] (in row order,
+        each tuple summing to ``seq_len``; a document the window cuts counts its part
+        inside), from the ``.docs`` starts alone; see ``window_doc_lengths``."""
+        return self.window_doc_lengths(self.order.lookup(samples)[1])
+
+    def window_doc_lengths(self, windows) -> list[tuple[int, ...]]:
+        """``doc_lengths`` of the windows ``windows`` [B] themselves: what every rank reads
+        alike, with no token read, to lay the rows out by their documents (needs
+        ``documents=True``). The same documents ``rows(packed=True)`` gives ids to."""
+        if self.doc_starts is None:
+            raise ValueError("document lengths need the document boundaries: build "
+                             "MemmapTokens with documents=True")
+        out = []
+        for w in np.asarray(windows, dtype=np.int64).reshape(-1):
+            start = int(w) * self.seq_len
+            lo, hi = np.searchsorted(self.doc_starts, [start + 1, start + self.seq_len])
+            edges = [0, *(int(x) - start for x in self.doc_starts[lo:hi]), self.seq_len]
+            out.append(tuple(b - a for a, b in zip(edges, edges[1:])))
+        return out
+
     def rows(self, samples, positions: torch.Tensor | None = None,
              packed: bool = False) -> Batch:
-        """The ``Batch`` [B, L] (or [B, n] with ``positions`` [n]) of global samples
+        """The ``Batch`` [B, L] (or [B, n] with ``positions`` [n] or [B, n]) of global samples
         ``samples`` [B]: each the window ``usp.data.order`` gives it (epochs without
         replacement, fixed by the seed). ``labels[:, j]`` is the token after
         ``tokens[:, j]`` in the file (shifted before sharding, so no label is lost at a
@@ -168,7 +190,7 @@ class MemmapTokens:
 
     def _read(self, starts: np.ndarray, positions):
         """(Batch of tokens and labels, absolute offsets [B, n]) of the windows starting at
-        ``starts`` [B]."""
+        ``starts`` [B]; ``positions``: the columns, [n] for every row or [B, n] per row."""
         if positions is None:
             cols = np.arange(self.seq_len)
         else:
@@ -176,7 +198,10 @@ class MemmapTokens:
             if cols.size and (cols.min() < 0 or cols.max() >= self.seq_len):
                 raise ValueError(f"positions must lie in [0, {self.seq_len}), got "
                                  f"[{cols.min()}, {cols.max()}]")
-        idx = starts[:, None] + cols[None, :]  # [B, n] absolute offsets into the file
+            if cols.ndim == 2 and cols.shape[0] != len(starts):
+                raise ValueError(f"positions [B, n] of {cols.shape[0]} rows for "
+                                 f"{len(starts)} windows; give one row of positions a window")
+        idx = starts[:, None] + (cols if cols.ndim == 2 else cols[None, :])  # [B, n] offsets
         offsets = np.stack([idx, idx + 1])  # [2, B, n]: each token and the one after it
         ids = np.asarray(self.tokens[offsets]).astype(np.int64)  # reads only these entries
         self._check(ids, offsets)

@@ -38,11 +38,15 @@ class Batch:
         return Batch(**move)
 
     def columns(self, positions: torch.Tensor | None) -> "Batch":
-        """The columns ``positions`` [n] (global ids) of full rows [B, L]; all when None."""
+        """The columns ``positions`` (global ids: [n] for every row, or [B, n] each row its
+        own) of full rows [B, L]; all when None."""
         if positions is None:
             return self
         idx = positions.cpu()
-        pick = {k: (v if v is None else v[:, idx]) for k, v in vars(self).items()}
+        if idx.dim() == 2:  # [B, n]: row b's own columns
+            pick = {k: (v if v is None else v.gather(1, idx)) for k, v in vars(self).items()}
+        else:
+            pick = {k: (v if v is None else v[:, idx]) for k, v in vars(self).items()}
         return replace(self, **pick)  # [B, L] -> [B, n]
 
 

@@ -229,11 +229,17 @@ class RecallTask:
         b = self.rows(step_indices(step, batch_per_dp_rank, dp_rank, dp_size), positions)
         return b.tokens, b.labels
 
+    def doc_lengths(self, samples) -> list[tuple[int, ...]]:
+        """The document lengths of each row of global samples ``samples`` (in row order, each
+        summing to ``seq_len``), from (seed, its id) alone: every rank computes the same."""
+        return [tuple(int(n) for n in np.bincount(self.packed_sample(int(i))[2]))
+                for i in samples]
+
     def rows(self, samples, positions: torch.Tensor | None = None,
              packed: bool = False) -> Batch:
-        """The ``Batch`` [B, L] (or [B, len(positions)]) of global samples ``samples``, each
-        from (seed, its id) alone; ``packed``: with document ids and per-document
-        positions."""
+        """The ``Batch`` [B, L] (or [B, n] with ``positions`` [n] or [B, n]) of global
+        samples ``samples``, each from (seed, its id) alone; ``packed``: with document ids
+        and per-document positions."""
         if packed:
             rows = [self.packed_sample(int(i)) for i in samples]
             tokens, labels, seg = (torch.from_numpy(np.stack(x)) for x in zip(*rows))  # [B, L]

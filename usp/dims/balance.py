@@ -28,7 +28,33 @@ from itertools import accumulate
 
 import torch
 
+from ..validate import check_balance
 from .tokens import _joined
+
+
+def choose_balance(setting: str, packed: bool, ring_impl: str) -> tuple[str, str]:
+    """(the balance a run lays its rows out by, why), from ``parallel.balance``
+    (``setting``), whether its rows pack documents under the document mask (``packed``:
+    ``data.packing=documents``) and its ring engine. ``auto``: ``per_document`` for packed
+    documents on usp's ring, else ``zigzag``; a set balance is checked
+    (``validate.check_balance``) and kept."""
+    check_balance(setting, ring_impl, packed)
+    if setting != "auto":
+        return setting, f"parallel.balance={setting}"
+    if packed and ring_impl == "usp":
+        return "per_document", ("parallel.balance=auto: data.packing=documents packs documents "
+                                "under the document mask; each row's ring segments follow its "
+                                "documents")
+    why = ("the rows are one causal sequence each (data.packing=none)" if not packed else
+           f"parallel.ring_impl={ring_impl} runs zigzag or contiguous rows only")
+    return "zigzag", f"parallel.balance=auto: {why}"
+
+
+def sequence_balance(balance: str) -> str:
+    """The balance of rows that are one sequence with no document mask (passkey cases,
+    usp-eval's rows) in a run laid out by ``balance``: zigzag under per_document (a
+    one-document row's per_document segments are zigzag's), else ``balance`` itself."""
+    return "zigzag" if balance == "per_document" else balance
 
 
 def _check(doc_lens: tuple[int, ...], ring: int) -> int:

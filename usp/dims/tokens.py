@@ -30,7 +30,7 @@ from functools import lru_cache
 
 import torch
 
-from ..validate import BALANCES, check_seq_len
+from ..validate import FIXED_BALANCES, check_seq_len
 
 
 def _joined(ranges: list[range]) -> tuple[range, ...]:
@@ -44,13 +44,20 @@ def _joined(ranges: list[range]) -> tuple[range, ...]:
     return tuple(out)
 
 
+def _check_fixed(balance: str) -> None:
+    if balance not in FIXED_BALANCES:
+        raise ValueError(f"balance must be one of {FIXED_BALANCES} for one ownership of every "
+                         f"row, got {balance!r}" + (
+                             "; per_document rows each have their own: usp.layout.DocumentLayout"
+                             if balance == "per_document" else ""))
+
+
 @lru_cache(maxsize=1024)
 def segment_ranges(seq_len: int, ring: int, balance: str, ring_rank: int) -> tuple[range, ...]:
     """Global positions of ring rank ``ring_rank``'s segment (L/r tokens), in segment order,
     as ranges of consecutive positions: one under ``contiguous``, two under ``zigzag``
     (one for the last ring rank, whose two parts touch)."""
-    if balance not in BALANCES:
-        raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
+    _check_fixed(balance)
     if balance == "contiguous":
         seg = seq_len // ring
         return (range(ring_rank * seg, (ring_rank + 1) * seg),)
@@ -99,6 +106,7 @@ class Ownership:
     balance: str = "zigzag"
 
     def __post_init__(self) -> None:
+        _check_fixed(self.balance)
         check_seq_len(self.seq_len, self.ulysses, self.ring, self.balance)
 
     @property

@@ -15,7 +15,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from ..validate import BALANCES, seq_multiple
+from ..validate import FIXED_BALANCES, seq_multiple
 
 from ..dims.heads import check_heads
 from ..config.cluster import ClusterSpec, load_cluster
@@ -55,8 +55,8 @@ class CalibrationSetup:
     def __post_init__(self) -> None:
         self.kv_heads = self.kv_heads or self.heads
         self.seq_lens, self.layouts = tuple(self.seq_lens), tuple(map(tuple, self.layouts))
-        if self.balance not in BALANCES:
-            raise ValueError(f"balance must be one of {BALANCES}, got {self.balance!r}")
+        if self.balance not in FIXED_BALANCES:
+            raise ValueError(f"balance must be one of {FIXED_BALANCES}, got {self.balance!r}")
         if min(self.nprocs, self.threads, self.iters, self.overlap_reps) < 1 or self.warmup < 0:
             raise ValueError(f"nprocs ({self.nprocs}), threads ({self.threads}), iters "
                              f"({self.iters}) and overlap_reps ({self.overlap_reps}) must be "

@@ -211,9 +211,9 @@ def attention_cost(cluster: ClusterSpec, seq_len: int, hq: int, hkv: int, head_d
     overlap = cluster.overlap if overlap is None else overlap
     if a2a_overlap is None:
         a2a_overlap = overlap if cluster.a2a_overlap is None else cluster.a2a_overlap
-    if (balance not in (*BALANCES, "per_document") or n_fwd < 1 or not 0 <= overlap <= 1
+    if (balance not in BALANCES or n_fwd < 1 or not 0 <= overlap <= 1
             or causal_tile < 0):
-        raise ValueError(f"attention_cost needs balance in {(*BALANCES, 'per_document')}, "
+        raise ValueError(f"attention_cost needs balance in {BALANCES}, "
                          f"n_fwd >= 1, overlap in "
                          f"[0, 1] and causal_tile >= 0; got balance={balance!r}, "
                          f"n_fwd={n_fwd}, overlap={overlap}, causal_tile={causal_tile}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..config import PlanConfig, RunConfig
+from ..dims.balance import choose_balance
 from .batch import grad_accum_steps
 from .detect import DetectReport
 from .draw import draw_mesh
@@ -25,7 +26,8 @@ def config_degree(value, name: str) -> int | None:
     return v
 
 
-def plan_run(cfg: RunConfig | PlanConfig, spec, world: int, forward_only: bool = False) -> Plan:
+def plan_run(cfg: RunConfig | PlanConfig, spec, world: int, forward_only: bool = False,
+             balance: str | None = None) -> Plan:
     """The planner's ranking (``usp.planner.Plan``) of the layouts of ``world`` ranks on
     ``spec`` for this run: its model, sequence, balance, placement, fixed degrees,
     ``trainer.dtype``, checkpoint policy and kernel. Every dp the planner considers runs
@@ -33,10 +35,11 @@ def plan_run(cfg: RunConfig | PlanConfig, spec, world: int, forward_only: bool =
     usp-eval's scoring, one forward pass of the whole model on every rank (no gradients, no
     optimizer state, no FSDP: ``StepPolicy.forward_only``). With
     ``trainer.global_batch_tokens`` (training only), a dp whose micro-batch does not divide
-    the step's sequences is dropped (``step_sequences``)."""
+    the step's sequences is dropped (``step_sequences``). ``balance``: the run's, as the
+    resolver decided it (None: ``parallel.balance``, ``auto`` resolved by ``choose_balance``)."""
     batch = BatchSpec(per_dp_rank=cfg.data.batch_per_dp_rank,
                       step_sequences=None if forward_only else step_sequences(cfg))
-    return plan(cfg.model, spec, cfg.data.seq_len, world=world, search=run_search(cfg),
+    return plan(cfg.model, spec, cfg.data.seq_len, world=world, search=run_search(cfg, balance),
                 batch=batch, step=run_step(cfg, forward_only))
 
 
@@ -51,13 +54,18 @@ def step_sequences(cfg: RunConfig) -> int | None:
     return tokens // L
 
 
-def run_search(cfg: RunConfig) -> Search:
-    """The layouts ``plan_run`` ranks for this run: its fixed degrees, balance, placement."""
+def run_search(cfg: RunConfig, balance: str | None = None) -> Search:
+    """The layouts ``plan_run`` ranks for this run: its fixed degrees, balance (None:
+    ``parallel.balance``, ``auto`` resolved by ``choose_balance``), placement."""
     pc = cfg.parallel
+    if balance is None:
+        balance = choose_balance(pc.balance, cfg.data.packed, pc.ring_impl)[0]
     return Search(ulysses=config_degree(pc.ulysses_degree, "ulysses_degree"),
                   ring=config_degree(pc.ring_degree, "ring_degree"),
-                  dp=config_degree(pc.dp_degree, "dp_degree"), balance=pc.balance,
-                  placement=pc.placement, a2a_chunks=pc.a2a_chunks)
+                  dp=config_degree(pc.dp_degree, "dp_degree"), balance=balance,
+                  placement=pc.placement,
+                  # per_document runs the ring row by row, its all-to-alls whole
+                  a2a_chunks=1 if balance == "per_document" else pc.a2a_chunks)
 
 
 def run_step(cfg: RunConfig, forward_only: bool = False) -> StepPolicy:
@@ -79,11 +87,13 @@ def plan_report(cfg: PlanConfig) -> tuple[str, str]:
     """usp-plan's answer: (the ranking, the memory split and the chosen mesh as text, the
     mesh drawing's object for an optional PNG)."""
     spec = cfg.cluster if cfg.nodes is None else cfg.cluster.replace(nodes=cfg.nodes)
-    p = plan_run(cfg, spec, spec.world, cfg.forward_only)
+    pc = cfg.parallel
+    balance, why = choose_balance(pc.balance, cfg.data.packed, pc.ring_impl)
+    p = plan_run(cfg, spec, spec.world, cfg.forward_only, balance=balance)
     best = p.best
     drawing = draw_mesh(best.dp, best.ring, best.ulysses, spec.ranks_per_node,
                         cfg.parallel.placement)
-    text = "\n".join([p.format_table(),
+    text = "\n".join([p.format_table(), f"balance: {balance} ({why})",
                       f"choice: dp {best.dp} x ring {best.ring} x ulysses {best.ulysses}",
                       global_batch_text(cfg, p), p.memory_text(), str(drawing)])
     return text, drawing

@@ -75,13 +75,14 @@ def windowed_ring_hops(seq_len: int, ring: int, balance: str, causal: bool,
     contiguous: a query's keys reach ``window - 1`` tokens back, into the
     ceil((window - 1) / (L/r)) segments before its own. Zigzag: the second chunk of ring
     rank i (chunk 2r-1-i) follows the second chunk of rank i + 1, which is r - 1 hops
-    away, so any window of 2 or more needs every hop; not causal likewise (the next
+    away, so any window of 2 or more needs every hop (per_document likewise, each document
+    cut head-tail as a zigzag row is); not causal likewise (the next
     segment is r - 1 hops away). ``usp.ring.ring_hops`` derives the same from the plan.
     """
     r = ring
     if r == 1 or window == 1:
         return 0
-    if window is None or window >= seq_len or balance == "zigzag" or not causal:
+    if window is None or window >= seq_len or balance != "contiguous" or not causal:
         return r - 1
     seg = seq_len // r
     return min(r - 1, -(-(window - 1) // seg))

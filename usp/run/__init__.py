@@ -2,14 +2,16 @@
 
 Before any process group exists, ``resolve_run`` turns the config and the launcher's world
 into one frozen ``RunLayout``: dp x ring x ulysses, placement, ranks per node, the
-all-to-all pipeline stages, device, dtype and per-rank batch. It runs every rule that needs
-the world size, the device or the file system (the config dataclasses check plain values
-themselves), one message per rule, and raises ``ValueError`` before anything starts.
+balance (``parallel.balance=auto`` resolved), the all-to-all pipeline stages, device, dtype
+and per-rank batch. It runs every rule that needs the world size, the device or the file
+system (the config dataclasses check plain values themselves), one message per rule, and
+raises ``ValueError`` before anything starts.
 
 One concept a file: ``layout`` (the ``RunLayout`` data), ``preflight`` (the input checks),
-``decide`` (degrees and all-to-all stages; the accumulation is ``usp.planner.batch``'s),
-``resolve`` (the resolver: checks, then decisions, then the layout). The planner's table of
-an ``auto`` choice is text of ``usp.planner.report``, said by the resolver, not held.
+``decide`` (balance, degrees and all-to-all stages; the accumulation is
+``usp.planner.batch``'s), ``resolve`` (the resolver: checks, then decisions, then the
+layout). The planner's table of an ``auto`` choice is text of ``usp.planner.report``, said by
+the resolver, not held; so is the balance and why.
 
 - Local spawn: the launching process resolves once and hands the layout to every rank.
 - torchrun / Slurm (``usp-train``): before any process group rank 0 resolves for the
@@ -27,10 +29,10 @@ is ``PhasePlan.single`` of ``resolve_run``'s layout. ``resolve_phases_group`` is
 collective twin, ``check_phase_tasks`` what the other tasks of a torchrun/Slurm launch check.
 
 The mesh, the model and the trainer take the layout; nothing downstream reads the degree,
-placement or chunk fields of ``cfg.parallel`` again (``tests/unit/test_run_layout.py``).
+placement, balance or chunk fields of ``cfg.parallel`` again (``tests/unit/test_run_layout.py``).
 """
 
-from .decide import decide_a2a_chunks, decide_degrees
+from .decide import decide_a2a_chunks, decide_balance, decide_degrees, decide_eval_balance
 from .layout import RunLayout
 from .preflight import (check_degrees_fit, check_hf_model, check_inputs, check_passkey_memory,
                         check_recompute, check_run_dir, check_run_masks, check_task)
@@ -38,8 +40,9 @@ from .resolve import resolve_eval, resolve_run, resolve_run_group, scheduler_hos
 from .phases import Phase, PhaseGate, PhasePlan
 from .phase_layouts import check_gate, check_phase_tasks, resolve_phases, resolve_phases_group
 
-__all__ = ["Phase", "PhaseGate", "PhasePlan", "RunLayout", "check_gate", "check_phase_tasks", "check_degrees_fit", "check_hf_model", "check_inputs",
+__all__ = ["Phase", "PhaseGate", "PhasePlan", "RunLayout", "check_degrees_fit", "check_gate",
+           "check_hf_model", "check_inputs", "check_phase_tasks",
            "check_passkey_memory", "check_recompute", "check_run_dir", "check_run_masks", "check_task",
-           "decide_a2a_chunks", "decide_degrees", "resolve_eval", "resolve_run",
-           "resolve_phases", "resolve_phases_group", "resolve_run_group",
-           "scheduler_hosts_notice"]
+           "decide_a2a_chunks", "decide_balance", "decide_degrees", "decide_eval_balance",
+           "resolve_eval", "resolve_phases", "resolve_phases_group", "resolve_run",
+           "resolve_run_group", "scheduler_hosts_notice"]

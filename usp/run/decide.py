@@ -1,12 +1,14 @@
-"""The run's decisions: the degrees (fixed, or the planner's choice on the detected
-cluster) and the all-to-all pipeline stages. The accumulation is the planner's
-``grad_accum_steps``; ``resolve.resolve_run`` takes them in that order."""
+"""The run's decisions: the balance (``parallel.balance``, ``auto`` resolved), the degrees
+(fixed, or the planner's choice on the detected cluster) and the all-to-all pipeline
+stages. The accumulation is the planner's ``grad_accum_steps``; ``resolve.resolve_run``
+takes them in that order."""
 
 from __future__ import annotations
 
 import os
 
 from ..config import RunConfig
+from ..dims.balance import choose_balance, sequence_balance
 from ..planner import detect_topology
 from ..planner.cost import choose_a2a_chunks
 from ..planner.report import config_degree, plan_run, plan_table
@@ -34,36 +36,56 @@ def detected_cluster(cfg: RunConfig, world: int, ranks_per_node: int | None, env
     return spec, report
 
 
+def decide_balance(cfg: RunConfig) -> tuple[str, str]:
+    """(the run's balance, why; ``usp.dims.balance.choose_balance``): ``parallel.balance``
+    with ``auto`` resolved, ``per_document`` when ``data.packing=documents`` packs documents
+    under the document mask on usp's ring, else ``zigzag``; an explicit ``per_document``
+    without packed documents or with another ring engine is refused."""
+    return choose_balance(cfg.parallel.balance, cfg.data.packed, cfg.parallel.ring_impl)
+
+
+def decide_eval_balance(cfg: RunConfig) -> str:
+    """usp-eval's balance: its rows (passkey cases, position-loss windows) are one sequence
+    each, with no document mask, so ``auto`` and ``per_document`` lay them out as zigzag
+    (``sequence_balance``); a set ``zigzag`` or ``contiguous`` is kept."""
+    pc = cfg.parallel
+    return sequence_balance("zigzag" if pc.balance == "auto" else pc.balance)
+
+
 def decide_degrees(cfg: RunConfig, world: int, env=None, topology=None,
-                   forward_only: bool = False) -> tuple[int, int, int, str]:
+                   forward_only: bool = False,
+                   balance: str | None = None) -> tuple[int, int, int, str]:
     """(ulysses, ring, dp, the planner's table or ""): fixed degrees pass through; ``auto``
     asks the planner on the detected cluster (``topology()``: ``detected_cluster``'s answer,
     default detected here from ``env``), its memory forward-only for usp-eval
-    (``forward_only``). The degrees are checked against the world, the heads and the
-    sequence (``check_degrees_fit``) before they are returned."""
+    (``forward_only``), priced with the run's ``balance`` (None: ``decide_balance``'s). The degrees
+    are checked against the world, the heads and the sequence (``check_degrees_fit``)
+    before they are returned."""
     pc = cfg.parallel
+    balance = decide_balance(cfg)[0] if balance is None else balance
     u = config_degree(pc.ulysses_degree, "ulysses_degree")
     r = config_degree(pc.ring_degree, "ring_degree")
     table = ""
     if u is None or r is None:
         spec, report = (topology() if topology else
                         detected_cluster(cfg, world, pc.ranks_per_node, env))
-        p = plan_run(cfg, spec, world, forward_only)
+        p = plan_run(cfg, spec, world, forward_only, balance=balance)
         u, r = p.best.ulysses, p.best.ring
         table = plan_table(report, p)
     dp = check_degrees(world, u, r, config_degree(pc.dp_degree, "dp_degree"))
-    check_degrees_fit(cfg, u, r)
+    check_degrees_fit(cfg, u, r, balance)
     return u, r, dp, table
 
 
 def decide_a2a_chunks(cfg: RunConfig, world: int, ulysses: int, ring: int, dp: int,
-                      ranks_per_node: int | None, topology) -> int:
+                      ranks_per_node: int | None, topology, balance: str) -> int:
     """``parallel.a2a_chunks`` as an int, by the planner's rule (``choose_a2a_chunks``: an
     int checked against the heads; ``auto``: 1 when the ulysses group stays inside a node,
     else priced on the spec). The nodes: ``ranks_per_node`` (simulated), else what the
     launcher or the hardware reports; when nothing reports nodes, the ranks are this
     launch's processes on one host, as ``SPMesh`` will find them. usp's own ring only.
-    ``topology()``: ``detected_cluster``'s answer, asked only when ``auto`` needs it."""
+    ``topology()``: ``detected_cluster``'s answer, asked only when ``auto`` needs it;
+    ``balance``: the run's (``decide_balance``); per_document pipelines nothing (1)."""
     pc, m = cfg.parallel, cfg.model
     if pc.ring_impl != "usp":
         if pc.a2a_chunks == "auto":
@@ -71,6 +93,14 @@ def decide_a2a_chunks(cfg: RunConfig, world: int, ulysses: int, ring: int, dp: i
         if pc.a2a_chunks > 1:
             raise ValueError(f"parallel.a2a_chunks={pc.a2a_chunks} pipelines usp's own ring; "
                              f"use parallel.ring_impl=usp or parallel.a2a_chunks=1")
+    if balance == "per_document":  # the ring runs row by row, between whole all-to-alls
+        if pc.a2a_chunks == "auto":
+            return 1
+        if pc.a2a_chunks > 1:
+            raise ValueError(f"parallel.a2a_chunks={pc.a2a_chunks} pipelines the ulysses "
+                             f"all-to-alls around one ring pass, but balance per_document "
+                             f"runs a ring pass per row; use parallel.a2a_chunks=1 (or auto), "
+                             f"or parallel.balance=zigzag")
     if pc.a2a_chunks == "auto" and ulysses == 1:
         return 1  # no all-to-all to pipeline: nothing to detect
     spec = cfg.cluster
@@ -81,5 +111,5 @@ def decide_a2a_chunks(cfg: RunConfig, world: int, ulysses: int, ring: int, dp: i
     return choose_a2a_chunks(pc.a2a_chunks, spec, cfg.data.seq_len, m.n_heads, m.n_kv_heads,
                              m.head_dim, ulysses, ring, dp=dp,
                              dtype_bytes=cfg.trainer.compute_dtype.itemsize,
-                             balance=pc.balance, placement=pc.placement,
+                             balance=balance, placement=pc.placement,
                              n_fwd=2 if cfg.trainer.activation_checkpointing else 1)

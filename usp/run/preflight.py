@@ -11,6 +11,7 @@ import torch
 
 from ..config import ModelConfig, RunConfig
 from ..data.dataset import build_dataset, build_validation
+from ..dims.balance import choose_balance, sequence_balance
 from ..masks import check_masks
 from ..models.hf_model import check_pretrained
 from ..dims.heads import check_heads
@@ -50,26 +51,38 @@ def check_inputs(cfg: RunConfig, device: str, run_dir: str | None) -> None:
                          "flash-attn, or use parallel.ring_impl=usp")
 
 
-def check_degrees_fit(cfg: RunConfig, ulysses: int, ring: int) -> None:
+def _balance(cfg: RunConfig, balance: str | None) -> str:
+    """The run's balance: ``balance`` (decided), or for None the config's (``auto`` resolved)."""
+    if balance is not None:
+        return balance
+    return choose_balance(cfg.parallel.balance, cfg.data.packed, cfg.parallel.ring_impl)[0]
+
+
+def check_degrees_fit(cfg: RunConfig, ulysses: int, ring: int, balance: str | None = None) -> None:
     """The config's heads over ``ulysses`` ranks and its sequence over ``ring x ulysses``
-    (``parallel.balance``), each refused with its own message."""
+    (by the run's ``balance``; None: ``parallel.balance``, ``auto`` resolved), each refused
+    with its own message."""
+    balance = _balance(cfg, balance)
     check_heads(cfg.model.n_heads, cfg.model.n_kv_heads, ulysses)
-    check_seq_len(cfg.data.seq_len, ulysses, ring, cfg.parallel.balance)
+    check_seq_len(cfg.data.seq_len, ulysses, ring, balance)
     if cfg.eval.during_training:  # each passkey length runs on the training layout
         lengths = passkey_lengths(cfg, cfg.data.seq_len)
         for length in lengths:
             try:
-                check_seq_len(length, ulysses, ring, cfg.parallel.balance)
+                check_seq_len(length, ulysses, ring, sequence_balance(balance))
             except ValueError as e:
                 raise ValueError(f"eval.during_training=true scores eval.lengths={lengths} on "
                                  f"the training layout: {e}") from None
 
 
-def check_passkey_memory(cfg: RunConfig, dp: int, ring: int, ulysses: int, device: str) -> None:
+def check_passkey_memory(cfg: RunConfig, dp: int, ring: int, ulysses: int, device: str,
+                         balance: str | None = None) -> None:
     """``eval.during_training``: each passkey length's forward pass (``eval.per_cell`` rows, on
     the training layout) fits the device beside the state training keeps, by the planner's
     forward-only memory (``forward_only=True``, FSDP shards) plus AdamW's m and v
-    (``8 N / W``); else refused with the longest length that fits."""
+    (``8 N / W``); else refused with the longest length that fits. ``balance``: the run's
+    (None: ``parallel.balance``, ``auto`` resolved); passkey rows are one sequence each
+    (``sequence_balance``)."""
     if not cfg.eval.during_training:
         return
     mc, pc, world = cfg.model, cfg.parallel, dp * ring * ulysses
@@ -80,7 +93,8 @@ def check_passkey_memory(cfg: RunConfig, dp: int, ring: int, ulysses: int, devic
     for length in passkey_lengths(cfg, cfg.data.seq_len):
         peak = step.memory(mc, length, dp, ring, ulysses, rows).total
         if peak > budget:
-            most = max_seq_len(mc, budget, dp, ring, ulysses, balance=pc.balance, batch=rows,
+            most = max_seq_len(mc, budget, dp, ring, ulysses,
+                               balance=sequence_balance(_balance(cfg, balance)), batch=rows,
                                **step.memory_kw())
             raise ValueError(
                 f"eval.during_training=true scores eval.lengths on the training layout (dp "
@@ -101,8 +115,9 @@ def check_task(cfg: RunConfig, layout: RunLayout) -> None:
                          "this task sees 0 CUDA GPUs; run every task where a GPU is visible, "
                          "or use trainer.device=cpu")
     check_inputs(cfg, layout.device, layout.run_dir)  # every rank writes its checkpoint shard
-    check_degrees_fit(cfg, layout.ulysses, layout.ring)
-    check_passkey_memory(cfg, layout.dp, layout.ring, layout.ulysses, layout.device)
+    check_degrees_fit(cfg, layout.ulysses, layout.ring, layout.balance)
+    check_passkey_memory(cfg, layout.dp, layout.ring, layout.ulysses, layout.device,
+                         layout.balance)
 
 
 def check_run_dir(path: str | None) -> None:

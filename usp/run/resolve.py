@@ -11,7 +11,8 @@ from ..config import RunConfig
 from ..models.pretrained import start_notes
 from ..planner.batch import grad_accum_steps
 from ..validate import check_ranks_per_node, check_seq_len
-from .decide import decide_a2a_chunks, decide_degrees, detected_cluster
+from .decide import (decide_a2a_chunks, decide_balance, decide_degrees, decide_eval_balance,
+                     detected_cluster)
 from .layout import RunLayout
 from .preflight import check_inputs, check_passkey_memory, check_task
 
@@ -30,14 +31,15 @@ def resolve_run(cfg: RunConfig, world: int, device: str, env=None, *,
     launcher's ``choose_device``), after every rule; raises ``ValueError``.
 
     In order: every input check once (the world's nodes, ``check_inputs``), then the
-    decisions (degrees, checked against the heads and the sequence; all-to-all stages;
-    accumulation), then the layout. ``env``: the launcher's variables for topology
+    decisions (balance; degrees, checked against the heads and the sequence; all-to-all
+    stages; accumulation), then the layout. ``env``: the launcher's variables for topology
     detection (default ``os.environ``), read when a degree or ``parallel.a2a_chunks`` is
     ``auto`` (the latter by default). ``scheduler_hosts``: the ranks run on the hosts a
     scheduler (Slurm) gave them, which place them; a configured ``parallel.ranks_per_node``
     (simulated nodes) is then not used. ``run_dir``: where the run writes when
     ``trainer.run_dir`` is not set (the launcher's folder, e.g. Hydra's output folder).
-    ``say(text)``: the planner's table, once the layout stands, when it chose a degree."""
+    ``say(text)``: the balance and why, and the planner's table once the layout stands when
+    it chose a degree."""
     pc = cfg.parallel
     run_dir = cfg.trainer.run_dir or run_dir  # None: a layout to plan with, not to train
     ranks_per_node = None if scheduler_hosts else pc.ranks_per_node
@@ -45,14 +47,16 @@ def resolve_run(cfg: RunConfig, world: int, device: str, env=None, *,
     check_inputs(cfg, device, run_dir)
     for line in start_notes(cfg.model, cfg.data.seq_len):  # model.pretrained: rope changes
         say(f"usp: {line}")
+    balance, why = decide_balance(cfg)
+    say(f"usp: balance {balance} ({why})")
     # detected at most once, and only when an auto setting asks
     topology = cache(partial(detected_cluster, cfg, world, ranks_per_node, env))
-    u, r, dp, table = decide_degrees(cfg, world, env, topology)
-    check_passkey_memory(cfg, dp, r, u, device)
-    chunks = decide_a2a_chunks(cfg, world, u, r, dp, ranks_per_node, topology)
+    u, r, dp, table = decide_degrees(cfg, world, env, topology, balance=balance)
+    check_passkey_memory(cfg, dp, r, u, device, balance)
+    chunks = decide_a2a_chunks(cfg, world, u, r, dp, ranks_per_node, topology, balance)
     accum = grad_accum_steps(cfg.trainer, cfg.data.seq_len, cfg.data.batch_per_dp_rank, dp)
     layout = RunLayout(world=world, dp=dp, ring=r, ulysses=u, placement=pc.placement,
-                       ranks_per_node=ranks_per_node, balance=pc.balance, kernel=pc.kernel,
+                       ranks_per_node=ranks_per_node, balance=balance, kernel=pc.kernel,
                        ring_impl=pc.ring_impl, a2a_chunks=chunks, device=device,
                        dtype=cfg.trainer.dtype, seq_len=cfg.data.seq_len,
                        batch_per_dp_rank=cfg.data.batch_per_dp_rank, grad_accum=accum,
@@ -120,21 +124,24 @@ def resolve_eval(cfg: RunConfig, world: int, device: str, lengths: list[int], en
     degrees planned there with the planner's forward-only memory (no gradients, no optimizer
     state, the model whole on every rank) for the rows one forward pass holds (a passkey
     cell's ``eval.per_cell``, or ``eval.windows`` position-loss windows), every length
-    checked against it (``check_seq_len``); one sample a row. ``say(text)``: the planner's
-    table when it chose a degree. The data's own checks are ``usp.eval.plan``'s."""
+    checked against it (``check_seq_len``); one sample a row, one sequence with no document
+    mask, so ``auto`` lays it out as zigzag (``decide_eval_balance``). ``say(text)``: the
+    planner's table when it chose a degree. The data's own checks are ``usp.eval.plan``'s."""
     ec = cfg.eval
     rows = max(ec.per_cell if ec.passkey else 1, ec.windows if ec.position_loss else 1)
     longest = replace(cfg, data=replace(cfg.data, seq_len=max(lengths), batch_per_dp_rank=rows))
     pc = cfg.parallel
     check_ranks_per_node(world, pc.ranks_per_node, "parallel.ranks_per_node")
     topology = cache(partial(detected_cluster, longest, world, pc.ranks_per_node, env))
-    u, r, dp, table = decide_degrees(longest, world, env, topology, forward_only=True)
+    balance = decide_eval_balance(cfg)
+    u, r, dp, table = decide_degrees(longest, world, env, topology, forward_only=True,
+                                     balance=balance)
     for length in lengths:
-        check_seq_len(length, u, r, pc.balance)
-    chunks = decide_a2a_chunks(longest, world, u, r, dp, pc.ranks_per_node, topology)
+        check_seq_len(length, u, r, balance)
+    chunks = decide_a2a_chunks(longest, world, u, r, dp, pc.ranks_per_node, topology, balance)
     if table:
         say(table)
     return RunLayout(world=world, dp=dp, ring=r, ulysses=u, placement=pc.placement,
-                     ranks_per_node=pc.ranks_per_node, balance=pc.balance, kernel=pc.kernel,
+                     ranks_per_node=pc.ranks_per_node, balance=balance, kernel=pc.kernel,
                      ring_impl=pc.ring_impl, a2a_chunks=chunks, device=device,
                      dtype=cfg.trainer.dtype, seq_len=max(lengths), batch_per_dp_rank=1)

@@ -26,12 +26,13 @@ import torch.distributed as dist
 from ..comm import naming_collectives
 from ..config import RunConfig
 from ..data.dataset import build_dataset, build_validation
-from ..data.packing import IGNORE_INDEX, Batch
+from ..data.packing import IGNORE_INDEX
 from ..layout import SequenceLayout
 from ..models.llama import flops_per_token
 from ..models.tiling import loss_share
 from ..run import PhasePlan, RunLayout, resolve_phases_group
 from ..scoring.grid import training_cases
+from .batches import RowLayouts, Rows
 from .build import (continue_schedule, optimizer, phase_schedule, record_for_export,
                     sharded_model)
 from .checkpointer import Checkpointer, Position, newest
@@ -162,14 +163,16 @@ class Trainer:
         self.device = _device(run)
         self.end = plan.end(phase.index, at.starts)  # its last step, unless its gate ends it
         self.mesh = run.build_mesh()
-        layout = SequenceLayout(self.mesh, seq_len=run.seq_len, balance=run.balance)
-        self.positions = layout.positions(self.device)  # global ids of this rank's tokens
+        # who holds which tokens: the run's one layout, or under per_document each batch's own
+        self.layouts = RowLayouts(self.mesh, run.seq_len, run.balance, self.device)
+        layout = self.layouts.sequence
         if self.rank == 0:
             if len(plan) > 1:
                 print(phase_line(phase, len(plan), at.step), flush=True)
-            print(self.mesh.describe(), flush=True)
+            print(f"{self.mesh.describe()}\nbalance={run.balance}", flush=True)
             record_for_export(cfg, run.run_dir)  # the latest phase's model and length
         self.model, use = sharded_model(cfg, run, self.mesh, layout, self.device)
+        self.layouts.use = use
         self.opt, self.sched = optimizer(base.optim, self.model,
                                          phase_schedule(base.optim, plan, at.starts))
         self.data = build_dataset(cfg.data, cfg.model, phase.index)  # the phase's own passes
@@ -182,7 +185,7 @@ class Trainer:
             passkey = PasskeyScore(cfg, training_cases(cfg, run.seq_len), self.mesh, use,
                                    layout, run.run_dir, self.device)
         self.validator = Validator(splits, tc.eval_every, self.end, run.batch_per_dp_rank,
-                                   self.mesh, self.positions, self.device, passkey,
+                                   self.mesh, self.layouts, passkey,
                                    self._short_loss(plan, use, layout, splits))
         self.guard = NonFiniteGuard(tc.on_nonfinite)
         self.checkpointer = Checkpointer(tc, run, run_fingerprint(base, plan), self.rank,
@@ -203,8 +206,8 @@ class Trainer:
         if self.phase.index == 0 or not splits:
             return None
         short = build_validation(first.data, first.model, self.tc.eval_windows)
-        return LengthLoss(short, SequenceLayout(self.mesh, first.data.seq_len, self.run.balance),
-                          use, layout, self.run.batch_per_dp_rank, self.mesh, self.device)
+        layouts = RowLayouts(self.mesh, first.data.seq_len, self.run.balance, self.device, use)
+        return LengthLoss(short, layouts, use, layout, self.run.batch_per_dp_rank, self.mesh)
 
     def resume(self, ckpt: Path | None, report: bool) -> None:
         """Collective: checkpoint ``ckpt`` (the newest at the start of a run, the boundary's
@@ -300,10 +303,10 @@ class Trainer:
         self.peak_mem.start()  # the peak below is this step's, not the run's
         # Data: the step's global batch is the next global_batch samples after `consumed`;
         # micro-batch k takes [k, k+1) x micro_batch of them and this dp rank its own part.
-        # Only this rank's tokens are read; labels were shifted (and, for packed documents,
-        # cut at document boundaries) on the global sequence.
-        micro = [data.model_rows(run.samples(consumed, k, self.mesh.dp_rank),
-                                 self.positions).to(self.device)
+        # Only this rank's tokens are read (per_document: each row's own, from its documents);
+        # labels were shifted (and, for packed documents, cut at document boundaries) on the
+        # global sequence.
+        micro = [self.layouts.rows(data, run.samples(consumed, k, self.mesh.dp_rank))
                  for k in range(run.grad_accum)]  # each [B, L/P]
         stats, count, gn = self.forward_backward(step, micro)
         loss = stats[0].item() / count
@@ -355,14 +358,15 @@ class Trainer:
             summary["acc"] = stats[1].item() / max(1.0, stats[2].item())
         return summary
 
-    def forward_backward(self, step: int, micro: list[Batch]) -> tuple[torch.Tensor, float, float]:
+    def forward_backward(self, step: int, micro: list[Rows]) -> tuple[torch.Tensor, float, float]:
         """Forward and backward of optimizer step ``step``'s micro-batches (each [B, L/P]),
         their gradients added up and clipped to ``optim.grad_clip``: (stats [loss sum,
         correct answers, answers] fp64 over dp x sp, labelled tokens over dp x sp, the
         global grad norm before clipping)."""
         accum, device, dp_sp = len(micro), self.device, self.dp_sp
         # Sync: the target tokens of all micro-batches over dp x sp normalise the loss.
-        counts = torch.tensor([float(sum((b.labels != IGNORE_INDEX).sum().item() for b in micro))],
+        counts = torch.tensor([float(sum((m.batch.labels != IGNORE_INDEX).sum().item()
+                                         for m in micro))],
                               dtype=torch.float64, device=device)
         loss_total = torch.zeros((), dtype=torch.float64, device=device)
         correct = answers = 0
@@ -370,11 +374,13 @@ class Trainer:
         # (usp's all-to-all and ring name their own axis inside)
         with naming_collectives("dp_sp", dp_sp):
             dist.all_reduce(counts, group=dp_sp)
-            for k, b in enumerate(micro):
+            for k, m in enumerate(micro):
                 if accum > 1:  # FSDP reduce-scatters the gradients once, after the last
                     self.model.set_requires_gradient_sync(k == accum - 1)
+                self.layouts.enter(m)  # per_document: attention on this batch's layout
+                b = m.batch
                 # fp32 sum over this rank's labelled tokens; predictions [B, L/P]
-                loss_sum, predictions = loss_and_predictions(self.model, b, self.positions)
+                loss_sum, predictions = loss_and_predictions(self.model, b, m.positions)
                 if self.fault_hook is not None and k == 0:
                     loss_sum = self.fault_hook(step, loss_sum)
                 # the micro-batches' gradients add up to the step's
@@ -400,7 +406,7 @@ class Trainer:
         self.console.close()
         if self.data.eval_batches > 0:
             summary["eval_acc"] = evaluate(self.model, self.data, self.run.batch_per_dp_rank,
-                                           self.mesh, self.positions, self.device)
+                                           self.mesh, self.layouts)
         self.logger.finish(summary)
         return self.logger.plot()
 

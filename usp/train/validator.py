@@ -11,23 +11,27 @@ import torch.distributed as dist
 
 from ..config import DataConfig, MemmapData
 from ..data.dataset import TrainingData, source_names
-from ..data.indexing import held_out_batch
+from ..data.indexing import held_out_batch, step_indices
 from ..data.packing import IGNORE_INDEX
 from ..mesh import SPMesh
+from .batches import RowLayouts
 from .forward import loss_and_predictions
 
 
 @torch.no_grad()
-def evaluate(model, data: TrainingData, batch_per_dp_rank: int, mesh: SPMesh, positions,
-             device) -> float:
-    """Answer accuracy on ``data.eval_batches`` batches no training step has drawn (held out)."""
+def evaluate(model, data: TrainingData, batch_per_dp_rank: int, mesh: SPMesh,
+             layouts: RowLayouts) -> float:
+    """Answer accuracy on ``data.eval_batches`` batches no training step has drawn (held out),
+    each laid out by ``layouts``."""
     model.eval()
+    device = layouts.device
     hits = torch.zeros(2, dtype=torch.float64, device=device)
     for i in range(data.eval_batches):
-        b = data.model_batch(held_out_batch(i), batch_per_dp_rank, mesh.dp_rank, mesh.dp,
-                             positions=positions).to(device)
-        _, predictions = loss_and_predictions(model, b, positions)
-        correct, answers = data.answer_accuracy(predictions, b.labels)
+        rows = layouts.rows(data, step_indices(held_out_batch(i), batch_per_dp_rank,
+                                               mesh.dp_rank, mesh.dp))
+        layouts.enter(rows)
+        _, predictions = loss_and_predictions(model, rows.batch, rows.positions)
+        correct, answers = data.answer_accuracy(predictions, rows.batch.labels)
         hits += torch.tensor([correct, answers], dtype=torch.float64, device=device)
     dist.all_reduce(hits, group=mesh.group("loss"))
     model.train()
@@ -36,21 +40,23 @@ def evaluate(model, data: TrainingData, batch_per_dp_rank: int, mesh: SPMesh, po
 
 @torch.no_grad()
 def validation_loss(model, val: TrainingData, windows: int, batch_per_dp_rank: int,
-                    mesh: SPMesh, positions, device) -> float:
+                    mesh: SPMesh, layouts: RowLayouts) -> float:
     """Mean cross-entropy per target token on the first ``windows`` windows of the
     validation split, whatever the dp split: dp rank r scores windows ``first + r*b ...``
     of each round; a rank short of windows in the last round scores a window with every
-    label ignored (it must still join every collective of the forward)."""
+    label ignored (it must still join every collective of the forward). Each batch laid
+    out by ``layouts``."""
     model.eval()
-    b, dp = batch_per_dp_rank, mesh.dp
+    b, dp, device = batch_per_dp_rank, mesh.dp, layouts.device
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     for first in range(0, windows, b * dp):
         ids = torch.arange(first + mesh.dp_rank * b, first + (mesh.dp_rank + 1) * b)
         real = ids < windows
-        batch = val.model_windows(torch.where(real, ids, 0).numpy(), positions)
-        batch.labels[~real] = IGNORE_INDEX  # [B, L/P]: rows past the last window count for nothing
-        batch = batch.to(device)
-        loss_sum, _ = loss_and_predictions(model, batch, positions)
+        rows = layouts.windows(val, torch.where(real, ids, 0).numpy())
+        batch = rows.batch  # [B, L/P]: rows past the last window count for nothing
+        batch.labels[~real.to(device)] = IGNORE_INDEX
+        layouts.enter(rows)
+        loss_sum, _ = loss_and_predictions(model, batch, rows.positions)
         sums += torch.stack([loss_sum.double(),
                              (batch.labels != IGNORE_INDEX).sum().to(torch.float64)])
     dist.all_reduce(sums, group=mesh.group("loss"))
@@ -58,15 +64,15 @@ def validation_loss(model, val: TrainingData, windows: int, batch_per_dp_rank: i
     return (sums[0] / sums[1].clamp(min=1)).item()
 
 
-def _mean_loss(model, splits: list, batch_per_dp_rank: int, mesh: SPMesh, positions,
-               device, out: dict | None = None) -> float:
+def _mean_loss(model, splits: list, batch_per_dp_rank: int, mesh: SPMesh,
+               layouts: RowLayouts, out: dict | None = None) -> float:
     """The validation loss of ``splits`` [(name, weight, split)]: each split's, their mean by
     weight (a blend's ``val_loss``); with ``out``, each source's there too
     (``val_loss/<name>``) when there are several."""
     total = weights = 0.0
     for name, weight, split in splits:
         loss = validation_loss(model, split, split.eval_windows, batch_per_dp_rank, mesh,
-                               positions, device)
+                               layouts)
         if out is not None and len(splits) > 1:
             out[f"val_loss/{name}"] = loss
         total, weights = total + weight * loss, weights + weight
@@ -77,21 +83,21 @@ class LengthLoss:
     """The validation loss at another length than the training steps' on the same mesh:
     ``short_val_loss``, at the first phase's length in a later phase (a gate's
     ``val_loss_within``, and the recovery of short-context quality it shows).
-    ``splits`` are the validation splits cut at that length, ``layout`` its
-    ``SequenceLayout``; ``use(layout)`` routes the model's attention through a layout
-    (``usp.train.build.sharded_model``), back to ``train_layout`` afterwards."""
+    ``splits`` are the validation splits cut at that length, ``layouts`` its
+    ``RowLayouts``; the model's attention goes through them while it scores (``use``), back
+    to ``train_layout`` afterwards (``usp.train.build.sharded_model``)."""
 
-    def __init__(self, splits: list, layout, use, train_layout, batch_per_dp_rank: int,
-                 mesh: SPMesh, device):
-        self.splits, self.layout, self.use, self.train_layout = splits, layout, use, train_layout
-        self.batch_per_dp_rank, self.mesh, self.device = batch_per_dp_rank, mesh, device
+    def __init__(self, splits: list, layouts: RowLayouts, use, train_layout,
+                 batch_per_dp_rank: int, mesh: SPMesh):
+        self.splits, self.layouts, self.use = splits, layouts, use
+        self.train_layout, self.batch_per_dp_rank, self.mesh = train_layout, batch_per_dp_rank, mesh
 
     def loss(self, model) -> float:
         """Collective over dp x sp: the mean cross-entropy of the splits' first windows."""
-        self.use(self.layout)
+        self.use(self.layouts.sequence)  # per_document: each batch enters its own
         try:
             return _mean_loss(model, self.splits, self.batch_per_dp_rank, self.mesh,
-                              self.layout.positions(self.device), self.device)
+                              self.layouts)
         finally:
             self.use(self.train_layout)  # the training steps' layout again
 
@@ -110,12 +116,11 @@ class Validator:
     last step)."""
 
     def __init__(self, splits: list, every: int, last: int, batch_per_dp_rank: int,
-                 mesh: SPMesh, positions: torch.Tensor, device: torch.device, passkey=None,
+                 mesh: SPMesh, layouts: RowLayouts | None, passkey=None,
                  short: LengthLoss | None = None):
         self.splits, self.every, self.last, self.passkey = splits, every, last, passkey
+        self.batch_per_dp_rank, self.mesh, self.layouts = batch_per_dp_rank, mesh, layouts
         self.short = short
-        self.batch_per_dp_rank, self.mesh = batch_per_dp_rank, mesh
-        self.positions, self.device = positions, device
 
     def should_validate(self, step: int) -> bool:
         return bool(self.splits or self.passkey) and (step == self.last
@@ -125,11 +130,12 @@ class Validator:
         """One plain dict keyed as the metrics are: ``val_loss`` and ``val_ppl``; for a blend
         also each source's (``val_loss/<name>``), and ``val_loss`` is their mean by the
         blend's weights; ``short_val_loss`` with ``short``; with ``passkey``,
-        ``passkey_acc/<L>`` and ``passkey_logprob/<L>`` per length (the same on every rank). A gate on the run's progress reads it here."""
+        ``passkey_acc/<L>`` and ``passkey_logprob/<L>`` per length (the same on every rank).
+        A gate on the run's progress reads it here."""
         out = {}
         if self.splits:
             out["val_loss"] = _mean_loss(model, self.splits, self.batch_per_dp_rank, self.mesh,
-                                         self.positions, self.device, out)
+                                         self.layouts, out)
             out["val_ppl"] = math.exp(min(out["val_loss"], 700.0))
         if self.short is not None:
             out["short_val_loss"] = self.short.loss(model)
