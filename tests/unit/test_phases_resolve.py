@@ -154,6 +154,30 @@ def test_the_gate_is_parsed_into_the_plan(tmp_path):
     assert "until val_loss_within 0.02" in plan.describe(1)
 
 
+def test_a_later_layout_that_cannot_hold_the_short_validation_length_is_refused(tmp_path):
+    # phase 2 scores short_val_loss on the first phase's windows under its own layout:
+    # ulysses 4 x ring 4 (zigzag) holds multiples of 32 tokens, not the first phase's 48
+    tokens = _tokens_with_validation(tmp_path)
+
+    def cfg(first: int, data: str = "memmap"):
+        dc = (MemmapData(path=tokens, seq_len=first, batch_per_dp_rank=1) if data == "memmap"
+              else RecallData(seq_len=first, batch_per_dp_rank=1, n_pairs=2, n_queries=2))
+        return _cfg({"seq_len": first, "steps": 2},
+                    {"seq_len": 512, "steps": 2, "ulysses_degree": 4, "ring_degree": 4},
+                    parallel={"ulysses_degree": 1, "ring_degree": 1, "ranks_per_node": 4},
+                    trainer={"nprocs": 16, "eval_every": 1}, data=dc)
+
+    with pytest.raises(ValueError, match=r"trainer.phases\[1\] \(seq_len 512\) on ulysses 4 x "
+                                         r"ring 4 scores short_val_loss, the validation loss of "
+                                         r"the first phase's 48-token windows.*divisible by 2 x "
+                                         r"ring x ulysses = 32.*use seq_len 32 or 64; give "
+                                         r"trainer.phases\[0\] such a seq_len"):
+        resolve_phases(cfg(48), 16, "cpu")
+    plan = resolve_phases(cfg(64), 16, "cpu")  # 64 = 2 x 32: held
+    assert [(p.run.dp, p.run.ring, p.run.ulysses) for p in plan.phases] == [(16, 1, 1), (1, 4, 4)]
+    resolve_phases(cfg(48, data="recall"), 16, "cpu")  # no validation split: no short loss
+
+
 def test_stop_after_is_checked_against_the_derived_total():
     phases = ({"seq_len": 64, "steps": 4}, {"seq_len": 128, "steps": 4})
     plan = resolve_phases(_cfg(*phases, trainer={"stop_after": 8}), 4, "cpu")  # > steps 5
