@@ -125,10 +125,10 @@ def test_three_phases_change_the_layout_and_count_steps_globally():
     assert all(p.cfg.trainer.steps == 9 for p in plan.phases)
     assert [p.lr for p in plan.phases] == [None, 1e-3, None]
     assert plan[1].cfg.model.rope_theta == plan[2].cfg.model.rope_theta == 40000.0
-    assert said[0] == ("phase 1/3: seq_len 64, ulysses 1 x ring 1 (dp 4), rope_theta 10000, "
-                       "K=1, steps 1..3")
-    assert said[1] == ("phase 2/3: seq_len 128, ulysses 2 x ring 2 (dp 1), rope_theta 40000, "
-                       "K=1, steps 4..7, lr 0.001")
+    assert said[0] == ("phase 1/3: seq_len 64, ulysses 1 x ring 1 (dp 4), K=1, steps 1..3, "
+                       "rope_theta 10000")
+    assert said[1] == ("phase 2/3: seq_len 128, ulysses 2 x ring 2 (dp 1), K=1, steps 4..7, "
+                       "rope_theta 40000, lr 0.001 (new warmup)")
     assert said[-1] == "phases: 3, trainer.steps 9 = 3 + 4 + 2"
 
 

@@ -5,7 +5,7 @@ layout of the world fits (the longest length that fits, the ranks that would fit
 from __future__ import annotations
 
 from ..config import PlanConfig, RunConfig, phase_config
-from ..config.phases import gate_text, steps_for_tokens
+from ..config.phases import phase_heading, steps_for_tokens
 from ..dims.heads import check_heads
 from .batch import grad_accum_steps
 from .draw import draw_mesh
@@ -134,12 +134,7 @@ def phases_report(cfg: PlanConfig) -> tuple[str, object]:
         except ValueError as e:
             raise ValueError(f"trainer.phases[{k}] (seq_len {L}) on dp {best.dp} x ring "
                              f"{best.ring} x ulysses {best.ulysses}: {e}") from None
-        extra = [f"{key} {value}" for key, value in (
-            ("rope_theta", f"{pcfg.model.rope_theta:.10g}"),
-            ("rope_scaling", pcfg.model.rope_scaling), ("lr", entry.lr),
-            ("until", entry.until and gate_text(entry.until))) if value is not None]
-        out.append(f"phase {k + 1}/{n}: seq_len {L}, steps {at + 1}..{at + steps}"
-                   + "".join(f", {x}" for x in extra))
+        out.append(phase_heading(k, n, L, at + 1, at + steps, pcfg.model, entry.lr, entry.until))
         out += [p.format_table(),
                 f"choice: dp {best.dp} x ring {best.ring} x ulysses {best.ulysses}",
                 global_batch_text(pcfg, p), p.memory_text(), ""]

@@ -35,7 +35,7 @@ from ..scoring.grid import training_cases
 from .build import (continue_schedule, optimizer, phase_schedule, record_for_export,
                     sharded_model)
 from .checkpointer import Checkpointer, Position, newest
-from .console import Console, phase_line
+from .console import Console
 from .faults import NonFiniteGuard, Preempted, Preemption
 from .fingerprint import run_fingerprint
 from .forward import loss_and_predictions
@@ -170,7 +170,7 @@ class Trainer:
         self.positions = layout.positions(self.device)  # global ids of this rank's tokens
         if self.rank == 0:
             if len(plan) > 1:
-                print(phase_line(phase, len(plan), at.step), flush=True)
+                print(plan.describe(phase.index, at.starts), flush=True)  # its steps as run
             print(self.mesh.describe(), flush=True)
             record_for_export(cfg, run.run_dir)  # the latest phase's model and length
         # resuming (a later phase, a restart): the weights come from the checkpoint alone
