@@ -73,6 +73,15 @@ def memory_refused(text: str) -> bool:
     return text.startswith("no feasible layout") and "memory refused" in text
 
 
+def phase_refused(k: int, cfg: RunConfig, text: str, spec, world: int) -> ValueError:
+    """Phase ``k``'s layout refused with ``text`` (``cfg``: the phase's config): the error
+    naming ``trainer.phases[k]`` and its length, and when memory refused layouts, what would
+    fit on ``world`` ranks (``unfit_text`` on ``spec()``, the cluster, asked only then)."""
+    if memory_refused(text):
+        text += f"; {unfit_text(cfg, spec(), world)}"
+    return ValueError(f"trainer.phases[{k}] (seq_len {cfg.data.seq_len}): {text}")
+
+
 def phase_steps(cfg: RunConfig, k: int, tokens_per_step: int, why: str) -> int:
     """Phase ``k``'s planned steps: its ``steps``, or its ``tokens`` in steps of
     ``tokens_per_step`` (``why``: how a step's tokens come about)."""
@@ -124,8 +133,7 @@ def phases_report(cfg: PlanConfig) -> tuple[str, object]:
         try:
             p = plan_run(pcfg, spec, world, cfg.forward_only)
         except ValueError as e:
-            more = f"; {unfit_text(pcfg, spec, world)}" if memory_refused(str(e)) else ""
-            raise ValueError(f"trainer.phases[{k}] (seq_len {L}): {e}{more}") from None
+            raise phase_refused(k, pcfg, str(e), lambda: spec, world) from None
         best = p.best
         try:
             accum = grad_accum_steps(pcfg.trainer, L, b, best.dp)

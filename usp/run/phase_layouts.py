@@ -9,7 +9,7 @@ from functools import partial
 from ..config import MemmapData, RunConfig, phase_config
 from ..config.phases import PhaseConfig
 from ..data.dataset import build_validation
-from ..planner.phase_report import memory_refused, phase_steps, step_tokens_text, unfit_text
+from ..planner.phase_report import phase_refused, phase_steps, step_tokens_text
 from ..scoring.grid import passkey_lengths
 from ..validate import check_seq_len
 from .decide import detected_cluster
@@ -54,12 +54,10 @@ def resolve_phases(cfg: RunConfig, world: int, device: str, env=None, *,
             run = resolve_run(pcfg, world, device, env, scheduler_hosts=scheduler_hosts,
                               run_dir=run_dir, say=lines.append)
         except (ValueError, FileNotFoundError) as e:
-            text = str(e)
-            if memory_refused(text):  # auto degrees: say what would fit
-                rpn = None if scheduler_hosts else cfg.parallel.ranks_per_node
-                spec, _ = detected_cluster(pcfg, world, rpn, env)
-                text += f"; {unfit_text(pcfg, spec, world)}"
-            raise ValueError(f"trainer.phases[{k}] (seq_len {entry.seq_len}): {text}") from None
+            rpn = None if scheduler_hosts else cfg.parallel.ranks_per_node
+            raise phase_refused(k, pcfg, str(e),  # auto degrees: says what would fit
+                                lambda: detected_cluster(pcfg, world, rpn, env)[0],
+                                world) from None
         check_short_length(cfg, k, run)
         why = step_tokens_text(run.seq_len, run.batch_per_dp_rank, run.dp, run.grad_accum)
         steps = phase_steps(cfg, k, run.tokens_per_step, why)
