@@ -38,8 +38,9 @@ from .resolve import resolve_eval, resolve_run, resolve_run_group, scheduler_hos
 from .phases import Phase, PhaseGate, PhasePlan
 from .phase_layouts import check_gate, check_phase_tasks, resolve_phases, resolve_phases_group
 
-__all__ = ["Phase", "PhaseGate", "PhasePlan", "RunLayout", "check_gate", "check_phase_tasks", "check_degrees_fit", "check_hf_model", "check_inputs",
-           "check_passkey_memory", "check_recompute", "check_run_dir", "check_run_masks", "check_task",
+__all__ = ["Phase", "PhaseGate", "PhasePlan", "RunLayout", "check_gate", "check_phase_tasks",
+           "check_degrees_fit", "check_hf_model", "check_inputs", "check_passkey_memory",
+           "check_recompute", "check_run_dir", "check_run_masks", "check_task",
            "decide_a2a_chunks", "decide_degrees", "resolve_eval", "resolve_run",
            "resolve_phases", "resolve_phases_group", "resolve_run_group",
            "scheduler_hosts_notice"]
