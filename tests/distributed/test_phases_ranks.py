@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from usp.config import (LoggingConfig, MemmapData, ModelConfig, OptimConfig, ParallelConfig, RecallData,
-                        RunConfig, TrainerConfig)
+from usp.config import (LoggingConfig, MemmapData, ModelConfig, OptimConfig, ParallelConfig,
+                        RecallData, RunConfig, TrainerConfig)
 from usp.launch import spawn_local
 from usp.run import resolve_run
 from usp.run.phases import Phase, PhaseGate, PhasePlan

@@ -10,7 +10,6 @@ from usp.config import OptimConfig, RunConfig
 from usp.run import RunLayout
 from usp.run.phases import Phase, PhaseGate, PhasePlan
 from usp.train.build import continue_schedule, lr_lambda, optimizer, phase_schedule
-from usp.train.console import phase_line
 
 OPTIM = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=2)
 
@@ -96,13 +95,20 @@ def test_after_a_load_the_phases_schedule_sets_the_lr():
 
 
 def test_the_boundary_line():
-    plan = _plan((4, None), (6, 4e-4))
-    phase = replace(plan[1], run=replace(plan[1].run, dp=1, ring=2, ulysses=2, grad_accum=2),
-                    cfg=replace(plan[1].cfg, model=replace(plan[1].cfg.model,
-                                                           rope_theta=40000.0)))
-    assert phase_line(phase, 3, 300) == ("phase 2/3: seq_len 128, ulysses 2 x ring 2 (dp 1), "
-                                         "rope_theta 40000, K=2, lr 0.0004 (new warmup), "
-                                         "from step 300")
+    plan = _plan((4, None), (6, 4e-4), (2, None))
+    second = replace(plan[1], run=replace(plan[1].run, dp=1, ring=2, ulysses=2, grad_accum=2),
+                     cfg=replace(plan[1].cfg, model=replace(
+                         plan[1].cfg.model, rope_theta=40000.0,
+                         rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                       "original_max_position_embeddings": 64})))
+    plan = replace(plan, phases=(plan[0], second, plan[2]))
+    assert plan.describe(1) == ("phase 2/3: seq_len 128, ulysses 2 x ring 2 (dp 1), K=2, "
+                                "steps 5..10, rope_theta 40000, rope_scaling yarn x4, "
+                                "lr 0.0004 (new warmup)")
+    # phase 1 ended by its gate after step 2: phase 2 runs its 6 steps from there
+    assert "steps 3..8," in plan.describe(1, (0, 2))
+    assert plan.describe(2, (0, 2)).startswith("phase 3/3: seq_len 256, ulysses 1 x ring 1 "
+                                               "(dp 4), K=1, steps 9..10, rope_theta 10000")
 
 
 def test_the_summary_has_a_row_per_phase():

@@ -98,7 +98,9 @@ def test_without_phases_the_plan_is_todays_layout():
     said: list[str] = []
     plan = resolve_phases(cfg, 4, "cpu", say=said.append)
     assert len(plan) == 1 and plan[0].run == resolve_run(cfg, 4, "cpu")
-    assert plan.cfg is cfg and plan[0].steps == 5 and said == []
+    # no planner table (fixed degrees); parallel.balance=auto says its choice
+    assert plan.cfg is cfg and plan[0].steps == 5
+    assert [line for line in said if not line.startswith("usp: balance zigzag")] == []
 
 
 def test_three_phases_change_the_layout_and_count_steps_globally():
@@ -125,10 +127,10 @@ def test_three_phases_change_the_layout_and_count_steps_globally():
     assert all(p.cfg.trainer.steps == 9 for p in plan.phases)
     assert [p.lr for p in plan.phases] == [None, 1e-3, None]
     assert plan[1].cfg.model.rope_theta == plan[2].cfg.model.rope_theta == 40000.0
-    assert said[0] == ("phase 1/3: seq_len 64, ulysses 1 x ring 1 (dp 4), rope_theta 10000, "
-                       "K=1, steps 1..3")
-    assert said[1] == ("phase 2/3: seq_len 128, ulysses 2 x ring 2 (dp 1), rope_theta 40000, "
-                       "K=1, steps 4..7, lr 0.001")
+    assert said[0] == ("phase 1/3: seq_len 64, ulysses 1 x ring 1 (dp 4), K=1, steps 1..3, "
+                       "rope_theta 10000")
+    assert said[1] == ("phase 2/3: seq_len 128, ulysses 2 x ring 2 (dp 1), K=1, steps 4..7, "
+                       "rope_theta 40000, lr 0.001 (new warmup)")
     assert said[-1] == "phases: 3, trainer.steps 9 = 3 + 4 + 2"
 
 
@@ -152,6 +154,30 @@ def test_the_gate_is_parsed_into_the_plan(tmp_path):
     plan = resolve_phases(cfg, 4, "cpu")
     assert plan[0].until is None and plan[1].until == PhaseGate(val_loss_within=0.02)
     assert "until val_loss_within 0.02" in plan.describe(1)
+
+
+def test_a_later_layout_that_cannot_hold_the_short_validation_length_is_refused(tmp_path):
+    # phase 2 scores short_val_loss on the first phase's windows under its own layout:
+    # ulysses 4 x ring 4 (zigzag) holds multiples of 32 tokens, not the first phase's 48
+    tokens = _tokens_with_validation(tmp_path)
+
+    def cfg(first: int, data: str = "memmap"):
+        dc = (MemmapData(path=tokens, seq_len=first, batch_per_dp_rank=1) if data == "memmap"
+              else RecallData(seq_len=first, batch_per_dp_rank=1, n_pairs=2, n_queries=2))
+        return _cfg({"seq_len": first, "steps": 2},
+                    {"seq_len": 512, "steps": 2, "ulysses_degree": 4, "ring_degree": 4},
+                    parallel={"ulysses_degree": 1, "ring_degree": 1, "ranks_per_node": 4},
+                    trainer={"nprocs": 16, "eval_every": 1}, data=dc)
+
+    with pytest.raises(ValueError, match=r"trainer.phases\[1\] \(seq_len 512\) on ulysses 4 x "
+                                         r"ring 4 scores short_val_loss, the validation loss of "
+                                         r"the first phase's 48-token windows.*divisible by 2 x "
+                                         r"ring x ulysses = 32.*use seq_len 32 or 64; give "
+                                         r"trainer.phases\[0\] such a seq_len"):
+        resolve_phases(cfg(48), 16, "cpu")
+    plan = resolve_phases(cfg(64), 16, "cpu")  # 64 = 2 x 32: held
+    assert [(p.run.dp, p.run.ring, p.run.ulysses) for p in plan.phases] == [(16, 1, 1), (1, 4, 4)]
+    resolve_phases(cfg(48, data="recall"), 16, "cpu")  # no validation split: no short loss
 
 
 def test_stop_after_is_checked_against_the_derived_total():

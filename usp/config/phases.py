@@ -129,6 +129,27 @@ def gate_text(gate) -> str:
     return " and ".join(held)
 
 
+def phase_heading(k: int, n: int, seq_len: int, first: int, last: int, model, lr, until,
+                  layout: str | None = None) -> str:
+    """Phase ``k``'s (0-based, of ``n``) heading: its length, ``layout`` (the resolved
+    layout's words; None in ``usp-plan``, whose choice follows), its global steps
+    ``first..last``, its RoPE (``model``'s), a new peak ``lr`` and its gate ``until``
+    when it has them, e.g. ``phase 2/3: seq_len 4096, ulysses 2 x ring 2 (dp 1), K=2, steps
+    301..400, rope_theta 40000, rope_scaling yarn x4, lr 0.0004 (new warmup), until
+    passkey_acc >= 0.9``. The one wording of usp-plan, usp-train's plan and its boundaries."""
+    words = [f"seq_len {seq_len}"] + ([layout] if layout else [])
+    words += [f"steps {first}..{last}", f"rope_theta {model.rope_theta:.10g}"]
+    if model.rope_scaling:
+        scaling = model.rope_scaling
+        words.append(f"rope_scaling {scaling['rope_type']}"
+                     + (f" x{scaling['factor']:g}" if "factor" in scaling else ""))
+    if lr is not None:
+        words.append(f"lr {lr:g} (new warmup)")
+    if until is not None:
+        words.append(f"until {gate_text(until)}")
+    return f"phase {k + 1}/{n}: " + ", ".join(words)
+
+
 def check_phases(phases: list[PhaseConfig]) -> None:
     """Each phase's plain values (``PhaseConfig.check``) and their order: lengths that
     never shrink (a phase may repeat the length before it, e.g. to change only RoPE)."""

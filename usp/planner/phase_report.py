@@ -5,7 +5,7 @@ layout of the world fits (the longest length that fits, the ranks that would fit
 from __future__ import annotations
 
 from ..config import PlanConfig, RunConfig, phase_config
-from ..config.phases import gate_text, steps_for_tokens
+from ..config.phases import phase_heading, steps_for_tokens
 from ..dims.heads import check_heads
 from .batch import grad_accum_steps
 from .draw import draw_mesh
@@ -73,6 +73,15 @@ def memory_refused(text: str) -> bool:
     return text.startswith("no feasible layout") and "memory refused" in text
 
 
+def phase_refused(k: int, cfg: RunConfig, text: str, spec, world: int) -> ValueError:
+    """Phase ``k``'s layout refused with ``text`` (``cfg``: the phase's config): the error
+    naming ``trainer.phases[k]`` and its length, and when memory refused layouts, what would
+    fit on ``world`` ranks (``unfit_text`` on ``spec()``, the cluster, asked only then)."""
+    if memory_refused(text):
+        text += f"; {unfit_text(cfg, spec(), world)}"
+    return ValueError(f"trainer.phases[{k}] (seq_len {cfg.data.seq_len}): {text}")
+
+
 def phase_steps(cfg: RunConfig, k: int, tokens_per_step: int, why: str) -> int:
     """Phase ``k``'s planned steps: its ``steps``, or its ``tokens`` in steps of
     ``tokens_per_step`` (``why``: how a step's tokens come about)."""
@@ -124,8 +133,7 @@ def phases_report(cfg: PlanConfig) -> tuple[str, object]:
         try:
             p = plan_run(pcfg, spec, world, cfg.forward_only)
         except ValueError as e:
-            more = f"; {unfit_text(pcfg, spec, world)}" if memory_refused(str(e)) else ""
-            raise ValueError(f"trainer.phases[{k}] (seq_len {L}): {e}{more}") from None
+            raise phase_refused(k, pcfg, str(e), lambda: spec, world) from None
         best = p.best
         try:
             accum = grad_accum_steps(pcfg.trainer, L, b, best.dp)
@@ -134,12 +142,7 @@ def phases_report(cfg: PlanConfig) -> tuple[str, object]:
         except ValueError as e:
             raise ValueError(f"trainer.phases[{k}] (seq_len {L}) on dp {best.dp} x ring "
                              f"{best.ring} x ulysses {best.ulysses}: {e}") from None
-        extra = [f"{key} {value}" for key, value in (
-            ("rope_theta", f"{pcfg.model.rope_theta:.10g}"),
-            ("rope_scaling", pcfg.model.rope_scaling), ("lr", entry.lr),
-            ("until", entry.until and gate_text(entry.until))) if value is not None]
-        out.append(f"phase {k + 1}/{n}: seq_len {L}, steps {at + 1}..{at + steps}"
-                   + "".join(f", {x}" for x in extra))
+        out.append(phase_heading(k, n, L, at + 1, at + steps, pcfg.model, entry.lr, entry.until))
         out += [p.format_table(),
                 f"choice: dp {best.dp} x ring {best.ring} x ulysses {best.ulysses}",
                 global_batch_text(pcfg, p), p.memory_text(), ""]

@@ -9,9 +9,11 @@ from functools import partial
 from ..config import MemmapData, RunConfig, phase_config
 from ..config.phases import PhaseConfig
 from ..data.dataset import build_validation
-from ..planner.phase_report import memory_refused, phase_steps, step_tokens_text, unfit_text
+from ..planner.phase_report import phase_refused, phase_steps, step_tokens_text
 from ..scoring.grid import passkey_lengths
+from ..validate import check_seq_len
 from .decide import detected_cluster
+from .layout import RunLayout
 from .phases import Phase, PhaseGate, PhasePlan
 from .preflight import check_task
 from .resolve import decide_in_group, resolve_run
@@ -52,12 +54,11 @@ def resolve_phases(cfg: RunConfig, world: int, device: str, env=None, *,
             run = resolve_run(pcfg, world, device, env, scheduler_hosts=scheduler_hosts,
                               run_dir=run_dir, say=lines.append)
         except (ValueError, FileNotFoundError) as e:
-            text = str(e)
-            if memory_refused(text):  # auto degrees: say what would fit
-                rpn = None if scheduler_hosts else cfg.parallel.ranks_per_node
-                spec, _ = detected_cluster(pcfg, world, rpn, env)
-                text += f"; {unfit_text(pcfg, spec, world)}"
-            raise ValueError(f"trainer.phases[{k}] (seq_len {entry.seq_len}): {text}") from None
+            rpn = None if scheduler_hosts else cfg.parallel.ranks_per_node
+            raise phase_refused(k, pcfg, str(e),  # auto degrees: says what would fit
+                                lambda: detected_cluster(pcfg, world, rpn, env)[0],
+                                world) from None
+        check_short_length(cfg, k, run)
         why = step_tokens_text(run.seq_len, run.batch_per_dp_rank, run.dp, run.grad_accum)
         steps = phase_steps(cfg, k, run.tokens_per_step, why)
         resolved.append((pcfg, run, steps, entry))
@@ -129,6 +130,26 @@ def check_gate(cfg: RunConfig, k: int) -> None:
             raise ValueError(f"{what}, but no source has a validation split (PREFIX.val.bin); "
                              f"usp-prepare writes it beside the training split "
                              f"(--val-fraction), or drop val_loss_within")
+
+
+def check_short_length(cfg: RunConfig, k: int, run: RunLayout) -> None:
+    """A later phase with validation splits scores ``short_val_loss``: the first phase's
+    windows, at the first phase's length, on phase ``k``'s layout ``run``. Refuse a layout
+    that cannot hold that length (``check_seq_len``), naming both phases and the fixes:
+    the loss is the first phase's own windows, so that it compares with their loss at the
+    end of the first phase (``val_loss_within``); it is never scored at another length."""
+    first = phase_config(cfg, 0)
+    if k == 0 or not build_validation(first.data, first.model, cfg.trainer.eval_windows):
+        return
+    length = first.data.seq_len
+    try:
+        check_seq_len(length, run.ulysses, run.ring, run.balance)
+    except ValueError as e:
+        raise ValueError(
+            f"trainer.phases[{k}] (seq_len {run.seq_len}) on ulysses {run.ulysses} x ring "
+            f"{run.ring} scores short_val_loss, the validation loss of the first phase's "
+            f"{length}-token windows, on its own layout: {e}; give trainer.phases[0] such a "
+            f"seq_len, or trainer.phases[{k}] degrees that hold {length} tokens") from None
 
 
 def check_phase_tasks(plan: PhasePlan) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..config import RunConfig
-from ..config.phases import gate_text
+from ..config.phases import phase_heading
 from .layout import RunLayout
 
 
@@ -139,19 +139,13 @@ class PhasePlan:
             end += self.phases[k].steps
         return k
 
-    def describe(self, k: int) -> str:
-        """Phase ``k``'s heading (0-based ``k``), e.g. ``phase 2/3: seq_len 4096, ulysses 2 x
-        ring 2 (dp 1), rope_theta 40000, K=2, steps 301..400``, with its new peak ``lr`` and
-        its gate when it has them."""
-        p, start = self.phases[k], self.planned_starts[k]
-        r, m = p.run, p.cfg.model
-        text = (f"phase {k + 1}/{len(self)}: seq_len {r.seq_len}, ulysses {r.ulysses} x ring "
-                f"{r.ring} (dp {r.dp}), rope_theta {m.rope_theta:.10g}")
-        if m.rope_scaling:
-            text += f", rope_scaling {m.rope_scaling}"
-        text += f", K={r.grad_accum}, steps {start + 1}..{start + p.steps}"
-        if p.lr is not None:
-            text += f", lr {p.lr:g}"
-        if p.until is not None:
-            text += f", until {gate_text(p.until)}"
-        return text
+    def describe(self, k: int, starts: Sequence[int] | None = None) -> str:
+        """Phase ``k``'s heading (0-based ``k``; ``usp.config.phases.phase_heading``) with
+        its layout and accumulation, e.g. ``phase 2/3: seq_len 4096, ulysses 2 x ring 2 (dp
+        1), K=2, steps 301..400, rope_theta 40000``: its steps as planned, or from the
+        recorded ``starts`` (a gate may have ended a phase before it early)."""
+        p, r = self.phases[k], self.phases[k].run
+        start = self.starts_of(starts or (0,))[k]
+        return phase_heading(k, len(self), r.seq_len, start + 1, start + p.steps, p.cfg.model,
+                             p.lr, p.until, layout=f"ulysses {r.ulysses} x ring {r.ring} "
+                                                   f"(dp {r.dp}), K={r.grad_accum}")

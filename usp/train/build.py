@@ -103,12 +103,17 @@ def _hf_model(cfg: RunConfig, run: RunLayout, mesh: SPMesh, layout: SequenceLayo
 
 
 def sharded_model(cfg: RunConfig, run: RunLayout, mesh: SPMesh, layout: SequenceLayout,
-                  device: torch.device):
+                  device: torch.device, from_checkpoint: bool = False):
     """(the run's model, ``use(layout)``): the model (``cfg.model``: the built-in
     ``Transformer``, or a transformers model for ``model.hf``) on ``device``, initialised
     alike on every rank (``trainer.seed``), attention through usp on ``layout`` as ``run``
     says, then FSDP2-sharded over dp x sp (collective); ``use`` routes its attention through
-    another layout (the passkey lengths; ``usp.train.passkey``)."""
+    another layout (the passkey lengths; ``usp.train.passkey``).
+
+    ``from_checkpoint``: a checkpoint is loaded into it next (a resume, a later length
+    phase), so the built-in model of ``model.pretrained`` gets empty storage on ``device``
+    instead of the checkpoint's safetensors: they are read once, by a fresh run's first
+    phase."""
     # FSDP averages gradients over the dp x sp ranks; the loss is normalised by the global
     # token count and scaled by the rank count (models.tiling.loss_share), so the average
     # is the exact sum. bf16 is FSDP's mixed precision (bf16 compute, fp32 master weights),
@@ -132,7 +137,10 @@ def sharded_model(cfg: RunConfig, run: RunLayout, mesh: SPMesh, layout: Sequence
         model.to(device)
     shard_model(model, mesh.submesh("fsdp"), run.dtype, blocks)
     if cfg.model.hf is None and cfg.model.pretrained is not None:
-        load_shards(model, cfg.model, device)  # usp.models.shard_load: this rank's rows only
+        if from_checkpoint:  # every parameter comes from the checkpoint (DCP)
+            model.to_empty(device=device)
+        else:
+            load_shards(model, cfg.model, device)  # usp.models.shard_load: this rank's rows
     return model, use
 
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import sys
 
-from ..run.phases import Phase
-
 
 class Console:
     """Rank 0's step lines and progress bar; on other ranks ``log`` does nothing.
@@ -48,16 +46,3 @@ class Console:
             self.bar.close()
             self.bar = None
 
-
-def phase_line(phase: Phase, phases: int, step: int) -> str:
-    """The line a run of several phases says as a phase starts (or resumes) at global
-    ``step``: its length, layout, RoPE and accumulation (K)."""
-    run, model = phase.run, phase.cfg.model
-    rope = f"rope_theta {model.rope_theta:g}"
-    if model.rope_scaling:
-        rope += f", rope_scaling {model.rope_scaling['rope_type']}"
-        if "factor" in model.rope_scaling:
-            rope += f" x{model.rope_scaling['factor']:g}"
-    lr = "" if phase.lr is None else f", lr {phase.lr:g} (new warmup)"
-    return (f"phase {phase.index + 1}/{phases}: seq_len {run.seq_len}, ulysses {run.ulysses} x "
-            f"ring {run.ring} (dp {run.dp}), {rope}, K={run.grad_accum}{lr}, from step {step}")

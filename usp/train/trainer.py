@@ -36,7 +36,7 @@ from .batches import RowLayouts, Rows
 from .build import (continue_schedule, optimizer, phase_schedule, record_for_export,
                     sharded_model)
 from .checkpointer import Checkpointer, Position, newest
-from .console import Console, phase_line
+from .console import Console
 from .faults import NonFiniteGuard, Preempted, Preemption
 from .fingerprint import run_fingerprint
 from .forward import loss_and_predictions
@@ -83,7 +83,8 @@ def train(cfg: RunConfig, run: RunLayout | PhasePlan | None = None,
     start, report = at, ckpt is not None
     with _records(cfg, plan, at) as (logger, console):  # every phase's metrics, closed once
         while True:
-            trainer = Trainer(cfg, plan, at, (logger, console), fault_hook, memory_probe)
+            trainer = Trainer(cfg, plan, at, (logger, console), fault_hook, memory_probe,
+                              from_checkpoint=ckpt is not None)
             with trainer.running():  # closes the phase's model and mesh, on every path
                 trainer.resume(ckpt, report)  # the newest checkpoint, or the boundary's
                 summary, boundary = trainer.loop(at)
@@ -147,13 +148,16 @@ def _device(run: RunLayout) -> torch.device:
 class Trainer:
     """One phase of a run on this rank (a run without phases: the whole run). ``__init__``
     (collective) builds it from its ``Phase``: the mesh and sequence layout, the sharded
-    model, optimizer and schedule, the data and the components around a step; ``running``
+    model (``from_checkpoint``: its weights come from the checkpoint ``resume`` loads, not
+    from ``model.pretrained``), optimizer and schedule, the data and the components around
+    a step; ``running``
     closes the model, optimizer and mesh once. The run's metrics and console (``records``)
     outlive it."""
 
     def __init__(self, base: RunConfig, plan: PhasePlan, at: Position, records: tuple,
                  fault_hook: FaultHook | None,
-                 memory_probe: Callable[[torch.device], PeakMemory]):
+                 memory_probe: Callable[[torch.device], PeakMemory],
+                 from_checkpoint: bool = False):
         self.phase = phase = plan[at.phase]
         cfg, run, tc = phase.cfg, phase.run, base.trainer  # the loop's settings: the base's
         self.cfg, self.run, self.tc, self.plan = cfg, run, tc, plan
@@ -168,10 +172,12 @@ class Trainer:
         layout = self.layouts.sequence
         if self.rank == 0:
             if len(plan) > 1:
-                print(phase_line(phase, len(plan), at.step), flush=True)
+                print(plan.describe(phase.index, at.starts), flush=True)  # its steps as run
             print(f"{self.mesh.describe()}\nbalance={run.balance}", flush=True)
             record_for_export(cfg, run.run_dir)  # the latest phase's model and length
-        self.model, use = sharded_model(cfg, run, self.mesh, layout, self.device)
+        # resuming (a later phase, a restart): the weights come from the checkpoint alone
+        self.model, use = sharded_model(cfg, run, self.mesh, layout, self.device,
+                                        from_checkpoint)
         self.layouts.use = use
         self.opt, self.sched = optimizer(base.optim, self.model,
                                          phase_schedule(base.optim, plan, at.starts))

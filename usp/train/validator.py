@@ -130,8 +130,8 @@ class Validator:
         """One plain dict keyed as the metrics are: ``val_loss`` and ``val_ppl``; for a blend
         also each source's (``val_loss/<name>``), and ``val_loss`` is their mean by the
         blend's weights; ``short_val_loss`` with ``short``; with ``passkey``,
-        ``passkey_acc/<L>`` and ``passkey_logprob/<L>`` per length (the same on every rank).
-        A gate on the run's progress reads it here."""
+        ``passkey_acc/<L>`` and ``passkey_logprob/<L>`` per length (the same on every
+        rank). A gate on the run's progress reads it here."""
         out = {}
         if self.splits:
             out["val_loss"] = _mean_loss(model, self.splits, self.batch_per_dp_rank, self.mesh,
