@@ -9,7 +9,10 @@ into rows of L tokens; per row, every ring rank's counted (query, key) pairs of 
 own plan (``usp.bench.balance``); the busiest rank's work over the mean, mean and p90
 over rows. Then the time of a ring attention forward + backward at r=2 on ``--time-rows``
 rows drawn at random (``--seed``) from the corpus's rows, both balances interleaved round
-by round; the ratio is the median of the per-round ratios per_document / zigzag.
+by round; the ratio is the median of the per-round ratios per_document / zigzag, of the
+slowest rank's wall time and of the busiest rank's CPU time. ``--plans``: each row's plan
+built in the timed call (``call``), or once and reused (``reuse``, as ``usp_attention``
+reuses a layout's plans over a model's layers), or both interleaved (``call,reuse``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="draws the timed rows")
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=32)
+    p.add_argument("--plans", default="reuse",
+                   help="call (plans built in the timed call), reuse (built once, reused), "
+                        "or call,reuse (both, interleaved)")
     p.add_argument("--quick", action="store_true")
     return p
 
@@ -59,15 +65,21 @@ def timing(lens, args) -> str:
     print(f"timed rows: {len(chosen)} of {len(rows)} drawn with seed {args.seed}: {picked}; "
           f"documents per row {[len(d) for d in chosen]}; counted busiest-rank work "
           f"per_document/zigzag {busiest['per_document'] / busiest['zigzag']:.3f}", flush=True)
-    times = time_rows(chosen, args.heads, args.head_dim, args.rounds)  # [round][balance]
-    zig, per = ([t[j] for t in times] for j in range(len(BALANCES)))
-    print("per-round ratios per_document/zigzag: "
-          + " ".join(f"{p / z:.3f}" for p, z in zip(per, zig)), flush=True)
-    ratio = time_ratios(per, zig)["paired_median"]
-    med = sorted(zig)[len(zig) // 2] * 1e3, sorted(per)[len(per) // 2] * 1e3
-    return (f"balance time: L={args.time_len} r=2 zigzag_ms={med[0]:.0f} "
-            f"per_document_ms={med[1]:.0f} ratio={ratio:.3f} rows={len(chosen)} "
-            f"rounds={args.rounds}")
+    plans = args.plans.split(",")
+    times = time_rows(chosen, args.heads, args.head_dim, args.rounds, plans)
+    lines = []
+    for m, mode in enumerate(plans):  # variants: BALANCES within each plans mode
+        for clock in ("wall", "cpu"):
+            zig, per = ([t[m * len(BALANCES) + j] for t in times[clock]]
+                        for j in range(len(BALANCES)))
+            print(f"plans={mode} {clock}: per-round ratios per_document/zigzag: "
+                  + " ".join(f"{p / z:.3f}" for p, z in zip(per, zig)), flush=True)
+            ratio = time_ratios(per, zig)["paired_median"]
+            med = sorted(zig)[len(zig) // 2] * 1e3, sorted(per)[len(per) // 2] * 1e3
+            lines.append(f"balance time: L={args.time_len} r=2 plans={mode} {clock} "
+                         f"zigzag_ms={med[0]:.0f} per_document_ms={med[1]:.0f} "
+                         f"ratio={ratio:.3f} rows={len(chosen)} rounds={args.rounds}")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> None:

@@ -170,11 +170,29 @@ def _per_row(q, k, v, axis, comm, layout, causal, window, ids, kern, scale, stag
     rows = [slice(0, q.shape[0])] if same else [slice(b, b + 1) for b in range(q.shape[0])]
     outs = []
     for b in rows:
-        plan = RingPlan(mesh.ring_rank, mesh.ring, layout.segment_len, causal, "zigzag",
-                        window, None if ids is None else ids[b], segments=layout.segments[b.start])
+        plan = row_plan(layout, b, causal, window, None if ids is None else ids[b])
         outs.append(RingAttention.apply(q[b], k[b], v[b], comm, plan, kern, scale, mesh.comm))
     out = torch.cat(outs) if len(outs) > 1 else outs[0]  # [B, L/r, H/u, d]
     return out if axis is None else HeadToSeq.apply(out, axis)  # -> [B, L/P, H, d]
+
+
+def row_plan(layout, rows: slice, causal: bool, window: int | None,
+             ids: torch.Tensor | None) -> RingPlan:
+    """This rank's ``RingPlan`` for the batch rows ``rows`` of a ``DocumentLayout`` (which
+    share their documents), under ``causal``, ``window`` and the rows' global document ids
+    ``ids`` [rows, L] (or None). Built once and kept in ``layout.plans``: a later call with
+    the same rows, causal order and window reuses it when its ids are equal (the plan is a
+    pure function of these and the layout), else builds it again and keeps the new one."""
+    key = (rows.start, rows.stop, causal, window)
+    kept = layout.plans.get(key)
+    if kept is not None and (kept[0] is None if ids is None else
+                             kept[0] is not None and torch.equal(kept[0], ids)):
+        return kept[1]
+    mesh = layout.mesh
+    plan = RingPlan(mesh.ring_rank, mesh.ring, layout.segment_len, causal, "zigzag", window,
+                    ids, segments=layout.segments[rows.start])
+    layout.plans[key] = (None if ids is None else ids.clone(), plan)
+    return plan
 
 
 def _check_call(q, k, v, mesh: SPMesh, layout: SequenceLayout, causal: bool, kernel,

@@ -100,6 +100,10 @@ class DocumentLayout:
         self.local_len = self.seq_len // mesh.sp_size
         self.segment_len = self.seq_len // mesh.ring
         self.segments = tuple(per_document_segments(docs, mesh.ring) for docs in self.rows)
+        # the ring plans of this rank's rows, filled and reused by usp_attention (every
+        # layer of a step calls it with the same layout): (rows, causal, window) -> (the
+        # call's document ids [rows, L] or None, the plan built from them)
+        self.plans: dict = {}
 
     @property
     def batch(self) -> int:

@@ -124,6 +124,7 @@ class RingPlan:
             self.hops = last_step(self._row_spans, self.lo, self.hi)
         self.ids = None if segment_ids is None else segment_ids.cpu()  # planned on the host
         self._steps: dict = {}
+        self._split = None  # diagonal_split(), kept: a reused plan splits once
         self.dropped_hops = 0  # trailing steps a row's documents leave empty for every rank
         if self.segments is not None and self.ids is not None:
             while self.hops and not any(self._block(i, self.hops) for i in range(size)):
@@ -167,15 +168,18 @@ class RingPlan:
         """The own block as (now, later): ``later`` holds the calls whose keys lie in the
         first half and that need no causal flag (the unmasked lower-left quarter under
         causal order, the first key half otherwise); backward runs them last."""
-        seg = self.seq_len // self.size
-        h = seg // 2
-        if h == 0:
-            return self.diagonal(), []
-        spans = _split_at(self.spans(self.rank), h)
-        pieces = block_pieces(spans, spans, self.lo, self.hi, *(2 * [self._ids(self.rank)]),
-                              self.tile, merge_diagonal=False, k_barrier=h)
-        later = [p for p in pieces if p.ks.stop <= h and not p.causal]
-        return [p for p in pieces if p.ks.stop > h or p.causal], later
+        if self._split is None:
+            h = self.seq_len // self.size // 2
+            if h == 0:
+                self._split = (self.diagonal(), [])
+            else:
+                spans = _split_at(self.spans(self.rank), h)
+                pieces = block_pieces(spans, spans, self.lo, self.hi,
+                                      *(2 * [self._ids(self.rank)]), self.tile,
+                                      merge_diagonal=False, k_barrier=h)
+                later = [p for p in pieces if p.ks.stop <= h and not p.causal]
+                self._split = ([p for p in pieces if p.ks.stop > h or p.causal], later)
+        return list(self._split[0]), list(self._split[1])
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor):
