@@ -69,3 +69,20 @@ def test_too_short_for_the_needle_is_refused(tmp_path, capsys):
     with pytest.raises(ValueError, match="at least 98"):
         passkey_corpus.exact_document(np.random.default_rng(0), 97, 3)
     assert len(passkey_corpus.exact_document(np.random.default_rng(0), 98, 3)) == 98
+
+
+def test_prepared_without_eos_each_training_window_is_one_document(tmp_path):
+    """What recipes/passkey_tiny_cpu.yaml relies on: ``--exact --chars L`` through
+    ``usp-prepare --no-eos`` and read at ``seq_len`` L, window i is document i whole, the key
+    its last tokens, as in usp-eval's case of length L."""
+    from usp.data.memmap import MemmapTokens
+    from usp.data.prepare import prepare
+
+    docs = _docs(tmp_path / "src", "--docs", "30", "--chars", "128", "--exact", "--digits", "2")
+    prepare(tmp_path / "src", "*.jsonl", tmp_path / "pk", val_fraction=0.0, no_eos=True,
+            log=lambda *a: None)
+    data = MemmapTokens(tmp_path / "pk", seq_len=128)
+    assert data.num_windows == 29  # the last document has no token after it
+    for i in range(data.num_windows):
+        window = BYTES.decode(data.tokens[i * 128:(i + 1) * 128].tolist())
+        assert window in docs and window.endswith(QUESTION + " " + _key(window))
