@@ -64,10 +64,13 @@ def test_there_are_the_promised_recipes():
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_recipe_composes_and_is_feasible(recipe):
-    # an _extend_ or _phases_ recipe requires its checkpoint and data; stated shapes plan
-    # without them
+    # an _extend_ or _phases_ recipe requires its checkpoint and data, a memmap recipe its
+    # data (the user's data.path); stated shapes plan without them
+    raw = yaml.safe_load((ROOT / "recipes" / f"{recipe}.yaml").read_text())
     needs = ["model.pretrained=/absent/ckpt", "data.path=/absent/tokens"] \
-        if "_extend_" in recipe or "_phases_" in recipe else []
+        if "_extend_" in recipe or "_phases_" in recipe \
+        else ["data.path=/absent/tokens"] if {"override /data": "memmap"} in raw.get("defaults", []) \
+        else []
     cfg = _compose(overrides=[f"recipe={recipe}", *needs])
     world = cfg.cluster.nodes * cfg.cluster.ranks_per_node
     if recipe == "tiny_cpu":

@@ -5,14 +5,16 @@ themselves: ``distributed/test_eval_ranks.py``)."""
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from usp.config import EvalConfig, RecallData
+from usp.config import EvalConfig, MemmapData, RecallData
 from usp.scoring.passkey import (NEEDLE, QUESTION, ByteTokenizer, answer_ids, case_labels,
                                  passkey_cases, score, text_haystack)
 from usp.eval.plan import plan_eval
+from usp.scoring.grid import data_path
 from usp.run import resolve_eval
 from usp.scoring.position import bucket_edges, bucket_losses
 from usp.scoring.report import passkey_lines, passkey_result
@@ -109,6 +111,19 @@ def test_plan_from_the_data_uses_its_byte_tokenizer_and_text(corpus, tmp_path):
     assert [c.length for c in job.cases] == [128] and job.windows[128].shape == (3, 129)
     assert job.out == tmp_path and job.train_len == 128 and job.checkpoint is None
     assert "validation text" in job.notes[0]
+
+
+def test_the_data_scored_is_data_path_else_the_runs_record():
+    """A recipe's ``data=memmap`` without files (``eval.run_dir=RUN recipe=passkey_tiny_cpu``)
+    reads the run's recorded files; a data.path given overrides the record."""
+    record = {"kind": "memmap", "path": "/runs/data/pk"}
+    cfg = run_cfg(Path("/runs/r"), Path("/given/pk"))
+    assert data_path(cfg, record) == "/given/pk"
+    bare = replace(cfg, data=MemmapData(seq_len=128))
+    assert data_path(bare, record) == "/runs/data/pk"
+    with pytest.raises(ValueError, match="data.path is not set"):
+        data_path(bare, None)
+    assert data_path(replace(cfg, data=RecallData()), record) == "/runs/data/pk"
 
 
 def test_bad_inputs_each_one_error(corpus, tmp_path):

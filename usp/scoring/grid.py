@@ -18,9 +18,12 @@ from .passkey import ByteTokenizer, Case, HFTokenizer, filler_haystack, passkey_
 
 def data_path(cfg: RunConfig, record: dict | None) -> str | None:
     """The token files whose validation split gives text and windows: ``data.path`` (a
-    blend's first source), else the run's recorded path."""
-    if isinstance(cfg.data, MemmapData):
-        return cfg.data.sources()[0][0]
+    blend's first source), else the run's recorded path (also under a memmap data group
+    that names no files, as a recipe's ``data=memmap`` does); ValueError (data.path is not
+    set) for memmap data without files or a record."""
+    data = cfg.data
+    if isinstance(data, MemmapData) and (data.path or data.blend or record is None):
+        return data.sources()[0][0]
     return None if record is None else record.get("path")
 
 
