@@ -81,6 +81,16 @@ def test_score_is_exact_match_of_every_key_token():
     assert passkey_lines(result)[0].startswith(f"passkey L={case.length}: accuracy 1.000")
 
 
+def test_one_digit_keys_are_scored_and_their_chance_is_one_in_nine():
+    cases = passkey_cases(BYTES, [128], [0.0, 0.5, 1.0], 3, 1, 0, 257)
+    assert all(c.key_len == 1 and c.key in "123456789" for c in cases)
+    assert all(bytes(c.tokens[-2:]) == b" " + c.key.encode() for c in cases)
+    labels = case_labels(cases[0])
+    assert [y for y in labels if y != -100] == [ord(cases[0].key)]
+    assert passkey_result([], [128], [0.0], 128, 1)["chance"] == pytest.approx(1 / 9)
+    assert passkey_result([], [128], [0.0], 128, 2)["chance"] == pytest.approx(1 / 90)
+
+
 def test_position_buckets_weighted_by_tokens():
     assert bucket_edges(10, 4) == [0, 2, 5, 7, 10]
     assert bucket_edges(3, 16) == [0, 1, 2, 3]

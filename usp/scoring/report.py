@@ -17,7 +17,7 @@ def passkey_result(scores: list[dict], lengths: Sequence[int], depths: Sequence[
     """passkey.json's content."""
     return {"lengths": list(lengths), "depths": list(depths),
             "accuracy": accuracy_grid(scores, lengths, depths), "scoring": SCORING,
-            "key_digits": key_digits, "chance": 10.0 ** -key_digits,
+            "key_digits": key_digits, "chance": 1.0 / (9 * 10 ** (key_digits - 1)),  # first digit not 0
             "train_length": train_len, "cases": scores}
 
 
