@@ -36,8 +36,11 @@ def test_torchrun_ranks_take_rank0s_degrees_and_share_refusals(tmp_path):
     assert r0["alone"] != r1["alone"]  # each rank alone would have built another mesh
     u, r = r0["alone"]
     assert r0["decided"] == r1["decided"] == [u, r, 2 // (u * r)]
-    assert len(r0["said"]) == 1 and "plan: world 2" in r0["said"][0]  # the planner's table,
-    assert r1["said"] == []  # said once, by rank 0
+    # the balance chosen for parallel.balance=auto, then the planner's table, said once, by
+    # rank 0
+    assert len(r0["said"]) == 2 and r0["said"][0].startswith("usp: balance zigzag")
+    assert "plan: world 2" in r0["said"][1]
+    assert r1["said"] == []
     # rank 1's refusal reaches rank 0 too: nobody goes on to wait in a collective alone
     assert r0["refused"] == r1["refused"]
     assert r0["refused"].startswith("rank 1: sequence length 16383")
