@@ -17,7 +17,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -30,18 +30,18 @@ from ..data.packing import IGNORE_INDEX
 from ..layout import SequenceLayout
 from ..models.llama import flops_per_token
 from ..models.tiling import loss_share
-from ..run import PhasePlan, RunLayout, resolve_phases_group
+from ..run import PhasePlan, RunLayout
 from ..scoring.grid import training_cases
 from .batches import RowLayouts, Rows
 from .build import (continue_schedule, optimizer, phase_schedule, record_for_export,
                     sharded_model)
 from .checkpointer import Checkpointer, Position, newest
-from .console import Console
 from .faults import NonFiniteGuard, Preempted, Preemption
 from .fingerprint import run_fingerprint
 from .forward import loss_and_predictions
-from .metrics import MetricsLogger, PeakMemory
+from .metrics import PeakMemory
 from .passkey import PasskeyScore
+from .run_plan import planned, records
 from .validator import LengthLoss, Validator, evaluate, missing_splits
 
 FaultHook = Callable[[int, torch.Tensor], torch.Tensor]
@@ -76,12 +76,12 @@ def train(cfg: RunConfig, run: RunLayout | PhasePlan | None = None,
     return a changed loss. ``memory_probe(device)`` builds the per-step memory probe
     (``start()`` at each step start, ``peak_mb()`` after the optimizer step).
     """
-    plan = _planned(cfg, run)
+    plan = planned(cfg, run)
     cfg = plan.cfg or cfg  # with phases: trainer.steps is their total
     ckpt, at = newest(cfg.trainer, plan[0].run.run_dir, run_fingerprint(cfg, plan),
                       plan[0].run.global_batch)  # where the run stands, before any mesh
     start, report = at, ckpt is not None
-    with _records(cfg, plan, at) as (logger, console):  # every phase's metrics, closed once
+    with records(cfg, plan, at) as (logger, console):  # every phase's metrics, closed once
         while True:
             trainer = Trainer(cfg, plan, at, (logger, console), fault_hook, memory_probe,
                               from_checkpoint=ckpt is not None)
@@ -94,48 +94,6 @@ def train(cfg: RunConfig, run: RunLayout | PhasePlan | None = None,
             (ckpt, at), report = boundary, False  # the next phase, from its checkpoint
     trainer.report(summary, start, plot)
     return summary
-
-
-def _planned(cfg: RunConfig, run: RunLayout | PhasePlan | None) -> PhasePlan:
-    """The run's phases: ``run``, a layout as one phase, or for a caller that made the
-    process group itself the phases rank 0 resolves for it (``resolve_phases_group``), on
-    the device its backend computes on."""
-    if run is None:
-        # rank 0 prints the planner's tables
-        run = resolve_phases_group(cfg, "cuda" if dist.get_backend() == "nccl" else "cpu")
-    plan = run if isinstance(run, PhasePlan) else PhasePlan.single(cfg, run)
-    run_dirs = {p.run.run_dir for p in plan.phases}
-    if None in run_dirs:
-        raise ValueError("the run has no run directory: set trainer.run_dir=PATH (usp-train "
-                         "takes Hydra's output folder when it is not set)")
-    if len(run_dirs) > 1:
-        raise ValueError(f"the phases were resolved for different run directories "
-                         f"{sorted(run_dirs)}; resolve every phase with the same run_dir")
-    for p in plan.phases:
-        if p.run.world != dist.get_world_size():
-            raise ValueError(f"phase {p.index + 1} was laid out for {p.run.world} ranks but "
-                             f"this group has {dist.get_world_size()}; resolve it for this "
-                             f"launch (usp.run.resolve_run)")
-    return plan
-
-
-@contextmanager
-def _records(cfg: RunConfig, plan: PhasePlan, at: Position) -> Iterator[tuple]:
-    """The run's ``MetricsLogger`` (from step ``at.step``) and ``Console``, for every phase;
-    closed once, however the run ends."""
-    rank = dist.get_rank()
-    layouts = {"layout": asdict(plan[at.phase].run)}
-    if len(plan) > 1:
-        layouts["phases"] = [asdict(p.run) for p in plan.phases]
-    logger = MetricsLogger(cfg.logging, Path(plan[0].run.run_dir), rank,
-                           {**asdict(cfg), **layouts}, resume_step=at.step)
-    console = Console(rank, cfg.trainer.log_every, cfg.logging.progress, cfg.trainer.steps,
-                      at.step)
-    try:
-        yield logger, console
-    finally:
-        console.close()
-        logger.close()
 
 
 def _device(run: RunLayout) -> torch.device:
