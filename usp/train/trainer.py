@@ -214,7 +214,7 @@ class Trainer:
         # The handlers only set a flag; the previous ones are back however the loop ends.
         with Preemption(tc.preempt_signals) as preemption:
             if at.step == 0 and self.validator.should_validate(0):  # where the model starts
-                record = {"step": 0, **self.where, **self.validator.validate(self.model)}
+                record = {"step": 0, **self.validator.validate(self.model), **self.where}
                 self.logger.log(record)
                 self.console.log(record)
             for step in range(at.step + 1, self.end + 1):
@@ -299,7 +299,6 @@ class Trainer:
         consumed += run.global_batch
         summary = {
             "step": step,
-            **self.where,
             "loss": loss,
             "lr": self.sched.get_last_lr()[0],
             "grad_norm": gn,
@@ -316,6 +315,7 @@ class Trainer:
             "skipped_steps": self.guard.skipped,
             "samples": consumed,  # the data position: the phase's samples consumed
             "tokens_seen": replace(at, consumed=consumed).tokens_seen(run.seq_len),
+            **self.where,  # which phase and layout made it, last on the console line
         }
         summary.update(data.epochs(consumed))
         if data.has_answers:
