@@ -53,22 +53,23 @@ class RowLayouts:
 
     def rows(self, data: TrainingData, samples) -> Rows:
         """Global samples ``samples`` of ``data`` (``model_rows``) at this rank's columns."""
-        if not self.per_document:
-            return Rows(data.model_rows(samples, self.positions).to(self.device),
-                        self.positions, self.sequence)
-        layout = DocumentLayout(self.mesh, data.doc_lengths(samples))
-        positions = layout.positions(self.device)  # [B, L/P]
-        return Rows(data.model_rows(samples, positions).to(self.device), positions, layout)
+        return self._read(lambda positions: data.model_rows(samples, positions),
+                          lambda: data.doc_lengths(samples))
 
     def windows(self, data: TrainingData, windows) -> Rows:
         """The token file's windows ``windows`` (``model_windows``; validation) at this
         rank's columns."""
+        return self._read(lambda positions: data.model_windows(windows, positions),
+                          lambda: data.window_doc_lengths(windows))
+
+    def _read(self, read: Callable, doc_lengths: Callable) -> Rows:
+        """``read(positions)`` at the run's one layout, or under per_document at the layout of
+        the rows' documents (``doc_lengths()``, read only then)."""
         if not self.per_document:
-            return Rows(data.model_windows(windows, self.positions).to(self.device),
-                        self.positions, self.sequence)
-        layout = DocumentLayout(self.mesh, data.window_doc_lengths(windows))
+            return Rows(read(self.positions).to(self.device), self.positions, self.sequence)
+        layout = DocumentLayout(self.mesh, doc_lengths())
         positions = layout.positions(self.device)  # [B, L/P]
-        return Rows(data.model_windows(windows, positions).to(self.device), positions, layout)
+        return Rows(read(positions).to(self.device), positions, layout)
 
     def enter(self, rows: Rows) -> None:
         """Before ``rows`` runs through the model: its attention on ``rows.layout``."""
