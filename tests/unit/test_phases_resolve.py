@@ -291,3 +291,45 @@ def test_usp_plan_refuses_a_phase_no_layout_fits_with_what_would():
     assert text.startswith("trainer.phases[1] (seq_len 32768): no feasible layout for world 4")
     assert "the longest length 4 ranks fit is 31168 (dp 1 x ring 4 x ulysses 1); 32768 fits " \
            "4 nodes of 2 (8 ranks)" in text
+
+
+def test_a_phase_reads_its_own_blend_and_says_it(tmp_path):
+    from usp.train.fingerprint import run_fingerprint
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    short, long = _tokens_with_validation(tmp_path / "a"), _tokens_with_validation(tmp_path / "b")
+    mix = [{"path": long, "weight": 0.7}, {"path": short, "weight": 0.3}]
+    data = MemmapData(path=short, seq_len=64, batch_per_dp_rank=2)
+    cfg = _cfg({"seq_len": 64, "steps": 2}, {"seq_len": 128, "steps": 2, "blend": mix},
+               {"seq_len": 128, "steps": 1}, data=data)
+    first, second, third = (phase_config(cfg, k) for k in range(3))
+    assert first.data.path == short and first.data.blend is None
+    # the phase's blend replaces the base's one corpus; the phase after keeps it
+    for later in (second, third):
+        assert later.data.path is None
+        assert later.data.sources() == [(long, 0.7), (short, 0.3)]
+    plan = resolve_phases(cfg, 4, "cpu")
+    assert "blend tokens 0.7 + tokens 0.3" in plan.describe(1)
+    assert "blend" not in plan.describe(0) and "blend" not in plan.describe(2)
+    # another mix is another plan: its checkpoints are not resumed by this one
+    other = _cfg({"seq_len": 64, "steps": 2},
+                 {"seq_len": 128, "steps": 2, "blend": [mix[0], {**mix[1], "weight": 0.5}]},
+                 {"seq_len": 128, "steps": 1}, data=data)
+    assert run_fingerprint(cfg, plan) != run_fingerprint(other, resolve_phases(other, 4, "cpu"))
+
+
+@pytest.mark.parametrize("blend,data,match", [
+    ([], None, r"trainer.phases\[1\].blend is empty"),
+    ([{"path": "x", "weight": 1}], "recall", r"trainer.phases\[1\] reads a blend, but "
+                                             r"data.kind=recall has no token files"),
+    ([{"path": "x", "weight": 0}], "memmap", r"trainer.phases\[1\] overlaid on the base "
+                                             r"config: data.blend\[0\].weight=0"),
+])
+def test_a_phases_blend_is_refused_with_the_phase_named(tmp_path, blend, data, match):
+    base = (None if data == "recall" else
+            MemmapData(path=_tokens_with_validation(tmp_path), seq_len=64, batch_per_dp_rank=2))
+    with pytest.raises(ValueError, match=match):
+        cfg = _cfg({"seq_len": 64, "steps": 1}, {"seq_len": 64, "steps": 1, "blend": blend},
+                   data=base)
+        phase_config(cfg, 1)

@@ -3,7 +3,8 @@
 Each phase names its ``seq_len`` and its length, in optimizer ``steps`` or in ``tokens``
 (one of the two), and may overlay the base config's values for that phase: ``rope_theta``,
 ``rope_scaling``, ``lr`` (a new peak with its own warmup), ``batch_per_dp_rank``,
-``global_batch_tokens``, ``ulysses_degree`` and ``ring_degree``. A key a phase leaves unset
+``global_batch_tokens``, ``ulysses_degree``, ``ring_degree`` and ``blend`` (the token files
+the phase reads, as ``data.blend``: a phase's own data mix). A key a phase leaves unset
 keeps its value from the phase before, and the first phase's from the base config
 (``parallel=auto`` in the base lets the planner choose the degrees of every phase).
 ``until`` is the phase's gate: it may end before its steps when every criterion given holds
@@ -18,10 +19,12 @@ groups, the world or the files are ``usp.run.resolve_phases``'s.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from .checks import above, at_least
+from .data import BlendSource
 from .rope import check_rope_scaling
 
 # phase key -> (group, key) of the base config it overlays
@@ -34,6 +37,7 @@ OVERLAY = {
     "global_batch_tokens": ("trainer", "global_batch_tokens"),
     "ulysses_degree": ("parallel", "ulysses_degree"),
     "ring_degree": ("parallel", "ring_degree"),
+    "blend": ("data", "blend"),
 }
 
 
@@ -54,7 +58,9 @@ class PhaseConfig:
     """One entry of ``trainer.phases`` (``seq_len`` and one of ``steps``/``tokens``
     required); an overlay key left None keeps the value of the phase before (the first
     phase: the base config's). ``rope_scaling``: a dict in transformers' names, or
-    ``{rope_type: default}`` for plain RoPE after a phase (or base) with a scaling."""
+    ``{rope_type: default}`` for plain RoPE after a phase (or base) with a scaling.
+    ``blend``: ``[{path, weight}, ...]`` as ``data.blend``, the phase's data mix (token
+    files only; it replaces the base's ``data.path`` or ``data.blend``)."""
 
     seq_len: Optional[int] = None
     steps: Optional[int] = None
@@ -66,7 +72,13 @@ class PhaseConfig:
     global_batch_tokens: Optional[int] = None
     ulysses_degree: Any = None
     ring_degree: Any = None
+    blend: Optional[List[BlendSource]] = None
     until: Optional[PhaseGateConfig] = None
+
+    def __post_init__(self):
+        if self.blend is not None:  # dicts from Python (Hydra gives BlendSource already)
+            self.blend = [b if isinstance(b, BlendSource) else BlendSource(**b)
+                          for b in self.blend]
 
     def check(self, k: int) -> None:
         """Refuse the plain values of phase ``k`` (0-based), named ``trainer.phases[k]``."""
@@ -99,6 +111,10 @@ class PhaseConfig:
                 check_rope_scaling(dict(self.rope_scaling) or {"rope_type": "default"})
             except ValueError as e:
                 raise ValueError(f"{at}: {e}") from None
+        if self.blend is not None and not self.blend:
+            raise ValueError(f"{at}.blend is empty; give its sources, e.g. blend: [{{path: "
+                             f"data/long, weight: 0.7}}, {{path: data/short, weight: 0.3}}], "
+                             f"or leave it unset to read the phase before's data")
         if self.until is not None:
             self._check_gate(at, k)
 
@@ -130,13 +146,14 @@ def gate_text(gate) -> str:
 
 
 def phase_heading(k: int, n: int, seq_len: int, first: int, last: int, model, lr, until,
-                  layout: str | None = None) -> str:
+                  layout: str | None = None, blend=None) -> str:
     """Phase ``k``'s (0-based, of ``n``) heading: its length, ``layout`` (the resolved
     layout's words; None in ``usp-plan``, whose choice follows), its global steps
     ``first..last``, its RoPE (``model``'s), a new peak ``lr`` and its gate ``until``
-    when it has them, e.g. ``phase 2/3: seq_len 4096, ulysses 2 x ring 2 (dp 1), K=2, steps
-    301..400, rope_theta 40000, rope_scaling yarn x4, lr 0.0004 (new warmup), until
-    passkey_acc >= 0.9``. The one wording of usp-plan, usp-train's plan and its boundaries."""
+    when it has them, the ``blend`` the phase sets, e.g. ``phase 2/3: seq_len 4096, ulysses 2
+    x ring 2 (dp 1), K=2, steps 301..400, rope_theta 40000, rope_scaling yarn x4, lr 0.0004
+    (new warmup), blend long 0.7 + short 0.3, until passkey_acc >= 0.9``. The one wording of
+    usp-plan, usp-train's plan and its boundaries."""
     words = [f"seq_len {seq_len}"] + ([layout] if layout else [])
     words += [f"steps {first}..{last}", f"rope_theta {model.rope_theta:.10g}"]
     if model.rope_scaling:
@@ -145,6 +162,8 @@ def phase_heading(k: int, n: int, seq_len: int, first: int, last: int, model, lr
                      + (f" x{scaling['factor']:g}" if "factor" in scaling else ""))
     if lr is not None:
         words.append(f"lr {lr:g} (new warmup)")
+    if blend:
+        words.append("blend " + " + ".join(f"{Path(b.path).name} {b.weight:g}" for b in blend))
     if until is not None:
         words.append(f"until {gate_text(until)}")
     return f"phase {k + 1}/{n}: " + ", ".join(words)
@@ -173,8 +192,8 @@ def phase_config(cfg, k: int):
     """The config phase ``k`` (0-based) of ``cfg.trainer.phases`` trains with: ``cfg`` with
     the keys of phases 0..k overlaid in order on ``data.seq_len``, ``data.batch_per_dp_rank``,
     ``model.rope_theta``, ``model.rope_scaling``, ``optim.lr``,
-    ``trainer.global_batch_tokens``, ``parallel.ulysses_degree`` and
-    ``parallel.ring_degree``: a key phase k leaves unset keeps its value from the phase
+    ``trainer.global_batch_tokens``, ``parallel.ulysses_degree``, ``parallel.ring_degree``
+    and ``data.blend`` (with ``data.path`` then unset): a key phase k leaves unset keeps its value from the phase
     before (a raised ``rope_theta`` stays raised), the first phase's from the base; every
     other value is the base's. Pure: ``cfg`` is unchanged.
     A value the overlaid group refuses (``optim.min_lr`` above a phase's ``lr``) is
@@ -187,6 +206,12 @@ def phase_config(cfg, k: int):
         for key, value in phase_keys(p).items():
             group, name = OVERLAY[key]
             groups.setdefault(group, {})[name] = value
+    if "blend" in groups.get("data", {}):
+        if not hasattr(cfg.data, "blend"):
+            raise ValueError(f"trainer.phases[{k}] reads a blend, but data.kind={cfg.data.kind} "
+                             f"has no token files; train on token files (data=memmap) or drop "
+                             f"the phases' blend")
+        groups["data"]["path"] = None  # a phase's blend replaces the base's one corpus
     try:
         return replace(cfg, **{g: replace(getattr(cfg, g), **kw) for g, kw in groups.items()})
     except ValueError as e:

@@ -142,7 +142,8 @@ def phases_report(cfg: PlanConfig) -> tuple[str, object]:
         except ValueError as e:
             raise ValueError(f"trainer.phases[{k}] (seq_len {L}) on dp {best.dp} x ring "
                              f"{best.ring} x ulysses {best.ulysses}: {e}") from None
-        out.append(phase_heading(k, n, L, at + 1, at + steps, pcfg.model, entry.lr, entry.until))
+        out.append(phase_heading(k, n, L, at + 1, at + steps, pcfg.model, entry.lr, entry.until,
+                                 blend=entry.blend))
         out += [p.format_table(),
                 f"choice: dp {best.dp} x ring {best.ring} x ulysses {best.ulysses}",
                 global_batch_text(pcfg, p), p.memory_text(), ""]

@@ -146,6 +146,8 @@ class PhasePlan:
         recorded ``starts`` (a gate may have ended a phase before it early)."""
         p, r = self.phases[k], self.phases[k].run
         start = self.starts_of(starts or (0,))[k]
+        entries = self.cfg.trainer.phases if self.cfg is not None else None
         return phase_heading(k, len(self), r.seq_len, start + 1, start + p.steps, p.cfg.model,
                              p.lr, p.until, layout=f"ulysses {r.ulysses} x ring {r.ring} "
-                                                   f"(dp {r.dp}), K={r.grad_accum}")
+                                                   f"(dp {r.dp}), K={r.grad_accum}",
+                             blend=entries[k].blend if entries else None)

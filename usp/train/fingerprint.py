@@ -35,8 +35,10 @@ def _phase_key(p: Phase) -> str:
     m, gate = p.cfg.model, p.until
     until = None if gate is None else (f"passkey_acc>={gate.passkey_acc},"
                                        f"val_loss_within={gate.val_loss_within}")
+    blend = getattr(p.cfg.data, "blend", None)  # a phase's data mix (or the base's)
+    mix = "" if not blend else " blend=" + ",".join(f"{b.path}:{b.weight}" for b in blend)
     return (f"seq_len={p.seq_len} steps={p.steps} lr={p.lr} rope_theta={m.rope_theta} "
-            f"rope_scaling={json.dumps(m.rope_scaling, sort_keys=True)} until={until}")
+            f"rope_scaling={json.dumps(m.rope_scaling, sort_keys=True)} until={until}" + mix)
 
 
 def phases_key(plan: PhasePlan) -> str:
