@@ -152,6 +152,16 @@ def test_three_phases_change_layout_at_every_boundary_and_learn(runs):
         (1, 64, [1, 3]), (2, 128, [4, 6]), (3, 256, [7, 9])]
     assert [p["tokens"] for p in summary["phases"]] == [768, 768, 768]
     assert (runs / "straight" / "curves.png").stat().st_size > 0
+    # each checkpoint keeps its own phase's model and length (export and usp-eval read them);
+    # the run directory's records are the last phase's
+    from usp.models.run_records import load_data_record, load_model_config
+    run = runs / "straight"
+    kept = {int(p.name[5:]): p for p in (run / "checkpoints").glob("step_*")}
+    assert sorted(kept) == [6, 9]
+    own = [(load_model_config(run, kept[s]).rope_theta, load_data_record(run, kept[s])["seq_len"])
+           for s in (6, 9)]
+    assert own == [(20000.0, 128), (40000.0, 256)]
+    assert (load_model_config(run).rope_theta, load_data_record(run)["seq_len"]) == (40000.0, 256)
 
 
 def test_stopped_at_a_boundary_or_mid_phase_resumes_into_the_right_phase(runs):

@@ -48,7 +48,7 @@ def test_save_records_the_data_position_and_the_fingerprint(monkeypatch, tmp_pat
     assert kw == {"keep": 3, "extra": {"skipped_steps": 1, "consumed": 32, "global_batch": 8,
                                        "phase": 0, "starts": [0], "tokens_before": 0,
                                        "reference_val_loss": None},
-                  "fingerprint": {"model.dim": 64}}
+                  "fingerprint": {"model.dim": 64}, "records": None}
 
 
 def test_a_boundary_hands_on_the_next_phases_position():

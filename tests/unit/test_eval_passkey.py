@@ -159,3 +159,34 @@ def test_bad_inputs_each_one_error(corpus, tmp_path):
     with pytest.raises(ValueError, match="synthetic recall task"):
         plan_eval(replace(cfg, data=RecallData()))
 
+
+
+
+def test_a_checkpoint_is_scored_with_its_own_phases_model_and_length(corpus, tmp_path):
+    """A run of length phases: the run directory's records are the last phase's (RoPE base
+    40000, 512 tokens); a checkpoint of the first phase keeps its own (10000, 128), and
+    ``eval.run_dir`` may name it; the results still go to the run directory."""
+    import json
+
+    from usp.models.checkpoint import MANIFEST
+
+    run = tmp_path / "run"
+    cfg = run_cfg(run, corpus)
+    long = replace(MODEL, rope_theta=40000.0)
+    save_model_config(long, run)
+    save_data_record(replace(cfg.data, seq_len=512), run, None)
+    steps = {}
+    for step, mc, seq_len in ((700, MODEL, 128), (900, long, 512)):
+        d = steps[step] = run / "checkpoints" / f"step_{step:06d}"
+        d.mkdir(parents=True)
+        (d / ".metadata").write_bytes(b"")
+        (d / MANIFEST).write_text(json.dumps({"step": step, "files": {}}))
+        save_model_config(mc, d)
+        save_data_record(replace(cfg.data, seq_len=seq_len), d, None)
+    grid = EvalConfig(lengths=[128], depths=[0.5], per_cell=1, key_digits=3, windows=1)
+    job = plan_eval(replace(cfg, eval=replace(grid, run_dir=str(steps[700]))))
+    assert (job.checkpoint, job.out) == (steps[700], run)
+    assert (job.cfg.model.rope_theta, job.train_len) == (MODEL.rope_theta, 128)
+    newest = plan_eval(replace(cfg, eval=replace(grid, run_dir=str(run))))
+    assert newest.checkpoint == steps[900]
+    assert (newest.cfg.model.rope_theta, newest.train_len) == (40000.0, 512)

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..config import MemmapData, ModelConfig, RunConfig
 from ..models.export import resolve_checkpoint
-from ..models.run_records import load_data_record, load_model_config
+from ..models.run_records import load_data_record, load_model_config, run_root
 from ..scoring.grid import data_path, grid_cases, validation_tokens
 from ..scoring.passkey import Case
 
@@ -41,25 +41,29 @@ def _recall_refusal(where: str) -> ValueError:
 
 
 def _run_model(cfg: RunConfig, notes: list[str]) -> tuple[ModelConfig, Path, dict | None]:
-    """(the run's model config, its newest verified checkpoint, its data record); ``notes``
-    gets the checkpoint scored and any newer one passed over."""
-    run_dir = Path(cfg.eval.run_dir)
-    if not run_dir.is_dir():
-        raise ValueError(f"eval.run_dir={run_dir} is not a directory; give the run directory "
+    """(the run's model config, the checkpoint scored, its data record): ``eval.run_dir`` a
+    run directory (its newest verified checkpoint) or one of its ``checkpoints/step_K``.
+    The model config and data record are the checkpoint's own when it has them (each length
+    phase's RoPE and length), else the run's. ``notes`` gets the checkpoint scored and any
+    newer one passed over."""
+    given = Path(cfg.eval.run_dir)
+    if not given.is_dir():
+        raise ValueError(f"eval.run_dir={given} is not a directory; give the run directory "
                          "usp-train wrote")
+    run_dir = run_root(given)
     record = load_data_record(run_dir)
     if record is not None and record["kind"] == "recall":
         raise _recall_refusal(f"the run {run_dir}")
-    mc = load_model_config(run_dir)
-    if mc is None:
-        raise ValueError(f"eval.run_dir={run_dir} has no model_config.json (usp-train writes "
+    if load_model_config(run_dir) is None:
+        raise ValueError(f"eval.run_dir={given} has no model_config.json (usp-train writes "
                          "it at the start of a run): not a usp run directory")
     try:
-        step = resolve_checkpoint(run_dir, log=notes.append)
+        step = resolve_checkpoint(given, log=notes.append)
     except ValueError as e:
-        raise ValueError(f"eval.run_dir={run_dir}: no checkpoint to score: {e}") from None
+        raise ValueError(f"eval.run_dir={given}: no checkpoint to score: {e}") from None
     notes.append(f"model: {step} (model only)")
-    return replace(mc, pretrained=None), step, record
+    mc = load_model_config(run_dir, step)
+    return replace(mc, pretrained=None), step, load_data_record(run_dir, step)
 
 
 def _windows(val: np.ndarray | None, lengths: list[int], n: int, notes: list[str]) -> dict:
@@ -101,5 +105,5 @@ def plan_eval(cfg: RunConfig, out: str | None = None) -> EvalJob:
         cases, note = grid_cases(cfg, lengths, path, val)
         notes.append(note)
     windows = _windows(val, lengths, ec.windows, notes) if ec.position_loss else {}
-    where = Path(ec.out or ec.run_dir or out or ".")
+    where = Path(ec.out or (run_root(ec.run_dir) if ec.run_dir else None) or out or ".")
     return EvalJob(cfg, checkpoint, lengths, cases, windows, where, train_len, notes)

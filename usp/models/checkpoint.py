@@ -151,12 +151,13 @@ def choose_checkpoint(run_dir: str | Path, log: Callable[[str], None] = print) -
 
 def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler,
                     extra: dict | None = None, keep: int = 2,
-                    fingerprint: dict | None = None) -> Path:
+                    fingerprint: dict | None = None, records: dict | None = None) -> Path:
     """Collective: every rank writes and hashes its shards, rank 0 writes ``extra.pt`` and
     the manifest last, renames ``step_K.tmp`` to ``step_K`` and keeps the ``keep`` newest
     complete checkpoints (always this one). ``fingerprint``: the run's
     (``usp.train.fingerprint.run_fingerprint(cfg)``), checked by ``load_checkpoint``.
-    Returns the final directory."""
+    ``records``: {file name: text} rank 0 writes beside ``extra.pt`` (hashed like the rest;
+    ``usp.models.run_records``'s model config and data record). Returns the final directory."""
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step:06d}"
     tmp = root / f"step_{step:06d}.tmp"
@@ -174,6 +175,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler,
     if rank == 0:
         torch.save({"step": step, "format": FORMAT, "scheduler": scheduler.state_dict(),
                     **(extra or {})}, tmp / "extra.pt")
+        for name, text in (records or {}).items():
+            (tmp / name).write_text(text)
     # each rank hashes the files it wrote (rank 0 also .metadata, extra.pt and any other)
     mine = {name: {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
             for name in _files(tmp) if _owner(name, world) == rank}

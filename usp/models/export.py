@@ -108,9 +108,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, config=None,
     notes: list[str] = []
     step = resolve_checkpoint(checkpoint, log=notes.append)
     run_dir = step.parent.parent
-    mc = load_model_config(run_dir)
+    mc = load_model_config(run_dir, step)  # the checkpoint's own (its phase's), else the run's
     tokenizer = _run_tokenizer(run_dir, notes)
-    facts = load_data_record(run_dir) or {}  # the trained length, the data's EOS
+    facts = load_data_record(run_dir, step) or {}  # the trained length, the data's EOS
     if mc is not None and mc.hf is None:
         if config is not None:
             raise ValueError(f"a config (--config) is for runs of a transformers model, but "

@@ -2,7 +2,9 @@
 (``model_config.json``), a transformers model's config (``hf_config/``), the tokenizer
 (``tokenizer/``: the data's, else a pretrained checkpoint's tokenizer files) and the
 data it read (``data_record.json``: its kind, the trained length, the data's EOS id, the token
-files; for the export and ``usp-eval``), all under the run directory; and reading them back."""
+files; for the export and ``usp-eval``), all under the run directory; and reading them back.
+Each checkpoint also keeps its own ``model_config.json`` and ``data_record.json`` (the phase
+that wrote it: a run of length phases changes RoPE and length), read before the run's."""
 
 from __future__ import annotations
 
@@ -30,21 +32,47 @@ def save_config(config, run_dir: str | Path) -> Path:
     return out
 
 
-def save_model_config(mc: ModelConfig, run_dir: str | Path) -> Path:
-    """Write ``mc``'s fields to ``run_dir/model_config.json`` (atomically): which model the
-    run trains, the built-in one (``hf: null``) or a transformers one."""
-    out = Path(run_dir) / MODEL_CONFIG
+def run_root(path: str | Path) -> Path:
+    """The run directory of ``path``: ``path`` itself, or for a checkpoint
+    (``RUN/checkpoints/step_K``, holding ``.metadata``) the run directory above it."""
+    path = Path(path)
+    return path.parent.parent if (path / ".metadata").is_file() else path
+
+
+def _write(out: Path, text: str) -> Path:
+    """``text`` to ``out`` atomically (a temporary file renamed)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(asdict(mc), indent=1) + "\n")
+    tmp.write_text(text)
     tmp.replace(out)
     return out
 
 
-def load_model_config(run_dir: str | Path) -> ModelConfig | None:
-    """The ``ModelConfig`` in ``run_dir/model_config.json``; None when the file is absent,
-    ValueError when it is not one this usp can build."""
-    path = Path(run_dir) / MODEL_CONFIG
+def _record(run_dir: str | Path, name: str, checkpoint: str | Path | None) -> Path:
+    """Where record ``name`` is read: the checkpoint's own copy (written with it, so that a
+    run of length phases keeps each phase's model and length), else the run directory's."""
+    if checkpoint is not None and (Path(checkpoint) / name).is_file():
+        return Path(checkpoint) / name
+    return Path(run_dir) / name
+
+
+def model_config_text(mc: ModelConfig) -> str:
+    """``mc``'s fields as ``model_config.json`` holds them."""
+    return json.dumps(asdict(mc), indent=1) + "\n"
+
+
+def save_model_config(mc: ModelConfig, run_dir: str | Path) -> Path:
+    """Write ``mc``'s fields to ``run_dir/model_config.json`` (atomically): which model the
+    run trains, the built-in one (``hf: null``) or a transformers one."""
+    return _write(Path(run_dir) / MODEL_CONFIG, model_config_text(mc))
+
+
+def load_model_config(run_dir: str | Path, checkpoint: str | Path | None = None
+                      ) -> ModelConfig | None:
+    """The ``ModelConfig`` in ``model_config.json``: the ``checkpoint``'s (a ``step_K``)
+    when it has one, else ``run_dir``'s; None when the file is absent, ValueError when it is
+    not one this usp can build."""
+    path = _record(run_dir, MODEL_CONFIG, checkpoint)
     if not path.is_file():
         return None
     try:
@@ -92,25 +120,26 @@ def save_tokenizer_files(src: str | Path, run_dir: str | Path) -> Path | None:
     return out
 
 
-def save_data_record(data, run_dir: str | Path, eos_token_id: int | None) -> Path:
-    """Write ``run_dir/data_record.json``: the data's ``kind``, ``seq_len`` (the export's
+def data_record_text(data, eos_token_id: int | None) -> str:
+    """``data_record.json``: the data's ``kind``, ``seq_len`` (the export's
     ``max_position_embeddings``), its EOS id (the export's ``eos_token_id``) and, for token
     files, the first source's ``path`` (``usp-eval`` finds the validation split and the
     tokenizer from it)."""
     sources = data.sources() if hasattr(data, "sources") else []
     record = {"kind": data.kind, "seq_len": data.seq_len, "eos_token_id": eos_token_id,
               "path": str(Path(sources[0][0]).resolve()) if sources else None}
-    out = Path(run_dir) / DATA_RECORD
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    tmp.replace(out)
-    return out
+    return json.dumps(record, indent=1) + "\n"
 
 
-def load_data_record(run_dir: str | Path) -> dict | None:
-    """``save_data_record``'s record of ``run_dir``; None when the run has none."""
-    path = Path(run_dir) / DATA_RECORD
+def save_data_record(data, run_dir: str | Path, eos_token_id: int | None) -> Path:
+    """Write ``run_dir/data_record.json`` (``data_record_text``)."""
+    return _write(Path(run_dir) / DATA_RECORD, data_record_text(data, eos_token_id))
+
+
+def load_data_record(run_dir: str | Path, checkpoint: str | Path | None = None) -> dict | None:
+    """``save_data_record``'s record: the ``checkpoint``'s (a ``step_K``) when it has one,
+    else ``run_dir``'s; None when there is none."""
+    path = _record(run_dir, DATA_RECORD, checkpoint)
     try:
         return json.loads(path.read_text()) if path.is_file() else None
     except (OSError, ValueError) as e:

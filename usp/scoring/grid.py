@@ -12,7 +12,7 @@ import numpy as np
 from ..config import MemmapData, RunConfig
 from ..data.dataset import validation_prefix
 from ..data.files import DTYPES, data_paths, read_meta, tokenizer_dir
-from ..models.run_records import TOKENIZER_DIR
+from ..models.run_records import TOKENIZER_DIR, run_root
 from .passkey import ByteTokenizer, Case, HFTokenizer, filler_haystack, passkey_cases, text_haystack
 
 
@@ -33,7 +33,7 @@ def tokenizer(cfg: RunConfig, data_path: str | None):
     given = cfg.eval.tokenizer
     where = []
     if given is None and cfg.eval.run_dir:
-        where.append(Path(cfg.eval.run_dir) / TOKENIZER_DIR)
+        where.append(run_root(cfg.eval.run_dir) / TOKENIZER_DIR)
     if given is None and data_path is not None:
         meta = read_meta(data_paths(data_path)[1], Path(data_path))
         if str(meta["tokenizer"]).startswith("bytes"):

@@ -19,7 +19,8 @@ from ..data.files import tokenizer_dir
 from ..layout import SequenceLayout
 from ..mesh import SPMesh
 from ..data.dataset import data_eos_id
-from ..models.run_records import (save_data_record, save_model_config, save_tokenizer,
+from ..models.run_records import (DATA_RECORD, MODEL_CONFIG, data_record_text, model_config_text,
+                                  save_data_record, save_model_config, save_tokenizer,
                                   save_tokenizer_files)
 from ..models.shard_load import load_shards
 from ..models.llama import Transformer
@@ -159,6 +160,15 @@ def continue_schedule(opt, sched) -> None:
     without phases gets the very lr the checkpoint holds."""
     for group, base, factor in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas):
         group["lr"] = base * factor(sched.last_epoch)
+
+
+def checkpoint_records(cfg: RunConfig) -> dict[str, str]:
+    """What each checkpoint keeps of the config that trained it (``save_checkpoint``'s
+    ``records``): its model group and data record, as ``record_for_export`` writes them for
+    the run, so that a checkpoint of an earlier length phase is exported and scored with its
+    own RoPE and length."""
+    return {MODEL_CONFIG: model_config_text(cfg.model),
+            DATA_RECORD: data_record_text(cfg.data, data_eos_id(cfg.data))}
 
 
 def record_for_export(cfg: RunConfig, run_dir: str) -> None:

@@ -93,12 +93,13 @@ class Checkpointer:
     complete ones are kept."""
 
     def __init__(self, tc: TrainerConfig, run: RunLayout, fingerprint: dict, rank: int,
-                 end: int | None = None):
+                 end: int | None = None, records: dict | None = None):
         self.run_dir = Path(run.run_dir)
         self.every, self.keep = tc.ckpt_every, tc.keep_checkpoints
         self.last = tc.steps if end is None else end
         self.stop_after, self.seed = tc.stop_after, tc.seed
         self.run, self.fingerprint, self.rank = run, fingerprint, rank
+        self.records = records  # the phase's model config and data record, in each checkpoint
 
     def should_save(self, step: int, preempted: bool = False, ends_phase: bool = False) -> bool:
         """Whether 1-based optimizer step ``step`` ends with a checkpoint."""
@@ -111,7 +112,7 @@ class Checkpointer:
         # the data position: samples consumed, so any later dp and accumulation continue it
         return save_checkpoint(self.run_dir, step, model, opt, sched, keep=self.keep,
                                extra={**at.record(), "global_batch": self.run.global_batch},
-                               fingerprint=self.fingerprint)
+                               fingerprint=self.fingerprint, records=self.records)
 
     def load(self, ckpt: Path | None, model, opt, sched, report: bool = True) -> None:
         """Collective: checkpoint ``ckpt`` (``newest``'s, or the one a phase boundary just

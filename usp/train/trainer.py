@@ -33,8 +33,8 @@ from ..models.tiling import loss_share
 from ..run import PhasePlan, RunLayout
 from ..scoring.grid import training_cases
 from .batches import RowLayouts, Rows
-from .build import (continue_schedule, optimizer, phase_schedule, record_for_export,
-                    sharded_model)
+from .build import (checkpoint_records, continue_schedule, optimizer, phase_schedule,
+                    record_for_export, sharded_model)
 from .checkpointer import Checkpointer, Position, newest
 from .faults import NonFiniteGuard, Preempted, Preemption
 from .fingerprint import run_fingerprint
@@ -153,7 +153,7 @@ class Trainer:
                                    self._short_loss(plan, use, layout, splits))
         self.guard = NonFiniteGuard(tc.on_nonfinite)
         self.checkpointer = Checkpointer(tc, run, run_fingerprint(base, plan), self.rank,
-                                         self.end)
+                                         self.end, checkpoint_records(cfg))
         self.dp_sp = self.mesh.group("loss")  # the loss's token count, the metrics (dp_sp)
         self.n_shard = self.mesh.submesh("fsdp").size()
         self.flops = flops_per_token(cfg.model, run.seq_len)
