@@ -51,6 +51,18 @@ def test_save_records_the_data_position_and_the_fingerprint(monkeypatch, tmp_pat
                   "fingerprint": {"model.dim": 64}, "records": None}
 
 
+def test_a_boundary_checkpoint_leaves_the_batch_to_the_next_phase(monkeypatch, tmp_path):
+    """Saved at a phase boundary, the position is the next phase's (nothing consumed): its
+    batch is that phase's to say, so a resume into it says no "global batch changed"."""
+    calls = []
+    monkeypatch.setattr(ckr, "save_checkpoint",
+                        lambda *a, **kw: calls.append(kw) or Path("step_000004"))
+    c = _checkpointer(run_dir=str(tmp_path))
+    c.save(4, "model", "opt", "sched", Position(4, 0, 0, 1, (0, 4), 128))
+    c.save(6, "model", "opt", "sched", Position(6, 8, 0, 1, (0, 4), 128))
+    assert [kw["extra"]["global_batch"] for kw in calls] == [None, 8]
+
+
 def test_a_boundary_hands_on_the_next_phases_position():
     at = Position(step=5, consumed=40, skipped=1, phase=0, starts=(0,), reference=2.5)
     assert at.tokens_seen(128) == 40 * 128

@@ -109,9 +109,13 @@ class Checkpointer:
     def save(self, step: int, model, opt, sched, at: Position) -> Path:
         """Collective: the checkpoint of ``step`` (``at``: the position after it; at a phase
         boundary, the next phase's); returns its directory."""
-        # the data position: samples consumed, so any later dp and accumulation continue it
+        # the data position: samples consumed, so any later dp and accumulation continue it;
+        # this layout's batch, unless the position is a phase boundary's (the next phase,
+        # nothing consumed yet, has its own): a resume then says no "batch changed"
+        boundary = at.consumed == 0 and at.starts[-1] == step
+        batch = None if boundary else self.run.global_batch
         return save_checkpoint(self.run_dir, step, model, opt, sched, keep=self.keep,
-                               extra={**at.record(), "global_batch": self.run.global_batch},
+                               extra={**at.record(), "global_batch": batch},
                                fingerprint=self.fingerprint, records=self.records)
 
     def load(self, ckpt: Path | None, model, opt, sched, report: bool = True) -> None:
