@@ -165,16 +165,33 @@ def _damage(step: Path) -> None:
     shard.write_bytes(bytes(data))
 
 
+def _before_records(run: Path) -> None:
+    """The run as usp wrote it before checkpoints kept their own model config and data
+    record: those files (and their manifest entries) gone, so the run directory's are read."""
+    for step in (run / "checkpoints").glob("step_*"):
+        manifest = json.loads((step / "manifest.json").read_text())
+        for name in (MODEL_CONFIG, "data_record.json"):
+            (step / name).unlink()
+            del manifest["files"][name]
+        (step / "manifest.json").write_text(json.dumps(manifest))
+
+
 def _model_config(run: Path, **fields) -> None:
+    _before_records(run)
     path = run / MODEL_CONFIG
     path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+def _no_model_config(run: Path) -> None:
+    _before_records(run)
+    (run / MODEL_CONFIG).unlink()
 
 
 BAD = {  # what is done to a copy of the mistral run -> (what follows RUN, the error)
     "damaged step": (lambda run: _damage(run / LAST), f"/{LAST}",
                      "cannot be trusted: __0_0.distcp fails its sha256"),
     "damaged run": (lambda run: _damage(run / LAST), "", "none of the 1 checkpoints under"),
-    "no model config": (lambda run: (run / MODEL_CONFIG).unlink(), "",
+    "no model config": (_no_model_config, "",
                         "has no model config: neither model_config.json"),
     "unknown model field": (lambda run: _model_config(run, partial_rotary_factor=0.5), "",
                             "fields this usp does not know (partial_rotary_factor)"),
@@ -216,3 +233,15 @@ def test_a_damaged_newer_checkpoint_is_passed_over_with_a_line(runs, tmp_path):
         f"usp-export: checkpoint {newer} is damaged (__0_0.distcp fails its sha256 (same size, "
         "different bytes)); exported step_000003"]
 
+
+
+def test_the_checkpoints_own_model_config_is_read_before_the_runs(runs, tmp_path):
+    """A run of length phases rewrites the run directory's model config at each phase; each
+    checkpoint keeps the one it was trained with, and that is the one exported."""
+    run = tmp_path / "run"
+    shutil.copytree(runs["mistral"], run)
+    path = run / MODEL_CONFIG
+    path.write_text(json.dumps({**json.loads(path.read_text()), "n_layers": 3}))
+    rc, stdout, stderr = _export(run, tmp_path / "out")
+    assert rc == 0 and stderr == "", stderr
+    assert stdout.startswith("usp-export: wrote MistralForCausalLM")
