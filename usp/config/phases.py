@@ -19,8 +19,8 @@ groups, the world or the files are ``usp.run.resolve_phases``'s.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, List, Optional
 
 from .checks import above, at_least
@@ -193,8 +193,9 @@ def phase_config(cfg, k: int):
     the keys of phases 0..k overlaid in order on ``data.seq_len``, ``data.batch_per_dp_rank``,
     ``model.rope_theta``, ``model.rope_scaling``, ``optim.lr``,
     ``trainer.global_batch_tokens``, ``parallel.ulysses_degree``, ``parallel.ring_degree``
-    and ``data.blend`` (with ``data.path`` then unset): a key phase k leaves unset keeps its value from the phase
-    before (a raised ``rope_theta`` stays raised), the first phase's from the base; every
+    and ``data.blend`` (with ``data.path`` then unset): a key phase k leaves unset keeps its
+    value from the phase before (a raised ``rope_theta`` stays raised), the first phase's
+    from the base; every
     other value is the base's. Pure: ``cfg`` is unchanged.
     A value the overlaid group refuses (``optim.min_lr`` above a phase's ``lr``) is
     refused naming the phase."""

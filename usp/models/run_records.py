@@ -56,6 +56,11 @@ def _record(run_dir: str | Path, name: str, checkpoint: str | Path | None) -> Pa
     return Path(run_dir) / name
 
 
+def save_record(run_dir: str | Path, name: str, text: str) -> Path:
+    """Write record ``name`` (``MODEL_CONFIG``, ``DATA_RECORD``) under ``run_dir``, atomically."""
+    return _write(Path(run_dir) / name, text)
+
+
 def model_config_text(mc: ModelConfig) -> str:
     """``mc``'s fields as ``model_config.json`` holds them."""
     return json.dumps(asdict(mc), indent=1) + "\n"
@@ -64,7 +69,7 @@ def model_config_text(mc: ModelConfig) -> str:
 def save_model_config(mc: ModelConfig, run_dir: str | Path) -> Path:
     """Write ``mc``'s fields to ``run_dir/model_config.json`` (atomically): which model the
     run trains, the built-in one (``hf: null``) or a transformers one."""
-    return _write(Path(run_dir) / MODEL_CONFIG, model_config_text(mc))
+    return save_record(run_dir, MODEL_CONFIG, model_config_text(mc))
 
 
 def load_model_config(run_dir: str | Path, checkpoint: str | Path | None = None
@@ -133,7 +138,7 @@ def data_record_text(data, eos_token_id: int | None) -> str:
 
 def save_data_record(data, run_dir: str | Path, eos_token_id: int | None) -> Path:
     """Write ``run_dir/data_record.json`` (``data_record_text``)."""
-    return _write(Path(run_dir) / DATA_RECORD, data_record_text(data, eos_token_id))
+    return save_record(run_dir, DATA_RECORD, data_record_text(data, eos_token_id))
 
 
 def load_data_record(run_dir: str | Path, checkpoint: str | Path | None = None) -> dict | None:

@@ -20,8 +20,7 @@ from ..layout import SequenceLayout
 from ..mesh import SPMesh
 from ..data.dataset import data_eos_id
 from ..models.run_records import (DATA_RECORD, MODEL_CONFIG, data_record_text, model_config_text,
-                                  save_data_record, save_model_config, save_tokenizer,
-                                  save_tokenizer_files)
+                                  save_record, save_tokenizer, save_tokenizer_files)
 from ..models.shard_load import load_shards
 from ..models.llama import Transformer
 from ..models.offload import ActivationOffload, StreamCopier
@@ -178,8 +177,8 @@ def record_for_export(cfg: RunConfig, run_dir: str) -> None:
     pretrained checkpoint's tokenizer files), and what data it reads (``data_record.json``:
     its kind, the trained length, the data's EOS id, the token files, for the export and
     ``usp-eval``)."""
-    save_model_config(cfg.model, run_dir)
-    save_data_record(cfg.data, run_dir, data_eos_id(cfg.data))
+    for name, text in checkpoint_records(cfg).items():  # what each checkpoint keeps too
+        save_record(run_dir, name, text)
     tokenizer = False
     if isinstance(cfg.data, MemmapData):
         first = cfg.data.sources()[0][0]  # a blend's sources share one tokenizer
