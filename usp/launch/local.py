@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 
 from ..comm import PEER_LOST
 from .device import BACKENDS
+from .starter import FromLauncher, start_method
 
 
 def free_port() -> int:
@@ -33,7 +34,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, threads, device_type, fn, args, timeout_s=600.0):
+def _worker(rank, world, port, threads, device_type, fn, args, timeout_s=600.0, launcher=None):
+    """One rank: ``launcher`` is ``starter.FromLauncher()`` when forked from the forkserver
+    (it took the launcher's environment and streams as it was unpickled), else None."""
     torch.set_num_threads(threads)
     if device_type == "cuda":
         torch.cuda.set_device(rank)  # rank i drives cuda:i; set before NCCL binds a device
@@ -70,15 +73,18 @@ def spawn_local(fn, world_size: int, *args, threads: int | None = None,
     (module level). A failure on any rank raises here with the rank's traceback.
     ``threads`` is torch's intra-op threads per process (default: the CPU count shared
     evenly, at least 1). ``timeout_s``: collective timeout of the group. No restarts, no
-    signal forwarding: that is ``run_local``.
+    signal forwarding: that is ``run_local``. The ranks are forked from a server that
+    imported torch and usp once (``starter``), with this process's environment and streams.
     """
     threads = _threads_per_rank(device_type, world_size, threads)
+    method = start_method()
     mp.start_processes(
         _worker,
-        args=(world_size, free_port(), threads, device_type, fn, args, timeout_s),
+        args=(world_size, free_port(), threads, device_type, fn, args, timeout_s,
+              FromLauncher() if method == "forkserver" else None),
         nprocs=world_size,
         join=True,
-        start_method="spawn",
+        start_method=method,
     )
 
 
