@@ -22,4 +22,4 @@ class Sizes:
     @classmethod
     def dry(cls) -> Sizes:
         return cls(kernel_lens=(33, 20), head_dims=(16,), ring_len=64, usp_len=64,
-                   train_steps=40, train_seq_len=128, bench_len=256, bench_iters=2, mfu_len=256)
+                   train_steps=20, train_seq_len=128, bench_len=256, bench_iters=2, mfu_len=256)
