@@ -1,6 +1,6 @@
 """Passkey retrieval separates a trained model from fresh weights: 1-digit ``--exact``
 passkey documents -> usp-prepare -> usp-train (recipe passkey_tiny_cpu: a tiny byte model at
-128 tokens, 16 rows a step, here on 4 CPU ranks, dp 4) scoring the passkey grid at step 0
+128 tokens, 16 rows a step, on the recipe's one CPU rank) scoring the passkey grid at step 0
 (fresh weights) and at its last step. Trained: at least 0.9 of the cases at every depth;
 fresh: near chance (1/9). Measured in docs/eval.md#a-model-that-retrieves-1-digit-keys."""
 
@@ -34,8 +34,8 @@ def test_trained_model_retrieves_fresh_weights_do_not(tmp_path):
          "--no-eos", "--val-fraction", "0.02", "--workers", "1", "--quiet")
     run = tmp_path / "run"
     _run(BIN / "usp-train", "recipe=passkey_tiny_cpu", f"data.path={prefix}",
-         f"trainer.run_dir={run}", f"hydra.run.dir={tmp_path / 'hydra'}", "trainer.nprocs=4",
-         "data.batch_per_dp_rank=4", f"trainer.steps={STEPS}", f"trainer.eval_every={STEPS}",
+         f"trainer.run_dir={run}", f"hydra.run.dir={tmp_path / 'hydra'}",
+         f"trainer.steps={STEPS}", f"trainer.eval_every={STEPS}",
          "trainer.ckpt_every=0", "eval.during_training=true", "eval.key_digits=1",
          "eval.depths=[0,0.25,0.5,0.75,1]", "eval.per_cell=4", "logging=none",
          "logging.jsonl=true")
