@@ -25,7 +25,14 @@ What usp cannot honour is refused with a ValueError before any collective: atten
 dropout in training, logit softcapping, attention weights, a KV cache when P > 1, padding
 masks (use ``segment_ids``), ``labels`` when P > 1 (the model would shift them on its
 shard; use ``causal_lm_loss``), RoPE whose frequencies depend on the longest position in
-the batch (``dynamic``, ``longrope``) when P > 1.
+the batch (``dynamic``, ``longrope``) when P > 1, attention sinks (gpt-oss), and a model
+that transformers says cannot use flash attention (its code needs a mask tensor).
+
+Keywords: a keyword that reaches the attention function is honoured (``UspAttention``'s
+signature), or on ``NEUTRAL_KEYWORDS`` (known not to change attention's result), or
+accepted only while unset (``UNSET_KEYWORDS``: None or False), or refused by name. A model
+passes the same keywords on every rank, so the refusal comes in the first layer, before
+its collective.
 """
 
 from __future__ import annotations
@@ -49,10 +56,33 @@ from ..mesh import SPMesh
 from ..dims.heads import check_heads
 from .tiling import loss_share
 
-__all__ = ["UspAttention", "causal_lm_loss", "global_batch", "layer_windows", "patch",
-           "shard_batch", "unpatch"]
+__all__ = ["NEUTRAL_KEYWORDS", "UNSET_KEYWORDS", "UspAttention", "causal_lm_loss",
+           "global_batch", "layer_windows", "patch", "shard_batch", "unpatch"]
 
 _POSITION_RANGE_ROPE = ("dynamic", "longrope")  # frequencies from max(position_ids) + 1
+# keywords that reach attention without changing its result, with why
+NEUTRAL_KEYWORDS = {
+    "position_ids": "RoPE rotated q and k by them before the call",
+    "cache_position": "where a KV cache writes; attention takes the k/v it is given",
+    "use_cache": "whether the model keeps a KV cache (refused with SP by the pre-hook)",
+    "output_router_logits": "a mixture-of-experts output, computed beside attention",
+    "output_hidden_states": "which layer outputs the model returns",
+    "return_dict": "the form of the model's output",
+    "num_items_in_batch": "the loss' normaliser",
+}
+_SINKS = ("attention sinks (a learned logit per head that takes a share of every "
+          "softmax, as gpt-oss has) are not in usp attention yet; use an unpatched model")
+_VARLEN = ("flash-attention's packed-sequence boundaries; usp takes document boundaries as "
+           "segment_ids (usp.models.hf.shard_batch(layout, ..., position_ids=...))")
+# keywords usp honours only while unset (None or False): what each would ask for
+UNSET_KEYWORDS = {
+    "s_aux": _SINKS, "sinks": _SINKS,
+    "output_attentions": "the attention weights, which usp attention never forms",
+    "past_key_values": "a KV cache, which usp attention does not keep",
+    "past_key_value": "a KV cache, which usp attention does not keep",
+    "cu_seq_lens_q": _VARLEN, "cu_seq_lens_k": _VARLEN,
+    "max_length_q": _VARLEN, "max_length_k": _VARLEN,
+}
 _HOOK = "_usp_hf_hook"  # attribute of a patched model: its forward pre-hook handle
 
 
@@ -115,6 +145,7 @@ class UspAttention:
         if softcap:
             raise ValueError(f"attention logit softcapping ({softcap}) is not in usp "
                              "attention; use an unpatched model")
+        _check_keywords(module, kwargs)
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
         # HF [B, H, L/P, d] -> usp [B, L/P, H, d]
         q, k, v = (x.transpose(1, 2) for x in (query, key, value))
@@ -123,6 +154,22 @@ class UspAttention:
                             segment_ids=segment_ids, a2a_chunks=self.a2a_chunks,
                             window=self.window(module, sliding_window))
         return out, None  # [B, L/P, Hq, d]: the layer reshapes it to [B, L/P, Hq*d]
+
+
+def _check_keywords(module, kwargs: dict) -> None:
+    """Refuse a keyword of the attention call that usp neither honours nor knows to be
+    neutral (``NEUTRAL_KEYWORDS``), or one of ``UNSET_KEYWORDS`` that is set."""
+    for key, value in kwargs.items():
+        if key in NEUTRAL_KEYWORDS:
+            continue
+        who = type(module).__name__
+        if key in UNSET_KEYWORDS:
+            if value is None or value is False:
+                continue
+            raise ValueError(f"{who} passes {key}= to attention: {UNSET_KEYWORDS[key]}")
+        raise ValueError(f"{who} passes {key}= to attention, a keyword usp does not know to "
+                         "leave attention's result unchanged, so usp refuses it rather than "
+                         "drop it; use an unpatched model (or ask usp to support it)")
 
 
 def _no_mask(attention_mask=None, **kwargs):
@@ -159,6 +206,14 @@ def _check_config(model, mesh: SPMesh, layout: SequenceLayout) -> tuple[int | No
         raise ValueError(f"config.use_cache=True with {mesh.sp_size} SP ranks: a KV cache "
                          "would hold only this rank's tokens; set model.config.use_cache "
                          "= False (usp.models.hf is for training and whole-sequence evaluation)")
+    if not getattr(model, "_supports_flash_attn", True):
+        raise ValueError(f"{type(model).__name__} does not support flash attention in "
+                         "transformers (its code needs the mask as a tensor); usp attention "
+                         "takes none, as flash attention, so it cannot patch it")
+    sinks = next((name for name, _ in model.named_parameters()
+                  if name.rsplit(".", 1)[-1] in ("sinks", "s_aux")), None)
+    if sinks is not None:
+        raise ValueError(f"{type(model).__name__} has {sinks}: {_SINKS}")
     hq = cfg.num_attention_heads
     check_heads(hq, getattr(cfg, "num_key_value_heads", None) or hq, mesh.ulysses)
     return layer_windows(cfg)
