@@ -130,3 +130,31 @@ def test_per_document_rope_is_each_document_alone_from_position_0():
 def test_hf_equivalent_refuses_a_transformers_model():
     with pytest.raises(ValueError, match="model.hf=llama is a transformers model already"):
         hf_equivalent(replace(MODEL, hf="llama"))
+
+
+WINDOWS = {"none": dict(),  # every layer full
+           "every": dict(sliding_window=8),
+           "some": dict(sliding_window=8, full_attention_every=2)}  # layer 1 full
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("windows", WINDOWS)
+def test_a_run_from_a_checkpoint_exports_as_its_architecture(arch, windows, tmp_path):
+    """``model.arch`` (a run from a checkpoint) is the exported architecture at every window
+    setting it can hold: saved and reloaded by transformers, the same ``model_type`` and
+    the built-in model's logits. A window a Llama cannot hold, and a Mistral window on some
+    layers only, are refused with the setting named."""
+    from transformers import AutoModelForCausalLM
+
+    kw = dict(arch=arch, qkv_bias=arch == "qwen2", **WINDOWS[windows])
+    if arch == "llama" and windows != "none" or arch == "mistral" and windows == "some":
+        with pytest.raises(ValueError, match=f"model.arch={arch}"):
+            replace(MODEL, **kw)
+        return
+    model = _trained(replace(MODEL, **kw))
+    _as_hf(model).save_pretrained(tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert hf.config.model_type == arch
+    ids = torch.randint(0, MODEL.vocab_size, (2, L), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert _rel(hf(input_ids=ids).logits, model(ids, torch.arange(L))) <= 1e-5

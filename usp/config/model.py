@@ -75,6 +75,7 @@ class ModelConfig:
     def _check_hf(self) -> None:
         if self.arch is not None:
             one_of("model.arch", self.arch, HF_ARCHS)
+            self._check_arch_windows()
         if self.hf is None:
             return
         one_of("model.hf", self.hf, HF_ARCHS)
@@ -89,6 +90,18 @@ class ModelConfig:
             raise ValueError(f"model.hf=mistral windows every layer, but model."
                              f"full_attention_every={self.full_attention_every} asks for full "
                              "layers; set model.full_attention_every=0 or use model.hf=qwen2")
+
+    def _check_arch_windows(self) -> None:
+        """A Llama has no window; a Mistral windows every layer or none."""
+        windowed = {self.layer_window(i) is not None for i in range(self.n_layers)}
+        if self.arch == "llama" and True in windowed:
+            raise ValueError(f"model.arch=llama has no sliding window (model.sliding_window="
+                             f"{self.sliding_window}); set model.sliding_window=null, or start "
+                             "from a Mistral or Qwen2 checkpoint for windows")
+        if self.arch == "mistral" and windowed == {True, False}:
+            raise ValueError("model.arch=mistral windows every layer or none, but model."
+                             "full_attention_every / layer_types leave some layers full; window "
+                             "every layer, or start from a Qwen2 checkpoint for per-layer windows")
 
     def _check_layers(self) -> None:
         if self.layer_types is None:

@@ -43,12 +43,20 @@ _BIASES = {"attention.wq.bias": "self_attn.q_proj.bias",  # with qkv_bias (Qwen2
 def hf_equivalent(mc: ModelConfig) -> ModelConfig:
     """``mc`` (a built-in model, ``hf=None``) as the ``model.hf`` config of the transformers
     architecture that computes the same function: ``llama`` (no windowed layer),
-    ``mistral`` (every layer windowed) or ``qwen2`` (some). ``usp.models.hf_model.hf_config``
-    turns it into the transformers config."""
+    ``mistral`` (every layer windowed) or ``qwen2`` (some); ``mc.arch`` (a run from a
+    checkpoint) keeps that architecture, whatever the windows (``ModelConfig`` refuses a
+    window on a Llama and a Mistral window on some layers only).
+    ``usp.models.hf_model.hf_config`` turns it into the transformers config."""
     if mc.hf is not None:
         raise ValueError(f"model.hf={mc.hf} is a transformers model already; it exports with "
                          "its own config (run_dir/hf_config), not through the built-in mapping")
     windowed = [mc.layer_window(i) is not None for i in range(mc.n_layers)]
+    if mc.arch is not None:  # the checkpoint's architecture (ModelConfig checked the windows)
+        if not any(windowed):
+            return replace(mc, hf=mc.arch, sliding_window=None, full_attention_every=0,
+                           layer_types=None)
+        return replace(mc, hf=mc.arch, full_attention_every=0 if mc.arch == "mistral" else
+                       mc.full_attention_every)
     if not any(windowed):
         return replace(mc, hf="llama", sliding_window=None, full_attention_every=0)
     if all(windowed):
