@@ -200,6 +200,13 @@ def test_typos_and_bad_values_are_errors():
         _compose(overrides=["parallel.ulysess_degree=2"])
     with pytest.raises(Exception, match="dim"):
         _compose(overrides=["model.dim=abc"])
+    with pytest.raises(ValueError, match=r"model.rope_scaling=yarn names the type"):
+        _compose(overrides=["model.rope_scaling=yarn"])
+    from usp.config.rope import EXAMPLES
+
+    for name, example in EXAMPLES.items():  # what the refusal suggests composes
+        scaling = _compose(overrides=[f"model.rope_scaling={example}"]).model.rope_scaling
+        assert scaling["rope_type"] == name and scaling["factor"] > 1
 
 
 def test_the_planner_prices_the_global_batch_of_the_run():

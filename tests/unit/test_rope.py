@@ -88,3 +88,22 @@ def test_plain_rope_is_unchanged_by_a_default_or_empty_scaling():
 def test_bad_scalings_are_refused_with_the_fix(scaling, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig(rope_scaling=scaling)
+
+
+@pytest.mark.parametrize("name,needs", [
+    ("yarn", "factor, original_max_position_embeddings"), ("linear", "factor"),
+    ("llama3", "factor, low_freq_factor, high_freq_factor, original_max_position_embeddings")])
+def test_a_type_name_alone_is_refused_with_its_dictionary(name, needs):
+    """``model.rope_scaling=yarn`` on the command line (the override parsed into the example
+    and accepted: ``unit/test_cli.py``)."""
+    from usp.config.rope import EXAMPLES
+
+    with pytest.raises(ValueError) as err:
+        ModelConfig(rope_scaling=name)
+    said = str(err.value)
+    assert f"names the type but not its {needs}" in said
+    assert said.endswith(f"model.rope_scaling={EXAMPLES[name]}")
+    for other, match in (("dynamic", "cannot train"), ("fast", "neither a dictionary"),
+                         (4, "is not a dictionary")):
+        with pytest.raises(ValueError, match=match):
+            ModelConfig(rope_scaling=other)

@@ -10,6 +10,7 @@ and in training from the batch's length, not the model's.
 from __future__ import annotations
 
 import difflib
+from collections.abc import Mapping
 from typing import Any, Optional
 
 # rope_type -> (required keys, optional keys)
@@ -31,6 +32,15 @@ REFUSED = {
 }
 
 
+# each type as the dictionary model.rope_scaling takes (Llama 3.1's llama3; YaRN x4 of 32K)
+EXAMPLES = {
+    "linear": "{rope_type:linear,factor:4}",
+    "llama3": "{rope_type:llama3,factor:8,low_freq_factor:1,high_freq_factor:4,"
+              "original_max_position_embeddings:8192}",
+    "yarn": "{rope_type:yarn,factor:4,original_max_position_embeddings:32768}",
+}
+
+
 def _number(key: str, value: Any, low: float, strict: bool = False) -> float:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (
         value > low if strict else value >= low)
@@ -46,6 +56,11 @@ def check_rope_scaling(scaling: Optional[dict]) -> Optional[dict]:
     a value out of range, each with the fix."""
     if not scaling:
         return None
+    if isinstance(scaling, str):
+        _refuse_a_name(scaling)
+    if not isinstance(scaling, Mapping):
+        raise ValueError(f"model.rope_scaling={scaling!r} is not a dictionary; give one in "
+                         f"transformers' names, e.g. model.rope_scaling={EXAMPLES['yarn']}")
     scaling = dict(scaling)
     kind = scaling.pop("rope_type", None)
     if kind is None:
@@ -91,6 +106,20 @@ def check_rope_scaling(scaling: Optional[dict]) -> Optional[dict]:
                          f"be above low_freq_factor={out['low_freq_factor']:g} (Llama 3.1: 4 "
                          "and 1)")
     return out
+
+
+def _refuse_a_name(name: str) -> None:
+    """``model.rope_scaling=yarn``: a type's name alone has none of its numbers."""
+    if name in EXAMPLES:
+        raise ValueError(f"model.rope_scaling={name} names the type but not its "
+                         f"{', '.join(ROPE_TYPES[name][0])}, which have no default; give the "
+                         f"dictionary, e.g. model.rope_scaling={EXAMPLES[name]}")
+    if name in REFUSED:
+        raise ValueError(f"model.rope_scaling.rope_type={name} cannot train: {REFUSED[name]}; "
+                         f"use yarn, e.g. model.rope_scaling={EXAMPLES['yarn']}")
+    raise ValueError(f"model.rope_scaling={name!r} is neither a dictionary nor null (plain "
+                     f"RoPE); give one in transformers' names, e.g. "
+                     f"model.rope_scaling={EXAMPLES['yarn']}")
 
 
 def rope_parameters(theta: float, scaling: Optional[dict]) -> dict:
