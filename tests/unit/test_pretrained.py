@@ -112,6 +112,26 @@ def test_bad_checkpoints_are_refused_with_the_fix(ckpts, tmp_path):
         pretrained_config(tmp_path)
 
 
+def test_a_config_missing_a_shape_key_is_refused_naming_it(ckpts, tmp_path):
+    """transformers would fill num_attention_heads with 32 and the weights would then be
+    refused by their shape; the refusal names the key instead, on both model paths."""
+    import json
+    import shutil
+
+    from usp.models.hf_model import check_pretrained
+
+    shutil.copytree(ckpts["qwen2"], tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / "config.json"
+    cfg = json.loads(path.read_text())
+    path.write_text(json.dumps({k: v for k, v in cfg.items() if k != "num_attention_heads"}))
+    said = r"config.json has no num_attention_heads; transformers would fill it with its " \
+           r"default \(num_attention_heads=32\)"
+    with pytest.raises(ValueError, match=said):
+        pretrained_config(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match=said):
+        check_pretrained(ModelConfig(hf="qwen2", pretrained=str(tmp_path / "ckpt")))
+
+
 def test_the_data_vocabulary_must_fit_the_embedding(ckpts):
     base = {**vars(pretrained_config(ckpts["mistral"])), "vocab_size": "auto"}
     assert fill_model(base, data_vocab=100)["vocab_size"] == 128

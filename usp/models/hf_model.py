@@ -53,13 +53,10 @@ def hf_config(mc: ModelConfig, max_positions: int | None = None):
 def check_pretrained(mc: ModelConfig) -> None:
     """Refuse ``mc.pretrained`` (ValueError) unless it is a local model directory of
     architecture ``mc.hf`` and exactly ``mc``'s shape."""
-    from transformers import AutoConfig
+    from .pretrained import hf_checkpoint_config
 
     path = Path(mc.pretrained)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model.pretrained={path}: no config.json there; give a directory "
-                         "written by save_pretrained (local files only, no hub names)")
-    have = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    have = hf_checkpoint_config(path)
     if have.model_type != mc.hf:
         raise ValueError(f"model.pretrained={path} is a {have.model_type} model but "
                          f"model.hf={mc.hf}; set model.hf={have.model_type}")

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
+from ..config.model import HF_ARCHS
 
 AUTO = "auto"
 # ModelConfig fields a checkpoint fixes (rope_theta and rope_scaling may differ: they extend)
@@ -32,18 +33,38 @@ SHAPE = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "h
 INDEX = "model.safetensors.index.json"
 
 
-def _config(path: Path):
-    """The transformers config of the checkpoint directory ``path`` (ValueError if none)."""
+# config.json keys that fix the decoder's shape: transformers fills a missing one with its
+# class default (32 heads, 4096 wide, ...), which the weights then contradict
+SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+              "intermediate_size")
+
+
+def hf_checkpoint_config(path: str | Path):
+    """The transformers config of the checkpoint directory ``path``; ValueError when there is
+    none, it does not parse, or (an architecture usp maps) it lacks a key of ``SHAPE_KEYS``,
+    named."""
+    path = Path(path)
     if not (path / "config.json").is_file():
         raise ValueError(f"model.pretrained={path}: no config.json there; give a local "
                          "directory written by save_pretrained (no hub names)")
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+        raw = json.loads((path / "config.json").read_text())
+        hc = AutoConfig.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"model.pretrained={path}: config.json is not a transformers config "
                          f"({e})") from None
+    if hc.model_type not in HF_ARCHS:  # refused as an architecture (adapters), not by its keys
+        return hc
+    missing = [k for k in SHAPE_KEYS if k not in raw]
+    if missing:
+        raise ValueError(f"model.pretrained={path}: config.json has no "
+                         f"{', '.join(missing)}; transformers would fill "
+                         f"{'it' if len(missing) == 1 else 'them'} with its default ("
+                         + ", ".join(f"{k}={getattr(hc, k, None)}" for k in missing)
+                         + "), which is not this checkpoint's shape: restore the file")
+    return hc
 
 
 def checkpoint_fields(path: str | Path, hf: str | None = None) -> dict:
@@ -52,7 +73,7 @@ def checkpoint_fields(path: str | Path, hf: str | None = None) -> dict:
     from .adapters import adapter
 
     path = Path(path)
-    hc = _config(path)
+    hc = hf_checkpoint_config(path)
     try:
         out = adapter(hc.model_type, f"model.pretrained={path}").fields(hc)
     except ValueError as e:
