@@ -107,9 +107,13 @@ def test_bad_checkpoints_are_refused_with_the_fix(ckpts, tmp_path):
     bad.write_bytes((ckpts["llama"] / "model.safetensors").read_bytes()[:1000])
     with pytest.raises(ValueError, match=r"model.safetensors is damaged"):
         check_checkpoint(pretrained_config(tmp_path))
-    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "vocab_size": 10}')
-    with pytest.raises(ValueError, match=r"'gpt2' model; usp maps " + ", ".join(ADAPTERS)):
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3", "vocab_size": 10}')
+    with pytest.raises(ValueError) as err:
         pretrained_config(tmp_path)
+    said = str(err.value)  # the path once, and no pointer to model.hf, which refuses it too
+    assert said.startswith(f"model.pretrained={tmp_path} is a 'qwen3' model; usp maps "
+                           + ", ".join(ADAPTERS)) and said.count("model.pretrained=") == 1
+    assert "usp-train cannot train it" in said and "usp.models.hf.patch" in said
 
 
 def test_a_config_missing_a_shape_key_is_refused_naming_it(ckpts, tmp_path):

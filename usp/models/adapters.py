@@ -89,6 +89,8 @@ def adapter(model_type: str | None, where: str = "the checkpoint") -> Adapter:
     """The adapter of ``model_type``; ValueError naming the mapped ones otherwise."""
     if model_type not in ADAPTERS:
         raise ValueError(f"{where} is a {model_type!r} model; usp maps {', '.join(ADAPTERS)} "
-                         "checkpoints onto its built-in model (model.hf trains a transformers "
-                         "class itself)")
+                         "checkpoints onto its built-in model, and model.hf trains those three "
+                         "transformers classes too: usp-train cannot train it. The library "
+                         "path patches any decoder transformers ships, or refuses it by name "
+                         "(usp.models.hf.patch, docs/huggingface.md)")
     return ADAPTERS[model_type]

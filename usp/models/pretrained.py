@@ -74,8 +74,9 @@ def checkpoint_fields(path: str | Path, hf: str | None = None) -> dict:
 
     path = Path(path)
     hc = hf_checkpoint_config(path)
+    mapped = adapter(hc.model_type, f"model.pretrained={path}")  # the refusal names the path
     try:
-        out = adapter(hc.model_type, f"model.pretrained={path}").fields(hc)
+        out = mapped.fields(hc)
     except ValueError as e:
         raise ValueError(f"model.pretrained={path}: {e}") from None
     out["arch"] = None if hf is not None else hc.model_type
