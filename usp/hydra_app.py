@@ -75,8 +75,39 @@ def cluster_file_overrides(args: list[str]) -> list[str]:
     return out
 
 
-def config_error(e: Exception) -> ValueError:
-    """Hydra's refusal ``e`` of a config it could not compose, as one line."""
+def _key_path(value, key: str, at: str) -> str | None:
+    """The dotted path (``at[1].key``) of the first dict in ``value`` (lists and dicts of
+    them) that holds ``key``, or None."""
+    if isinstance(value, dict):
+        if key in value:
+            return f"{at}.{key}"
+        items = [(f"{at}.{k}", v) for k, v in value.items()]
+    elif isinstance(value, list):
+        items = [(f"{at}[{i}]", v) for i, v in enumerate(value)]
+    else:
+        return None
+    return next((p for p in (_key_path(v, key, where) for where, v in items) if p), None)
+
+
+def _key_in_override(key: str, override: str, overrides: Iterable[str]) -> str | None:
+    """Where ``key`` sits in the value the command line gave ``override`` (a list of dicts:
+    ``trainer.phases[1].rope_thetta``), or None when it cannot be found there."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    for text in overrides:
+        if text.partition("=")[0].lstrip("+~") != override:
+            continue
+        try:
+            value = OverridesParser.create().parse_override(text).value()
+        except Exception:  # noqa: BLE001 -- Hydra's own refusal of the text stands
+            return None
+        return _key_path(value, key, override)
+    return None
+
+
+def config_error(e: Exception, overrides: Iterable[str] = ()) -> ValueError:
+    """Hydra's refusal ``e`` of a config it could not compose (from the command line
+    ``overrides``), as one line."""
     text = str(e).split("\nConfig search path:")[0]
     found = re.match(r"In '([^']+)': ", text)
     where = found.group(1) if found and found.group(1) not in ("train", "plan") else ""
@@ -89,7 +120,8 @@ def config_error(e: Exception) -> ValueError:
         name = cause.full_key
         override = re.search(r"override '?\+*([\w.]+)", text)
         if override and not name.startswith(override.group(1)):  # an item of a list of dicts
-            name = f"{name} in {override.group(1)}"
+            name = (_key_in_override(str(cause.key), override.group(1), overrides)
+                    or f"{name} in {override.group(1)}")
         known = [f.name for f in dataclasses.fields(schema)]
         prefix = name[:len(name) - len(str(cause.key))] if name.endswith(str(cause.key)) else ""
         return unknown_key_error([stray_key(name, cause.key, known, prefix)], where)
@@ -123,7 +155,7 @@ def run_app(app: Callable[[], None], refuse: Callable[[Exception], NoReturn],
     except (HydraException, OmegaConfBaseException) as e:
         if user == "1":
             raise
-        refuse(config_error(e))
+        refuse(config_error(e, args[1:]))
     finally:
         if user is None:
             os.environ.pop("HYDRA_FULL_ERROR", None)

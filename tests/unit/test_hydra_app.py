@@ -22,7 +22,7 @@ def refusal():
         with initialize_config_dir(config_dir=cli.CONFIG_DIR, version_base="1.3"):
             with pytest.raises(HydraException) as e:
                 compose("train", overrides=list(overrides))
-        return str(config_error(e.value))
+        return str(config_error(e.value, overrides))
     return refuse
 
 
@@ -41,9 +41,15 @@ def _own_dir(tmp_path: Path) -> Path:
                          "schema has no such field; drop the override or fix its name"),
     (["node=2"], "unknown config key node ("),
     (["data=memmap", "data.blend=[{path:a,wieght:2}]"],
-     "unknown config key wieght in data.blend (did you mean weight?)"),
+     "unknown config key data.blend[0].wieght (did you mean data.blend[0].weight?)"),
     (["trainer.phases=[{seq_len:8,stpes:2}]"],
-     "unknown config key stpes in trainer.phases (did you mean steps?)"),
+     "unknown config key trainer.phases[0].stpes (did you mean trainer.phases[0].steps?)"),
+    (["trainer.phases=[{seq_len:8,steps:2},{seq_len:16,steps:2,rope_thetta:4e4}]"],
+     "unknown config key trainer.phases[1].rope_thetta (did you mean "
+     "trainer.phases[1].rope_theta?)"),
+    (["trainer.phases=[{seq_len:8,steps:2},{seq_len:16,steps:2,until:{passkey_ac:0.9}}]"],
+     "unknown config key trainer.phases[1].until.passkey_ac (did you mean "
+     "trainer.phases[1].until.passkey_acc?)"),
 ])
 def test_a_key_the_schema_lacks_gets_usps_message(refusal, overrides, line):
     text = refusal(*overrides)
