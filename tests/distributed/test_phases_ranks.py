@@ -142,8 +142,9 @@ def test_three_phases_change_layout_at_every_boundary_and_learn(runs):
     # samples per phase; tokens summed over phases (256 tokens a step throughout)
     assert [m[s]["samples"] for s in range(1, 10)] == [4, 8, 12, 2, 4, 6, 1, 2, 3]
     assert [m[s]["tokens_seen"] for s in range(1, 10)] == [256 * s for s in range(1, 10)]
-    # phase 2's own warmup (lr 2e-3, 2 steps): the lr after its first step is its peak
-    assert m[4]["lr"] == pytest.approx(2e-3)
+    # the rate each step used: the run's warmup (3e-3, 2 steps) at steps 1-2, its peak at
+    # phase 1's last step, then phase 2's own warmup (2e-3, 2 steps) from its first step
+    assert [m[s]["lr"] for s in range(1, 6)] == pytest.approx([1.5e-3, 3e-3, 3e-3, 1e-3, 2e-3])
     extra = _newest_extra(runs / "straight")
     assert (extra["step"], extra["phase"], extra["starts"]) == (9, 2, [0, 3, 6])
     assert extra["tokens_before"] == 256 * 6

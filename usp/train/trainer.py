@@ -274,6 +274,7 @@ class Trainer:
                  for k in range(run.grad_accum)]  # each [B, L/P]
         stats, count, gn = self.forward_backward(step, micro)
         loss = stats[0].item() / count
+        lr = self.opt.param_groups[0]["lr"]  # this step's rate: the schedule steps after it
         # on_nonfinite: stop raises here (no step, no checkpoint); skip drops the grads
         if self.guard.check(step, loss, gn):
             if self.rank == 0:
@@ -300,7 +301,7 @@ class Trainer:
         summary = {
             "step": step,
             "loss": loss,
-            "lr": self.sched.get_last_lr()[0],
+            "lr": lr,
             "grad_norm": gn,
             "tokens_per_s": run.tokens_per_step / dt,
             "mfu": self.flops * run.tokens_per_step / dt / (self.cfg.cluster.peak_flops
