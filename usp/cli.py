@@ -22,7 +22,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from .config import DATA_KINDS, ModelConfig, PlanConfig, RunConfig
 from .config import files as config_files
 from .data.dataset import AUTO, data_vocab
-from .hydra_app import run_app, stray_key, unknown_key_error
+from .hydra_app import REFUSED, run_app, stray_key, unknown_key_error
 from .models.pretrained import fill_model
 
 # hydra-core 1.4 warns about version_base="1.3" at every start (three lines on every task of
@@ -151,7 +151,7 @@ class JobError(RuntimeError):
     would leave no result and the submitter polling)."""
 
 
-def _refuse(prog: str, e: Exception, status: int = 2) -> None:
+def _refuse(prog: str, e: Exception, status: int = REFUSED) -> None:
     """Print ``prog: error: ...`` (no traceback) and exit with ``status``.
 
     In a torchrun/Slurm launch a refusal decided together before the process group

@@ -26,6 +26,7 @@ from typing import NoReturn
 
 import yaml
 from hydra.core.config_store import ConfigStore
+from hydra.experimental.callback import Callback
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
@@ -139,11 +140,54 @@ def config_error(e: Exception, overrides: Iterable[str] = ()) -> ValueError:
     return ValueError("; ".join(lines))
 
 
+REFUSED = 2  # the exit status of a command refused before it started anything
+_HYDRA_FILES = (".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", ".hydra")
+
+
+class RunDirRecord(Callback):
+    """Hydra callback (``hydra.callbacks`` of configs/train.yaml and eval.yaml): before Hydra
+    makes the run directory, note it and the outermost of its folders that does not exist
+    yet, so that a refused command can remove what Hydra wrote there (``forget_run_dir``)."""
+
+    made: list[tuple[Path, Path]] = []  # (run directory, its first folder Hydra makes)
+
+    def on_run_start(self, config, **kwargs) -> None:
+        run_dir = Path(str(config.hydra.run.dir)).absolute()  # ${now:} is cached: Hydra's
+        top = run_dir
+        while not top.parent.exists():
+            top = top.parent
+        RunDirRecord.made[:] = [(run_dir, top)] if not run_dir.exists() else []
+
+
+def forget_run_dir() -> None:
+    """After a refusal: remove the run directory Hydra made for this command (its
+    ``.hydra/`` files and an empty job log) and the folders it made above it, each only
+    if nothing else is in it. A directory that existed before the command is left alone."""
+    for run_dir, top in RunDirRecord.made:
+        for name in _HYDRA_FILES:
+            path = run_dir / name
+            if path.is_file():
+                path.unlink()
+            elif path.is_dir() and not any(path.iterdir()):
+                path.rmdir()
+        for log in run_dir.glob("*.log"):
+            if log.stat().st_size == 0:
+                log.unlink()
+        folder = run_dir
+        while folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+            if folder == top:
+                break
+            folder = folder.parent
+    RunDirRecord.made.clear()
+
+
 def run_app(app: Callable[[], None], refuse: Callable[[Exception], NoReturn],
             args: list[str]) -> None:
     """Run the Hydra app ``app`` on the command line ``args`` (rewritten in place by
     ``cluster_file_overrides``); a config it cannot compose goes to ``refuse`` as
-    ``config_error``'s ValueError."""
+    ``config_error``'s ValueError. A command refused once it ran (exit ``REFUSED``) leaves
+    no run directory behind (``forget_run_dir``)."""
     try:
         args[:] = cluster_file_overrides(args)
     except ValueError as e:  # a cluster file missing or unreadable
@@ -152,6 +196,10 @@ def run_app(app: Callable[[], None], refuse: Callable[[Exception], NoReturn],
     try:
         os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises what it cannot compose, unprinted
         app()
+    except SystemExit as e:
+        if e.code == REFUSED:  # refused before anything ran: nothing of it stays on disk
+            forget_run_dir()
+        raise
     except (HydraException, OmegaConfBaseException) as e:
         if user == "1":
             raise

@@ -15,14 +15,15 @@ TRAIN_REFUSED = [
     ("cluster=nowhere/mine.yaml", "cluster=nowhere/mine.yaml: no such file"),
     # length phases: a misspelt key inside the list, lengths that shrink (the config), a
     # phase shorter than one step (resolve_phases, in the launching process)
-    ("trainer.phases=[{seq_len: 512, stpes: 2}]",
-     "unknown config key stpes in trainer.phases (did you mean steps?)"),
+    ("trainer.phases=[{seq_len: 512, steps: 2}, {seq_len: 1024, stpes: 2}]",
+     "unknown config key trainer.phases[1].stpes (did you mean trainer.phases[1].steps?)"),
     ("trainer.phases=[{seq_len: 1024, steps: 2}, {seq_len: 512, steps: 2}]",
      "trainer.phases[1].seq_len=512 is shorter than phase 0's 1024"),
     ("trainer.phases=[{seq_len: 512, steps: 2}, {seq_len: 1024, tokens: 100}]",
      "trainer.phases[1].tokens=100 is less than one optimizer step of that phase (8192 tokens"),
 ]
 PLAN_REFUSED = "data.seq_len=1001"  # odd: no zigzag layout splits it
+EVAL_REFUSED = ("eval.run_dir=/nonexistent/run", "/nonexistent/run")
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +32,10 @@ def command_lines(tmp_path_factory) -> dict:
     from _cli import run_commands
 
     tmp = tmp_path_factory.mktemp("refused")
-    calls = [("train_main", [o, f"hydra.run.dir={tmp / str(i)}"])
+    # each in a run directory two new folders deep, as Hydra's default runs/<time> can be
+    calls = [("train_main", [o, f"hydra.run.dir={tmp / str(i) / 'runs' / 'now'}"])
              for i, (o, _) in enumerate(TRAIN_REFUSED)] + [("plan_main", [PLAN_REFUSED])]
+    calls.append(("eval_main", [EVAL_REFUSED[0], f"hydra.run.dir={tmp / 'eval' / 'runs' / 'now'}"]))
     return {(entry, args[0]): res for (entry, args), res in
             zip(calls, run_commands(calls, tmp, timeout=300))}
 
@@ -46,11 +49,21 @@ def test_usp_train_refuses_in_one_line(command_lines, override, needle):
     assert "SPMesh" not in res.stdout
 
 
-def test_a_refused_phase_plan_writes_nothing(command_lines, tmp_path_factory):
-    i = next(i for i, (o, _) in enumerate(TRAIN_REFUSED) if "tokens: 100" in o)
-    run_dir = command_lines["train_main", TRAIN_REFUSED[i][0]].args[-1].split("=", 1)[1]
-    written = {p.name for p in Path(run_dir).iterdir()} if Path(run_dir).exists() else set()
-    assert not written & {"checkpoints", "metrics.jsonl", "summary.json", "data_record.json"}
+def test_a_refused_command_writes_nothing(command_lines):
+    """Not even Hydra's run directory (``.hydra/``, the job log) or the folders it made
+    above it: every refusal, Hydra's own and usp's after Hydra made the directory."""
+    for (entry, first), res in command_lines.items():
+        if entry == "plan_main":
+            continue
+        assert res.returncode == 2, res.stderr
+        made = Path(res.args[-1].split("=", 1)[1]).parent.parent  # tmp/i (runs/now below it)
+        assert not made.exists(), (first, sorted(p.name for p in made.rglob("*")))
+
+
+def test_usp_eval_refuses_in_one_line(command_lines):
+    res = command_lines["eval_main", EVAL_REFUSED[0]]
+    assert res.stderr.startswith("usp-eval: error: ") and EVAL_REFUSED[1] in res.stderr
+    assert res.stderr.strip().count("\n") == 0
 
 
 def test_usp_plan_refuses_in_one_line(command_lines):
