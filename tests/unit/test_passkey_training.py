@@ -34,11 +34,26 @@ def test_metrics_are_each_lengths_pass_rate_and_mean_log_likelihood():
                                        "passkey_acc/128": 0.0, "passkey_logprob/128": -4.0}
 
 
+def test_the_heatmap_writes_what_passkey_json_holds():
+    """3 of 4 is 0.75 in passkey.json and "3/4" in its cell (one decimal rounded half to
+    even printed "0.8"); the title says the step, the cases a cell and chance."""
+    from usp.scoring.report import cell_text, passkey_title
+
+    cases = [_case(64, d, p, -1.0) for d in (0.0, 1.0) for p in (True, False, True, True)]
+    cases[4:6] = [_case(64, 1.0, False, -1.0)] * 2  # depth 1: 2 of 4 passed
+    result = passkey_result(cases, [64, 128], [0.0, 1.0], 64, 1, step=700)
+    assert result["accuracy"][0] == [0.75, 0.5] and result["step"] == 700
+    assert [cell_text(result, 0, j) for j in (0, 1)] == ["3/4", "2/4"]
+    assert cell_text(result, 1, 0) == "-"  # no case at 128
+    assert passkey_title(result).startswith("passkey retrieval at step 700: 4 cases a cell, "
+                                            "1-digit keys, chance 0.111")
+
+
 class _Score:
     def __init__(self):
         self.calls = 0
 
-    def score(self, model):
+    def score(self, model, step=None):
         self.calls += 1
         return {"passkey_acc/64": 0.5}
 

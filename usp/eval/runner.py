@@ -14,6 +14,7 @@ import torch
 from ..config import torch_dtype
 from ..data.packing import IGNORE_INDEX
 from ..layout import SequenceLayout
+from ..models.checkpoint import step_of
 from ..mesh import SPMesh
 from ..models.llama import Transformer
 from ..run import RunLayout
@@ -71,8 +72,9 @@ def run_eval(job: EvalJob, run: RunLayout, rank: int, device: torch.device) -> d
         out = {}
         if job.cases:
             scores = passkey_scores(model, use, job.cases, mesh, run.balance, device)
+            step = None if job.checkpoint is None else step_of(job.checkpoint)
             out["passkey"] = report.passkey_result(scores, job.lengths, job.cfg.eval.depths,
-                                                   job.train_len, job.cfg.eval.key_digits)
+                                                   job.train_len, job.cfg.eval.key_digits, step)
         if job.windows:
             out["position_loss"] = position_loss(model, use, job, mesh, run, device)
     finally:

@@ -99,7 +99,7 @@ def step_dirs(run_dir: str | Path) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted((p for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()),
-                  key=_step, reverse=True)
+                  key=step_of, reverse=True)
 
 
 def latest_checkpoint(run_dir: str | Path, verify: bool = True,
@@ -244,8 +244,9 @@ def load_rng(path: str | Path) -> None:
 
 # ---- helpers --------------------------------------------------------------------------------
 
-def _step(p: Path) -> int:
-    return int(_STEP_DIR.match(p.name).group(1))
+def step_of(p: Path) -> int:
+    """The optimizer step of checkpoint directory ``p`` (``step_000700``: 700)."""
+    return int(_STEP_DIR.match(Path(p).name).group(1))
 
 
 def _files(d: Path) -> list[str]:

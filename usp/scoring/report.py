@@ -5,7 +5,6 @@ length), and the console's one line per length. Matplotlib's Agg backend (no dis
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Sequence
 
@@ -13,12 +12,26 @@ from .passkey import SCORING, accuracy_grid
 
 
 def passkey_result(scores: list[dict], lengths: Sequence[int], depths: Sequence[float],
-                   train_len: int | None, key_digits: int) -> dict:
-    """passkey.json's content."""
+                   train_len: int | None, key_digits: int, step: int | None = None) -> dict:
+    """passkey.json's content; ``step``: the optimizer step of the weights scored (None: a
+    checkpoint of no run, or fresh weights)."""
     return {"lengths": list(lengths), "depths": list(depths),
             "accuracy": accuracy_grid(scores, lengths, depths), "scoring": SCORING,
             "key_digits": key_digits, "chance": 1.0 / (9 * 10 ** (key_digits - 1)),  # first digit not 0
-            "train_length": train_len, "cases": scores}
+            "train_length": train_len, "step": step, "cases": scores}
+
+
+def passkey_title(result: dict) -> str:
+    """The heatmap's title: the step scored, the cases a cell (passed / cases in each
+    cell), the keys and chance."""
+    per_cell = sorted({sum(1 for c in result["cases"] if (c["length"], c["depth"]) == (n, d))
+                       for n in result["lengths"] for d in result["depths"]} - {0})
+    cases = "-".join(str(n) for n in (per_cell[:1] + per_cell[-1:] if len(per_cell) > 1
+                                      else per_cell))
+    step = result.get("step")
+    return (f"passkey retrieval{'' if step is None else f' at step {step}'}: {cases} cases a "
+            f"cell, {result['key_digits']}-digit keys, chance {result['chance']:.3g}\n"
+            "(cell: passed / cases, teacher-forced exact match)")
 
 
 def passkey_metrics(result: dict) -> dict[str, float]:
@@ -67,9 +80,18 @@ def _figure(w: float, h: float):
     return fig
 
 
+def cell_text(result: dict, i: int, j: int) -> str:
+    """What heatmap cell (length i, depth j) says: passed / cases, as in passkey.json's
+    accuracy (``2/4`` is 0.5), or ``-`` for a cell without cases."""
+    n, d = result["lengths"][i], result["depths"][j]
+    mine = [c["passed"] for c in result["cases"] if c["length"] == n and c["depth"] == d]
+    return f"{sum(mine)}/{len(mine)}" if mine else "-"
+
+
 def passkey_png(result: dict, path: Path) -> None:
     """The heatmap: depths across, lengths down, accuracy as colour (0..1, colour bar), each
-    cell's value written in it, the training length's row marked."""
+    cell's passed / cases written in it (``cell_text``), the step, the cases a cell and chance
+    in the title (``passkey_title``), the training length's row marked."""
     lengths, depths, acc = result["lengths"], result["depths"], result["accuracy"]
     fig = _figure(max(6.4, 2.8 + 0.55 * len(depths)), max(3.6, 1.8 + 0.5 * len(lengths)))
     ax = fig.add_subplot(1, 1, 1)
@@ -81,12 +103,10 @@ def passkey_png(result: dict, path: Path) -> None:
                                         for n in lengths])
     ax.set_xlabel("needle depth (0: start of the haystack, 1: end)")
     ax.set_ylabel("sequence length (tokens)")
-    ax.set_title(f"passkey retrieval, {result['key_digits']}-digit keys (teacher-forced "
-                 "exact match)", fontsize=10)
+    ax.set_title(passkey_title(result), fontsize=9)
     for i, row in enumerate(acc):
         for j, v in enumerate(row):
-            ax.text(j, i, "-" if math.isnan(v) else f"{v:.1f}", ha="center", va="center",
-                    fontsize=9)
+            ax.text(j, i, cell_text(result, i, j), ha="center", va="center", fontsize=9)
     if train in lengths:
         i = lengths.index(train)
         from matplotlib.patches import Rectangle

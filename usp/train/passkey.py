@@ -90,7 +90,7 @@ class PasskeyScore:
         self.balance, self.run_dir, self.device = train_layout.balance, Path(run_dir), device
         self.result: dict | None = None  # the last evaluation's passkey.json
 
-    def score(self, model) -> dict:
+    def score(self, model, step: int | None = None) -> dict:
         model.eval()
         try:
             scores = passkey_scores(model, self.use, self.cases, self.mesh, self.balance,
@@ -103,7 +103,7 @@ class PasskeyScore:
         dist.broadcast_object_list(held, src=0, group=self.mesh.group("loss"),
                                    device=self.device if self.device.type == "cuda" else None)
         self.result = report.passkey_result(held[0], self.lengths, self.depths,
-                                            self.train_layout.seq_len, self.key_digits)
+                                            self.train_layout.seq_len, self.key_digits, step)
         if dist.get_rank() == 0:
             report.write_json(self.run_dir / "passkey.json", self.result)
             report.passkey_png(self.result, self.run_dir / "passkey.png")

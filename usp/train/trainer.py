@@ -214,7 +214,7 @@ class Trainer:
         # The handlers only set a flag; the previous ones are back however the loop ends.
         with Preemption(tc.preempt_signals) as preemption:
             if at.step == 0 and self.validator.should_validate(0):  # where the model starts
-                record = {"step": 0, **self.validator.validate(self.model), **self.where}
+                record = {"step": 0, **self.validator.validate(self.model, 0), **self.where}
                 self.logger.log(record)
                 self.console.log(record)
             for step in range(at.step + 1, self.end + 1):
@@ -223,7 +223,7 @@ class Trainer:
                              skipped=summary["skipped_steps"])
                 validated = self.validator.should_validate(step)
                 if validated:
-                    summary.update(self.validator.validate(self.model))
+                    summary.update(self.validator.validate(self.model, step))
                 # the phase ends here: its last step, or its gate holds at this validation
                 ends = step == self.end or (validated and self.gate_holds(summary, at))
                 if ends and phase.index == 0:  # the first phase's final validation loss

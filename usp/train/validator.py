@@ -126,7 +126,7 @@ class Validator:
         return bool(self.splits or self.passkey) and (step == self.last
                                       or bool(self.every and step % self.every == 0))
 
-    def validate(self, model) -> dict:
+    def validate(self, model, step: int | None = None) -> dict:
         """One plain dict keyed as the metrics are: ``val_loss`` and ``val_ppl``; for a blend
         also each source's (``val_loss/<name>``), and ``val_loss`` is their mean by the
         blend's weights; ``short_val_loss`` with ``short``; with ``passkey``,
@@ -140,7 +140,7 @@ class Validator:
         if self.short is not None:
             out["short_val_loss"] = self.short.loss(model)
         if self.passkey is not None:
-            out.update(self.passkey.score(model))
+            out.update(self.passkey.score(model, step))  # step: passkey.png's title
         return out
 
 
