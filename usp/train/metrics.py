@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..config import LoggingConfig
+from .curves import curves_png
 from .wandb_procs import WandbHelpers
 
 # The longest one wandb call (log, summary, finish) may take. A live service answers in
@@ -251,35 +252,7 @@ class MetricsLogger:
         """Loss and answer accuracy against step, as ``run_dir/curves.png``."""
         if not (self.active and self.cfg.plot):
             return None
-        recs = [r for r in self.records() if "loss" in r]  # not step 0's validation alone
-        if not recs:
-            return None
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        steps = [r["step"] for r in recs]
-        fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
-        for a, b in zip(recs, recs[1:]):  # the phase boundaries (trainer.phases)
-            if a.get("phase") != b.get("phase"):
-                for axis in ax:
-                    axis.axvline(a["step"] + 0.5, color="grey", linestyle=":", linewidth=1)
-        ax[0].plot(steps, [r["loss"] for r in recs])
-        ax[0].set(xlabel="step", ylabel="loss (answer tokens)" if "acc" in recs[0] else "loss",
-                  yscale="log", title="training loss")
-        if "acc" in recs[0]:
-            ax[1].plot(steps, [r["acc"] for r in recs])
-            ax[1].set(xlabel="step", ylabel="answer accuracy", ylim=(0, 1.02),
-                      title="long-range answer accuracy")
-        else:
-            ax[1].plot(steps, [r["tokens_per_s"] for r in recs])
-            ax[1].set(xlabel="step", ylabel="tokens/s", title="throughput")
-        fig.tight_layout()
-        path = self.run_dir / "curves.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        return path
+        return curves_png(self.records(), self.run_dir / "curves.png")
 
     def close(self) -> None:
         """Finish the wandb run and stop its service (each at most ``WANDB_WAIT_S``), then end
