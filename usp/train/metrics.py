@@ -249,7 +249,7 @@ class MetricsLogger:
         return [json.loads(ln) for ln in self.jsonl_path.read_text().splitlines() if ln.strip()]
 
     def plot(self) -> Path | None:
-        """Loss and answer accuracy against step, as ``run_dir/curves.png``."""
+        """The run's curves (``usp.train.curves``) as ``run_dir/curves.png``."""
         if not (self.active and self.cfg.plot):
             return None
         return curves_png(self.records(), self.run_dir / "curves.png")
