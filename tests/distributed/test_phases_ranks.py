@@ -87,7 +87,7 @@ def _runs(root, plans):
                 self.step = step
                 return step > 0
 
-            def validate(self, model):
+            def validate(self, model, step=None):
                 return _gate_scores(self.step)
 
         trainer_module.Validator = Scored
@@ -189,6 +189,11 @@ def test_a_gate_ends_its_phase_at_the_validation_where_it_holds(runs):
     # phase 2 (steps 4..7 planned) ends after step 5, where the score reached 0.9
     assert [m[s]["phase"] for s in sorted(m)] == [1, 1, 1, 2, 2, 3, 3]
     assert m[4]["passkey_acc/128"] == 0.5 and m[5]["passkey_acc/128"] == 1.0
+    # what ended each phase: the step bound, the gate, the step bound
+    assert [m[s].get("phase_end") for s in sorted(m)] == [None, None, "steps", None, "gate",
+                                                         None, "steps"]
+    summary = json.loads((runs / "gated" / "summary.json").read_text())
+    assert [p["ended_by"] for p in summary["phases"]] == ["steps", "gate", "steps"]
     extra = _newest_extra(runs / "gated")
     assert (extra["step"], extra["starts"]) == (7, [0, 3, 5])
 

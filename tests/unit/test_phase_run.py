@@ -122,11 +122,29 @@ def test_the_summary_has_a_row_per_phase():
     records = [{"step": 0, "val_loss": 9.0},  # step 0's validation: no step
                rec(1, 1, 64, 256), rec(2, 1, 64, 512, val_loss=3.0),
                rec(3, 2, 128, 768, **{"passkey_acc/128": 0.25}),
-               rec(4, 2, 128, 1024, short_val_loss=3.1, **{"passkey_acc/128": 1.0})]
+               rec(4, 2, 128, 1024, short_val_loss=3.1, phase_end="gate",
+                   **{"passkey_acc/128": 1.0})]
     assert phase_table(records) == [
         {"phase": 1, "seq_len": 64, "dp": 4, "ring": 1, "ulysses": 1, "steps": [1, 2],
          "tokens": 512, "step_s": 0.5, "tokens_per_s": 512.0, "val_loss": 3.0},
         {"phase": 2, "seq_len": 128, "dp": 2, "ring": 2, "ulysses": 1, "steps": [3, 4],
-         "tokens": 512, "step_s": 0.5, "tokens_per_s": 512.0, "short_val_loss": 3.1,
-         "passkey_acc": {"128": 1.0}}]
+         "tokens": 512, "step_s": 0.5, "tokens_per_s": 512.0, "ended_by": "gate",
+         "short_val_loss": 3.1, "passkey_acc": {"128": 1.0}}]
     assert phase_table([{"step": 5}]) == []  # records from before phases: no table
+
+
+def test_the_console_says_what_ended_a_phase():
+    from usp.run.phases import PhaseGate
+    from usp.train.console import phase_end_line
+
+    gate = PhaseGate(passkey_acc=0.9, val_loss_within=0.02)
+    rec = {"step": 700, "phase": 1, "seq_len": 128, "phase_end": "gate",
+           "passkey_acc/128": 0.9, "short_val_loss": 0.059}
+    assert phase_end_line(rec, gate) == (
+        "usp: phase 1 ended at step 700: its gate held (passkey_acc >= 0.9 and "
+        "short_val_loss within 2% of phase 1's final val_loss)")
+    rec.update(step=1000, phase_end="steps", **{"passkey_acc/128": 0.25})
+    assert phase_end_line(rec, PhaseGate(passkey_acc=0.9)) == (
+        "usp: phase 1 ended at step 1000, its step bound: its gate (passkey_acc >= 0.9) never "
+        "held; at this last validation passkey_acc/128=0.25, short_val_loss=0.059")
+    assert phase_end_line(rec, None) == "usp: phase 1 ended at step 1000, its step bound"

@@ -41,8 +41,39 @@ class Console:
                             for k, v in record.items())
             self.bar.write(line) if self.bar is not None else print(line, flush=True)
 
+    def phase_end(self, record: dict, gate) -> None:
+        """At the step that ended a length phase (its record has ``phase_end``), one line
+        saying what ended it: its gate (``gate``, a ``PhaseGate``) or its step bound, and a
+        gate that never held with its last scores."""
+        if self.rank == 0 and "phase_end" in record:
+            line = phase_end_line(record, gate)
+            self.bar.write(line) if self.bar is not None else print(line, flush=True)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
 
+
+
+def gate_text(gate) -> str:
+    """``PhaseGate`` ``gate`` in words: ``passkey_acc >= 0.9 and short_val_loss within 2%``."""
+    parts = [] if gate.passkey_acc is None else [f"passkey_acc >= {gate.passkey_acc:g}"]
+    if gate.val_loss_within is not None:
+        parts.append(f"short_val_loss within {gate.val_loss_within:.0%} of phase 1's "
+                     "final val_loss")
+    return " and ".join(parts)
+
+
+def phase_end_line(record: dict, gate) -> str:
+    """What ended the phase of ``record`` (the record of its last step, with ``phase_end``
+    ``gate`` or ``steps``), under its gate ``gate`` (None: it had none)."""
+    head = f"usp: phase {record['phase']} ended at step {record['step']}"
+    if record["phase_end"] == "gate":
+        return f"{head}: its gate held ({gate_text(gate)})"
+    if gate is None:
+        return f"{head}, its step bound"
+    last = ", ".join(f"{k}={record[k]:.4g}" for k in
+                     (f"passkey_acc/{record['seq_len']}", "short_val_loss") if k in record)
+    return (f"{head}, its step bound: its gate ({gate_text(gate)}) never held"
+            + (f"; at this last validation {last}" if last else ""))

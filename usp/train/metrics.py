@@ -127,8 +127,9 @@ def phase_table(records: list[dict]) -> list[dict]:
     """One row per length phase of the step records (``metrics.jsonl``, those with a
     ``phase``): its layout (``seq_len``, ``dp``, ``ring``, ``ulysses``), its ``steps``
     [first, last], the ``tokens`` it trained on, its mean ``step_s`` and ``tokens_per_s``
-    (tokens over the summed step times), and its last ``val_loss``, ``short_val_loss`` and
-    ``passkey_acc`` ({length: accuracy}) where it scored them."""
+    (tokens over the summed step times), its last ``val_loss``, ``short_val_loss`` and
+    ``passkey_acc`` ({length: accuracy}) where it scored them, and ``ended_by`` (``gate`` or
+    ``steps``, its step bound) for a run of phases or a gated one."""
     rows: dict[int, list[dict]] = {}
     for r in records:
         if "loss" in r and "phase" in r:  # a step's record, not step 0's validation alone
@@ -140,6 +141,8 @@ def phase_table(records: list[dict]) -> list[dict]:
         row = {"phase": phase, **{k: first[k] for k in ("seq_len", "dp", "ring", "ulysses")},
                "steps": [first["step"], last["step"]], "tokens": tokens,
                "step_s": seconds / len(recs), "tokens_per_s": tokens / seconds}
+        if "phase_end" in last:  # what ended it: its gate or its step bound
+            row["ended_by"] = last["phase_end"]
         for key in ("val_loss", "short_val_loss"):
             scored = [r[key] for r in recs if key in r]
             if scored:

@@ -224,12 +224,16 @@ class Trainer:
                 validated = self.validator.should_validate(step)
                 if validated:
                     summary.update(self.validator.validate(self.model, step))
-                # the phase ends here: its last step, or its gate holds at this validation
-                ends = step == self.end or (validated and self.gate_holds(summary, at))
+                # the phase ends here: its gate holds at this validation, or its last step
+                gated = validated and self.gate_holds(summary, at)
+                ends = gated or step == self.end
                 if ends and phase.index == 0:  # the first phase's final validation loss
                     at = replace(at, reference=summary.get("val_loss"))
+                if ends and (len(self.plan) > 1 or phase.until is not None):
+                    summary["phase_end"] = "gate" if gated else "steps"
                 self.logger.log(summary)
                 self.console.log(summary)
+                self.console.phase_end(summary, phase.until)
                 # Sync: every rank learns whether any rank got a preemption signal (none is
                 # needed after the last step: the run is complete and exits normally).
                 done = ends and last_phase
