@@ -345,6 +345,25 @@ def test_plan_enumerates_every_layout_once(h100):
     assert per_seq == sorted(per_seq)
 
 
+def test_the_table_compares_time_per_sequence_in_columns_named_by_unit(h100):
+    """A lower time per pass of a smaller dp read as worse when the column compared was
+    another unit: 'vs best' is of s/seq, printed beside it; s/pass covers seqs sequences."""
+    p = plan(llama_like(32), h100.replace(nodes=4), 8192, batch=BatchSpec(per_dp_rank=1))
+    lines = p.format_table(show_dropped=False).splitlines()
+    assert lines[1].split()[:9] == ["#", "dp", "ring", "ulysses", "s/seq", "vs", "best",
+                                    "s/pass", "seqs"]
+    rows = [line.split() for line in lines[2:2 + len(p.candidates)]]
+    per_seq = [float(r[4]) for r in rows]
+    for r in rows:
+        assert 1 + float(r[5].rstrip("%")) / 100 == pytest.approx(float(r[4]) / per_seq[0],
+                                                                  rel=2e-3)
+        assert float(r[4]) == pytest.approx(float(r[6]) / int(r[7]), rel=2e-3)
+    # the case that read wrong: a pass of fewer sequences is quicker, yet ranked below
+    assert any(float(a[6]) > float(b[6]) and int(a[7]) > int(b[7])
+               for a, b in zip(rows, rows[1:]))
+    assert lines[2 + len(p.candidates)].startswith("(s/seq: predicted seconds per sequence")
+
+
 def test_heads_rule_drops_with_check_heads_message(h100):
     m = ModelConfig(dim=1536, n_heads=6, n_kv_heads=2, ffn_dim=4096, n_layers=4)
     p = plan(m, h100.replace(nodes=1), 1 << 15)

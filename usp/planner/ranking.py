@@ -201,7 +201,7 @@ class Plan:
         return f"{b.label()}: " + "; ".join(parts)
 
     def _vs(self, c: Candidate) -> str:
-        return f"{c.cost.step_s / self.best.cost.step_s - 1:+.1%} step time"
+        return f"{c.seq_s / self.best.seq_s - 1:+.1%} time per sequence"
 
     def format_table(self, show_dropped: bool = True, max_dropped: int = 20) -> str:
         """Ranked table of feasible layouts, then the dropped ones with their reason: one line
@@ -213,16 +213,19 @@ class Plan:
             + (", memory forward only (no gradients, no optimizer state)"
                if self.step.forward_only else "")
         )
-        rows = [head, f"{'#':>2} {'dp':>3} {'ring':>4} {'ulysses':>7} {'step_s':>9} "
-                f"{'vs best':>8} {'comm':>6} {'mem/rank':>9}  notes"]
+        rows = [head, f"{'#':>2} {'dp':>3} {'ring':>4} {'ulysses':>7} {'s/seq':>8} "
+                f"{'vs best':>8} {'s/pass':>8} {'seqs':>5} {'comm':>6} {'mem/rank':>9}  notes"]
         t0 = self.best.seq_s
         for i, c in enumerate(self.candidates, 1):
             k = c.cost
             rows.append(
-                f"{i:>2} {c.dp:>3} {c.ring:>4} {c.ulysses:>7} {k.step_s:>9.3f} "
-                f"{c.seq_s / t0 - 1:>+8.1%} {k.comm_share:>6.1%} "
-                f"{size(c.memory.total):>9}  {'; '.join(c.notes)}"
+                f"{i:>2} {c.dp:>3} {c.ring:>4} {c.ulysses:>7} {c.seq_s:>8.4g} "
+                f"{c.seq_s / t0 - 1:>+8.1%} {k.step_s:>8.3f} {c.global_batch:>5} "
+                f"{k.comm_share:>6.1%} {size(c.memory.total):>9}  {'; '.join(c.notes)}"
             )
+        rows.append("(s/seq: predicted seconds per sequence, what the table ranks and 'vs best' "
+                    "compares; s/pass: one pass of every dp rank's micro-batch, seqs sequences; "
+                    "an optimizer step is grad_accum_steps passes)")
         if show_dropped and len(self.dropped) > max_dropped:
             rows.append(f"dropped: {len(self.dropped)} layouts, by rule")
             rows += summarize_dropped(self.dropped)
