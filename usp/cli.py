@@ -22,7 +22,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from .config import DATA_KINDS, ModelConfig, PlanConfig, RunConfig
 from .config import files as config_files
 from .data.dataset import AUTO, data_vocab
-from .hydra_app import REFUSED, run_app, stray_key, unknown_key_error
+from .hydra_app import REFUSED, keep_run_dir, run_app, stray_key, unknown_key_error
 from .models.pretrained import fill_model
 
 # hydra-core 1.4 warns about version_base="1.3" at every start (three lines on every task of
@@ -210,6 +210,7 @@ def run_training(cfg: RunConfig, run_dir: str | None = None) -> None:
                                   torch.cuda.device_count())  # the run's device, decided once
         # refuse bad layouts/data before spawning
         plan = resolve_phases(cfg, nprocs, device, run_dir=run_dir, say=say)
+        keep_run_dir()  # accepted: from here a failure is the run's, its directory stays
         code = run_local(_local_worker, nprocs, plan.cfg, plan, device_type=plan[0].run.device,
                          max_restarts=cfg.trainer.max_restarts, timeout_s=cfg.trainer.timeout_s)
         if code:  # the ranks' own exit code, e.g. preempted after a forwarded SIGTERM
@@ -243,6 +244,7 @@ def run_training(cfg: RunConfig, run_dir: str | None = None) -> None:
     plan = decide_together(store, info, decide, check, cfg.trainer.timeout_s)
     for text in said:
         say(text)
+    keep_run_dir()  # accepted by every task: from here a failure is the run's
     _train_launched(cfg, info, plan, store)
 
 

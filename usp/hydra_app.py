@@ -158,28 +158,47 @@ class RunDirRecord(Callback):
             top = top.parent
         RunDirRecord.made[:] = [(run_dir, top)] if not run_dir.exists() else []
 
+    def on_run_end(self, config, **kwargs) -> None:
+        keep_run_dir()
+
+
+def keep_run_dir() -> None:
+    """The command started its work (ranks, a run): a refusal from now on keeps the run
+    directory, whatever is in it."""
+    RunDirRecord.made.clear()
+
+
+def _hydra_files_only(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds nothing but what Hydra writes there at the start: its
+    ``.hydra/`` files and an empty job log."""
+    for path in run_dir.rglob("*"):
+        name = path.relative_to(run_dir).as_posix()
+        if not (name in _HYDRA_FILES or (path.suffix == ".log" and path.parent == run_dir
+                                         and path.stat().st_size == 0)):
+            return False
+    return True
+
 
 def forget_run_dir() -> None:
-    """After a refusal: remove the run directory Hydra made for this command (its
-    ``.hydra/`` files and an empty job log) and the folders it made above it, each only
-    if nothing else is in it. A directory that existed before the command is left alone."""
+    """After a refusal: remove the run directory Hydra made for this command and the folders
+    it made above it, when the directory holds only Hydra's own files (``.hydra/``, an
+    empty job log). A directory that existed before the command, or that holds anything
+    else, is left alone; one another process removes first is no error."""
     for run_dir, top in RunDirRecord.made:
-        for name in _HYDRA_FILES:
-            path = run_dir / name
-            if path.is_file():
-                path.unlink()
-            elif path.is_dir() and not any(path.iterdir()):
-                path.rmdir()
-        for log in run_dir.glob("*.log"):
-            if log.stat().st_size == 0:
-                log.unlink()
-        folder = run_dir
-        while folder.is_dir() and not any(folder.iterdir()):
-            folder.rmdir()
-            if folder == top:
-                break
-            folder = folder.parent
-    RunDirRecord.made.clear()
+        try:
+            if not run_dir.is_dir() or not _hydra_files_only(run_dir):
+                continue
+            for path in sorted(run_dir.rglob("*"), reverse=True):  # files before folders
+                path.rmdir() if path.is_dir() else path.unlink(missing_ok=True)
+            folder = run_dir
+            while folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+                if folder == top:
+                    break
+                folder = folder.parent
+        except OSError:  # a torchrun task of the same second removed it first
+            pass
+    keep_run_dir()
 
 
 def run_app(app: Callable[[], None], refuse: Callable[[Exception], NoReturn],

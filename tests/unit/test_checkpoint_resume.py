@@ -92,3 +92,11 @@ def test_fingerprint_accepts_the_same_plan_under_any_layout_and_refuses_another_
             ck.check_resume(saved, run_fingerprint(cfg, _plan(cfg, *map(tuple, other))))
     with pytest.raises(ValueError, match="trainer.phases"):  # a phase more or less
         ck.check_resume(saved, run_fingerprint(cfg, _plan(cfg, *phases[:2])))
+
+
+def test_a_checkpoints_step_is_read_from_its_name_and_none_from_another():
+    """usp-eval scores any verified checkpoint directory, a renamed copy included."""
+    from pathlib import Path
+
+    assert ck.step_of(Path("run/checkpoints/step_000700")) == 700
+    assert ck.step_of(Path("run/best")) is None

@@ -102,6 +102,33 @@ def test_patched_model_refuses_bad_calls_before_any_collective():
     assert model(input_ids=torch.randint(0, V, (1, L))).logits.shape == (1, L, V)
 
 
+def test_position_ids_that_restart_need_segment_ids(monkeypatch):
+    """transformers reads a restart of position_ids as a packed document's start and masks
+    there; usp sees documents only through segment_ids, so a restart without them is refused
+    (before this, attention silently crossed the documents)."""
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+    one = _fake_mesh(ulysses=1)
+    model = tiny_model("llama").eval()
+    usp.models.hf.patch(model, one, SequenceLayout(one, seq_len=L))
+    ids = torch.randint(0, V, (1, L))
+    packed = torch.cat([torch.arange(20), torch.arange(L - 20)])[None]
+    with pytest.raises(ValueError, match="position_ids restart or jump inside a row"):
+        model(input_ids=ids, position_ids=packed)
+    batch = usp.models.hf.shard_batch(SequenceLayout(one, seq_len=L), input_ids=ids,
+                                      position_ids=packed)  # gives segment_ids: exact
+    got = model(**batch).logits
+    usp.models.hf.unpatch(model, to="eager")
+    want = model(input_ids=ids, position_ids=packed).logits  # transformers masks there
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    usp.models.hf.patch(model, one, SequenceLayout(one, seq_len=L))
+    assert model(input_ids=ids, position_ids=torch.arange(L)[None] + 7).logits.shape[1] == L
+    two = _fake_mesh(ulysses=2)  # with SP: the global index, 0 .. L-1, and nothing else
+    layout = SequenceLayout(two, seq_len=L, balance="zigzag")
+    usp.models.hf.patch(model, two, layout)
+    with pytest.raises(ValueError, match="or pass the global index"):
+        model(input_ids=ids[:, :L // 2], position_ids=layout.shard(torch.arange(L)[None] + 7))
+
+
 def test_attention_function_refuses_what_it_cannot_honour():
     mesh = _fake_mesh()
     layout = SequenceLayout(mesh, seq_len=L, balance="zigzag")

@@ -84,3 +84,31 @@ def test_a_cluster_file_is_an_option_of_the_cluster_group(tmp_path):
     with pytest.raises(ValueError, match=r"cluster=nowhere.yaml: no such file; give the path of "
                                          r"a cluster YAML .* or one of a100_ib, cpu_local"):
         cluster_file_overrides(["cluster=nowhere.yaml"])
+
+
+def test_a_refusal_removes_only_a_run_directory_of_hydras_own_files(tmp_path):
+    """What ``forget_run_dir`` removes: the folders Hydra made, when they hold only its
+    ``.hydra/`` files and an empty log; a directory with anything else stays whole."""
+    from omegaconf import OmegaConf
+
+    from usp.hydra_app import RunDirRecord, forget_run_dir, keep_run_dir
+
+    def made(run_dir, extra=None):
+        RunDirRecord().on_run_start(OmegaConf.create({"hydra": {"run": {"dir": str(run_dir)}}}))
+        (run_dir / ".hydra").mkdir(parents=True)
+        for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
+            (run_dir / ".hydra" / name).write_text("x: 1\n")
+        (run_dir / "cli.log").write_text("")
+        if extra:
+            (run_dir / extra).write_text("a run's file\n")
+
+    made(tmp_path / "new" / "runs" / "now")
+    forget_run_dir()
+    assert sorted(tmp_path.iterdir()) == []  # new/ and runs/ were Hydra's too
+    made(tmp_path / "runs" / "now", extra="metrics.jsonl")
+    forget_run_dir()
+    assert (tmp_path / "runs" / "now" / ".hydra" / "config.yaml").is_file()
+    made(tmp_path / "kept" / "now")
+    keep_run_dir()  # the run was accepted: a later refusal keeps it
+    forget_run_dir()
+    assert (tmp_path / "kept" / "now" / "cli.log").is_file()

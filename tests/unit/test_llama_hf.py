@@ -158,3 +158,9 @@ def test_a_run_from_a_checkpoint_exports_as_its_architecture(arch, windows, tmp_
     ids = torch.randint(0, MODEL.vocab_size, (2, L), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert _rel(hf(input_ids=ids).logits, model(ids, torch.arange(L))) <= 1e-5
+
+
+def test_layer_types_of_the_wrong_length_are_refused_before_the_architectures_windows():
+    with pytest.raises(ValueError, match="has 1 entries for 2 layers"):
+        replace(MODEL, arch="qwen2", qkv_bias=True, sliding_window=8,
+                layer_types=["sliding_attention"])

@@ -142,7 +142,7 @@ def test_the_console_says_what_ended_a_phase():
            "passkey_acc/128": 0.9, "short_val_loss": 0.059}
     assert phase_end_line(rec, gate) == (
         "usp: phase 1 ended at step 700: its gate held (passkey_acc >= 0.9 and "
-        "short_val_loss within 2% of phase 1's final val_loss)")
+        "val_loss_within 0.02)")
     rec.update(step=1000, phase_end="steps", **{"passkey_acc/128": 0.25})
     assert phase_end_line(rec, PhaseGate(passkey_acc=0.9)) == (
         "usp: phase 1 ended at step 1000, its step bound: its gate (passkey_acc >= 0.9) never "

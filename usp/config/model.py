@@ -53,6 +53,8 @@ class ModelConfig:
         self.rope_scaling = check_rope_scaling(self.rope_scaling)
         self._check_hf()
         self._check_layers()
+        if self.arch is not None:
+            self._check_arch_windows()  # once layer_types is known to hold a type per layer
         at_least("model", 0, full_attention_every=self.full_attention_every,
                  loss_chunk=self.loss_chunk)
         if self.sliding_window is not None:
@@ -75,7 +77,6 @@ class ModelConfig:
     def _check_hf(self) -> None:
         if self.arch is not None:
             one_of("model.arch", self.arch, HF_ARCHS)
-            self._check_arch_windows()
         if self.hf is None:
             return
         one_of("model.hf", self.hf, HF_ARCHS)

@@ -244,9 +244,11 @@ def load_rng(path: str | Path) -> None:
 
 # ---- helpers --------------------------------------------------------------------------------
 
-def step_of(p: Path) -> int:
-    """The optimizer step of checkpoint directory ``p`` (``step_000700``: 700)."""
-    return int(_STEP_DIR.match(Path(p).name).group(1))
+def step_of(p: Path) -> int | None:
+    """The optimizer step of checkpoint directory ``p`` (``step_000700``: 700), None for a
+    directory named otherwise (a copy of a checkpoint)."""
+    found = _STEP_DIR.match(Path(p).name)
+    return None if found is None else int(found.group(1))
 
 
 def _files(d: Path) -> list[str]:

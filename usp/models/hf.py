@@ -25,8 +25,10 @@ What usp cannot honour is refused with a ValueError before any collective: atten
 dropout in training, logit softcapping, attention weights, a KV cache when P > 1, padding
 masks (use ``segment_ids``), ``labels`` when P > 1 (the model would shift them on its
 shard; use ``causal_lm_loss``), RoPE whose frequencies depend on the longest position in
-the batch (``dynamic``, ``longrope``) when P > 1, attention sinks (gpt-oss), and a model
-that transformers says cannot use flash attention (its code needs a mask tensor).
+the batch (``dynamic``, ``longrope``) when P > 1, attention sinks (gpt-oss), a model that
+does not declare ``_supports_flash_attn`` (its code may need a mask tensor), and
+``position_ids`` that restart inside a row without ``segment_ids`` (transformers would mask
+there as between packed documents).
 
 Keywords: a keyword that reaches the attention function is honoured (``UspAttention``'s
 signature), or on ``NEUTRAL_KEYWORDS`` (known not to change attention's result), or
@@ -206,10 +208,12 @@ def _check_config(model, mesh: SPMesh, layout: SequenceLayout) -> tuple[int | No
         raise ValueError(f"config.use_cache=True with {mesh.sp_size} SP ranks: a KV cache "
                          "would hold only this rank's tokens; set model.config.use_cache "
                          "= False (usp.models.hf is for training and whole-sequence evaluation)")
-    if not getattr(model, "_supports_flash_attn", True):
-        raise ValueError(f"{type(model).__name__} does not support flash attention in "
-                         "transformers (its code needs the mask as a tensor); usp attention "
-                         "takes none, as flash attention, so it cannot patch it")
+    if not getattr(model, "_supports_flash_attn", False):
+        raise ValueError(f"{type(model).__name__} does not declare _supports_flash_attn, "
+                         "transformers' flag for a model whose attention needs no mask tensor; "
+                         "usp attention, like flash attention, takes none, so it cannot patch "
+                         "it (a model of your own that computes attention from q, k, v alone "
+                         "may set the flag)")
     sinks = next((name for name, _ in model.named_parameters()
                   if name.rsplit(".", 1)[-1] in ("sinks", "s_aux")), None)
     if sinks is not None:
@@ -295,7 +299,26 @@ class _CallCheck:
         if module.training and dropout > 0:
             raise ValueError(f"config.attention_dropout={dropout} in training: usp "
                              "attention has no dropout; set it to 0.0 or call model.eval()")
+        pos = kwargs.get("position_ids")
+        if pos is not None and pos.dim() == 2 and kwargs.get("segment_ids") is None:
+            _check_positions(pos, self.layout)
         return None
+
+
+def _check_positions(pos: torch.Tensor, layout: SequenceLayout) -> None:
+    """Without ``segment_ids`` every token sees its whole row, so ``position_ids`` [B, L/P]
+    must not restart: transformers reads a restart as the start of a packed document and
+    would mask there. At P = 1 a row may start anywhere; with SP (where this rank sees only
+    its shard) they must be the tokens' global index, 0 .. L-1."""
+    offset = pos - layout.positions(pos.device)  # [B, L/P]: position minus global index
+    ok = bool((offset == offset[:, :1]).all()) if layout.mesh.sp_size == 1 else not offset.any()
+    if not ok:
+        raise ValueError("position_ids restart or jump inside a row (packed documents?) but no "
+                         "segment_ids were given, so usp attention would let every token see "
+                         "the whole row; build the batch with usp.models.hf.shard_batch(layout, "
+                         "..., position_ids=...), which gives segment_ids for the documents"
+                         + ("" if layout.mesh.sp_size == 1 else ", or pass the global index "
+                            "0 .. L-1 as position_ids"))
 
 
 def global_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None,

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import sys
 
+from ..config.phases import gate_text
+
 
 class Console:
     """Rank 0's step lines and progress bar; on other ranks ``log`` does nothing.
@@ -53,16 +55,6 @@ class Console:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
-
-
-
-def gate_text(gate) -> str:
-    """``PhaseGate`` ``gate`` in words: ``passkey_acc >= 0.9 and short_val_loss within 2%``."""
-    parts = [] if gate.passkey_acc is None else [f"passkey_acc >= {gate.passkey_acc:g}"]
-    if gate.val_loss_within is not None:
-        parts.append(f"short_val_loss within {gate.val_loss_within:.0%} of phase 1's "
-                     "final val_loss")
-    return " and ".join(parts)
 
 
 def phase_end_line(record: dict, gate) -> str:
