@@ -281,11 +281,6 @@ class SPMesh:
             self._cache[axis] = None if perm == list(range(len(perm))) else perm
         return self._cache[axis]
 
-    def ring_neighbors(self) -> tuple[int, int]:
-        """Global ranks (previous, next) on this rank's ring."""
-        ranks, i = self.axis_ranks("ring"), self.ring_rank
-        return ranks[(i - 1) % self.ring], ranks[(i + 1) % self.ring]
-
     def agree_once(self, what: str, value, axis: str = "sp") -> None:
         """``check_agreement`` over ``axis`` the first time this rank passes ``value``
         (collective then; free afterwards): a cheap guard for per-call arguments."""

@@ -24,10 +24,6 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _nearest(candidates: list[int], target: int) -> list[int]:
-    return sorted(candidates, key=lambda c: (abs(c - target), c))[:3]
-
-
 def check_degrees(world_size: int, ulysses: int, ring: int, dp: int | None = None) -> int:
     """Check ``dp * ring * ulysses == world_size``; return dp (derived when not given)."""
     for name, val in (("ulysses", ulysses), ("ring", ring), ("world_size", world_size)):
