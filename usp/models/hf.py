@@ -30,11 +30,11 @@ does not declare ``_supports_flash_attn`` (its code may need a mask tensor), and
 ``position_ids`` that restart inside a row without ``segment_ids`` (transformers would mask
 there as between packed documents).
 
-Keywords: a keyword that reaches the attention function is honoured (``UspAttention``'s
-signature), or on ``NEUTRAL_KEYWORDS`` (known not to change attention's result), or
-accepted only while unset (``UNSET_KEYWORDS``: None or False), or refused by name. A model
-passes the same keywords on every rank, so the refusal comes in the first layer, before
-its collective.
+Keywords (``usp.models.hf_keywords``): a keyword that reaches the attention function is
+honoured (``UspAttention``'s signature), or on ``NEUTRAL_KEYWORDS`` (known not to change
+attention's result), or accepted only while unset (``UNSET_KEYWORDS``: None or False), or
+refused by name. A model passes the same keywords on every rank, so the refusal comes in
+the first layer, before its collective.
 """
 
 from __future__ import annotations
@@ -56,35 +56,14 @@ from ..data.packing import IGNORE_INDEX, document_positions, packed_rows
 from ..layout import SequenceLayout
 from ..mesh import SPMesh
 from ..dims.heads import check_heads
+from .hf_keywords import (NEUTRAL_KEYWORDS, SINKS, UNSET_KEYWORDS, check_keywords,
+                          check_positions)
 from .tiling import loss_share
 
 __all__ = ["NEUTRAL_KEYWORDS", "UNSET_KEYWORDS", "UspAttention", "causal_lm_loss",
            "global_batch", "layer_windows", "patch", "shard_batch", "unpatch"]
 
 _POSITION_RANGE_ROPE = ("dynamic", "longrope")  # frequencies from max(position_ids) + 1
-# keywords that reach attention without changing its result, with why
-NEUTRAL_KEYWORDS = {
-    "position_ids": "RoPE rotated q and k by them before the call",
-    "cache_position": "where a KV cache writes; attention takes the k/v it is given",
-    "use_cache": "whether the model keeps a KV cache (refused with SP by the pre-hook)",
-    "output_router_logits": "a mixture-of-experts output, computed beside attention",
-    "output_hidden_states": "which layer outputs the model returns",
-    "return_dict": "the form of the model's output",
-    "num_items_in_batch": "the loss' normaliser",
-}
-_SINKS = ("attention sinks (a learned logit per head that takes a share of every "
-          "softmax, as gpt-oss has) are not in usp attention yet; use an unpatched model")
-_VARLEN = ("flash-attention's packed-sequence boundaries; usp takes document boundaries as "
-           "segment_ids (usp.models.hf.shard_batch(layout, ..., position_ids=...))")
-# keywords usp honours only while unset (None or False): what each would ask for
-UNSET_KEYWORDS = {
-    "s_aux": _SINKS, "sinks": _SINKS,
-    "output_attentions": "the attention weights, which usp attention never forms",
-    "past_key_values": "a KV cache, which usp attention does not keep",
-    "past_key_value": "a KV cache, which usp attention does not keep",
-    "cu_seq_lens_q": _VARLEN, "cu_seq_lens_k": _VARLEN,
-    "max_length_q": _VARLEN, "max_length_k": _VARLEN,
-}
 _HOOK = "_usp_hf_hook"  # attribute of a patched model: its forward pre-hook handle
 
 
@@ -147,7 +126,7 @@ class UspAttention:
         if softcap:
             raise ValueError(f"attention logit softcapping ({softcap}) is not in usp "
                              "attention; use an unpatched model")
-        _check_keywords(module, kwargs)
+        check_keywords(module, kwargs)
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
         # HF [B, H, L/P, d] -> usp [B, L/P, H, d]
         q, k, v = (x.transpose(1, 2) for x in (query, key, value))
@@ -156,22 +135,6 @@ class UspAttention:
                             segment_ids=segment_ids, a2a_chunks=self.a2a_chunks,
                             window=self.window(module, sliding_window))
         return out, None  # [B, L/P, Hq, d]: the layer reshapes it to [B, L/P, Hq*d]
-
-
-def _check_keywords(module, kwargs: dict) -> None:
-    """Refuse a keyword of the attention call that usp neither honours nor knows to be
-    neutral (``NEUTRAL_KEYWORDS``), or one of ``UNSET_KEYWORDS`` that is set."""
-    for key, value in kwargs.items():
-        if key in NEUTRAL_KEYWORDS:
-            continue
-        who = type(module).__name__
-        if key in UNSET_KEYWORDS:
-            if value is None or value is False:
-                continue
-            raise ValueError(f"{who} passes {key}= to attention: {UNSET_KEYWORDS[key]}")
-        raise ValueError(f"{who} passes {key}= to attention, a keyword usp does not know to "
-                         "leave attention's result unchanged, so usp refuses it rather than "
-                         "drop it; use an unpatched model (or ask usp to support it)")
 
 
 def _no_mask(attention_mask=None, **kwargs):
@@ -217,7 +180,7 @@ def _check_config(model, mesh: SPMesh, layout: SequenceLayout) -> tuple[int | No
     sinks = next((name for name, _ in model.named_parameters()
                   if name.rsplit(".", 1)[-1] in ("sinks", "s_aux")), None)
     if sinks is not None:
-        raise ValueError(f"{type(model).__name__} has {sinks}: {_SINKS}")
+        raise ValueError(f"{type(model).__name__} has {sinks}: {SINKS}")
     hq = cfg.num_attention_heads
     check_heads(hq, getattr(cfg, "num_key_value_heads", None) or hq, mesh.ulysses)
     return layer_windows(cfg)
@@ -301,24 +264,8 @@ class _CallCheck:
                              "attention has no dropout; set it to 0.0 or call model.eval()")
         pos = kwargs.get("position_ids")
         if pos is not None and pos.dim() == 2 and kwargs.get("segment_ids") is None:
-            _check_positions(pos, self.layout)
+            check_positions(pos, self.layout)
         return None
-
-
-def _check_positions(pos: torch.Tensor, layout: SequenceLayout) -> None:
-    """Without ``segment_ids`` every token sees its whole row, so ``position_ids`` [B, L/P]
-    must not restart: transformers reads a restart as the start of a packed document and
-    would mask there. At P = 1 a row may start anywhere; with SP (where this rank sees only
-    its shard) they must be the tokens' global index, 0 .. L-1."""
-    offset = pos - layout.positions(pos.device)  # [B, L/P]: position minus global index
-    ok = bool((offset == offset[:, :1]).all()) if layout.mesh.sp_size == 1 else not offset.any()
-    if not ok:
-        raise ValueError("position_ids restart or jump inside a row (packed documents?) but no "
-                         "segment_ids were given, so usp attention would let every token see "
-                         "the whole row; build the batch with usp.models.hf.shard_batch(layout, "
-                         "..., position_ids=...), which gives segment_ids for the documents"
-                         + ("" if layout.mesh.sp_size == 1 else ", or pass the global index "
-                            "0 .. L-1 as position_ids"))
 
 
 def global_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None,
