@@ -184,6 +184,11 @@ def score(case: Case, losses: Sequence[float], predictions: Sequence[int]) -> di
             "key_logprob": logprob}
 
 
+def cell_passes(scores: list[dict], length: int, depth: float) -> list[bool]:
+    """Whether each scored case of cell (``length``, ``depth``) passed."""
+    return [s["passed"] for s in scores if s["length"] == length and s["depth"] == depth]
+
+
 def accuracy_grid(scores: list[dict], lengths: Sequence[int],
                   depths: Sequence[float]) -> list[list[float]]:
     """Pass rate per (length, depth), lengths x depths."""
@@ -191,7 +196,7 @@ def accuracy_grid(scores: list[dict], lengths: Sequence[int],
     for length in lengths:
         row = []
         for depth in depths:
-            cell = [s["passed"] for s in scores if s["length"] == length and s["depth"] == depth]
+            cell = cell_passes(scores, length, depth)
             row.append(sum(cell) / len(cell) if cell else float("nan"))
         grid.append(row)
     return grid

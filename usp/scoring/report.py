@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-from .passkey import SCORING, accuracy_grid
+from .passkey import SCORING, accuracy_grid, cell_passes
 
 
 def passkey_result(scores: list[dict], lengths: Sequence[int], depths: Sequence[float],
@@ -24,7 +24,7 @@ def passkey_result(scores: list[dict], lengths: Sequence[int], depths: Sequence[
 def passkey_title(result: dict) -> str:
     """The heatmap's title: the step scored, the cases a cell (passed / cases in each
     cell), the keys and chance."""
-    per_cell = sorted({sum(1 for c in result["cases"] if (c["length"], c["depth"]) == (n, d))
+    per_cell = sorted({len(cell_passes(result["cases"], n, d))
                        for n in result["lengths"] for d in result["depths"]} - {0})
     cases = "-".join(str(n) for n in (per_cell[:1] + per_cell[-1:] if len(per_cell) > 1
                                       else per_cell))
@@ -83,8 +83,7 @@ def _figure(w: float, h: float):
 def cell_text(result: dict, i: int, j: int) -> str:
     """What heatmap cell (length i, depth j) says: passed / cases, as in passkey.json's
     accuracy (``2/4`` is 0.5), or ``-`` for a cell without cases."""
-    n, d = result["lengths"][i], result["depths"][j]
-    mine = [c["passed"] for c in result["cases"] if c["length"] == n and c["depth"] == d]
+    mine = cell_passes(result["cases"], result["lengths"][i], result["depths"][j])
     return f"{sum(mine)}/{len(mine)}" if mine else "-"
 
 
