@@ -34,3 +34,21 @@ def test_slurm_env():
                          "SLURM_JOB_NODELIST": "h100-[07-08]"})
     assert (info["kind"], info["rank"], info["world"], info["local_rank"]) == ("slurm", 9, 16, 1)
     assert info["master_addr"] == "h100-07" and info["master_port"] == 29500
+
+
+def test_local_ranks_take_omp_num_threads_when_the_environment_sets_it(monkeypatch):
+    """A local spawn gives each rank ``threads``, else ``OMP_NUM_THREADS``, else the CPUs
+    shared evenly: before, a one-rank run on two cores took two threads whatever
+    ``OMP_NUM_THREADS`` said."""
+    from usp.launch.local import _threads_per_rank
+
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert [_threads_per_rank("cpu", n, None) for n in (1, 2, 4, 16)] == [8, 4, 2, 1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert [_threads_per_rank("cpu", n, None) for n in (1, 4)] == [1, 1]
+    assert _threads_per_rank("cpu", 1, 3) == 3  # an explicit count still wins
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("OMP_NUM_THREADS", bad)
+        with pytest.raises(ValueError, match=f"OMP_NUM_THREADS='{bad}' is not a positive integer"):
+            _threads_per_rank("cpu", 1, None)

@@ -58,10 +58,21 @@ def _worker(rank, world, port, threads, device_type, fn, args, timeout_s=600.0, 
 
 
 def _threads_per_rank(device_type: str, nprocs: int, threads: int | None) -> int:
-    """Check ``device_type``; torch intra-op threads per rank (default: the CPUs shared evenly)."""
+    """Check ``device_type``; torch intra-op threads per rank: ``threads``, else
+    ``OMP_NUM_THREADS`` where the environment sets it (as torchrun honours it), else the CPUs
+    shared evenly."""
     if device_type not in BACKENDS:
         raise ValueError(f"device_type must be cpu or cuda, got {device_type!r}")
-    return threads if threads is not None else max(1, (os.cpu_count() or 1) // nprocs)
+    if threads is not None:
+        return threads
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if omp:
+        if not omp.isdigit() or int(omp) < 1:
+            raise ValueError(f"OMP_NUM_THREADS={omp!r} is not a positive integer: set it to the "
+                             "intra-op threads each rank should use (e.g. 1), or unset it to "
+                             "share the CPUs evenly over the ranks")
+        return int(omp)
+    return max(1, (os.cpu_count() or 1) // nprocs)
 
 
 def spawn_local(fn, world_size: int, *args, threads: int | None = None,
