@@ -31,7 +31,7 @@ def checkpointed_model(cfg: RunConfig, run, mesh, layout):
 
     from usp.attention import usp_attention
     from usp.models.checkpoint import latest_checkpoint, load_checkpoint
-    from usp.models.llama import Transformer
+    from usp.models.decoder import Transformer
     from usp.train.build import _hf_model, shard_model
 
     if cfg.model.hf is None:

@@ -82,7 +82,7 @@ def _rank(ckpt: str, mode: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from usp.attention import local_attention
-    from usp.models.llama import Transformer
+    from usp.models.decoder import Transformer
     from usp.models.pretrained import load_state, pretrained_config
     from usp.models.shard_load import load_shards
     from usp.train.build import shard_model

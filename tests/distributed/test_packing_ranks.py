@@ -14,7 +14,7 @@ from usp.config import (
 )
 from usp.data.packing import document_positions
 from usp.layout import SequenceLayout
-from usp.models.llama import Transformer
+from usp.models.decoder import Transformer
 
 from _packed import LOCAL, MODEL, documents_alone, packed_row
 

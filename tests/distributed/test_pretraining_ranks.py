@@ -132,7 +132,7 @@ def _weights(run_dir) -> dict:
     import torch.distributed.checkpoint as dcp
 
     from usp.models.checkpoint import latest_checkpoint
-    from usp.models.llama import Transformer
+    from usp.models.decoder import Transformer
 
     step = latest_checkpoint(run_dir, log=lambda line: None)
     sd = Transformer(MODEL, attn_fn=None).state_dict()

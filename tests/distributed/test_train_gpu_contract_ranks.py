@@ -17,7 +17,7 @@ def _mixed_precision_worker():
     from torch.distributed.tensor import DTensor
 
     from usp.attention import local_attention
-    from usp.models.llama import Transformer
+    from usp.models.decoder import Transformer
     from usp.train.build import shard_model
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))

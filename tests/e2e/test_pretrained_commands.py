@@ -83,7 +83,7 @@ def _usp_logits(run_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
 
     from usp.attention import local_attention
     from usp.models.checkpoint import latest_checkpoint
-    from usp.models.llama import Transformer
+    from usp.models.decoder import Transformer
     from usp.models.run_records import load_model_config
 
     model = Transformer(load_model_config(run_dir), functools.partial(local_attention, causal=True))

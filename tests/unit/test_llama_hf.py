@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from usp.attention import local_attention
 from usp.models.hf_model import hf_config
-from usp.models.llama import Transformer
+from usp.models.decoder import Transformer
 from usp.models.llama_hf import hf_equivalent, hf_names, zero_filled
 
 from _export_runs import MODEL

@@ -1,4 +1,4 @@
-"""Single-process tests of the GQA decoder in usp.models.llama."""
+"""Single-process tests of the GQA decoder in usp.models.decoder."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from usp.config import ModelConfig
 from usp.attention import local_attention
-from usp.models.llama import Transformer, flops_per_token
+from usp.models.decoder import Transformer, flops_per_token
 from usp.models.rope import apply_rope, rope_cos_sin
 
 CFG = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48)

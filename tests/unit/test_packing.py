@@ -18,7 +18,7 @@ from usp.data import IGNORE_INDEX, MemmapTokens, RecallTask, TokenWriter, docs_p
 from usp.data.packing import document_positions
 from usp.dims.tokens import Ownership, position_tensor
 from usp.data.prepare import EOS, prepare
-from usp.models.llama import Transformer
+from usp.models.decoder import Transformer
 from usp.data.dataset import build_dataset
 from usp.run import check_run_masks
 

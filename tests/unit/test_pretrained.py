@@ -10,7 +10,7 @@ import torch
 from usp.attention import local_attention
 from usp.config import ModelConfig
 from usp.models.adapters import ADAPTERS
-from usp.models.llama import Transformer
+from usp.models.decoder import Transformer
 from usp.models.pretrained import check_checkpoint, fill_model, load_state, pretrained_config
 
 from _pretrained import KINDS, hf_logits, save_checkpoint

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_leaves
 
 from usp.config import ModelConfig
 from usp.attention import local_attention
-from usp.models.llama import FeedForward, Transformer
+from usp.models.decoder import FeedForward, Transformer
 from usp.models.offload import ActivationOffload
 from usp.models.tiling import chunked_lm_loss, lm_loss, loss_share, tiled
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from usp.attention import local_attention
 from usp.config import ModelConfig
 from usp.data.packing import IGNORE_INDEX, Batch
-from usp.models.llama import Transformer
+from usp.models.decoder import Transformer
 from usp.train.forward import forward, loss_and_predictions, token_losses_and_predictions
 
 LOCAL = functools.partial(local_attention, causal=True)

@@ -128,7 +128,7 @@ def saved_activation_bytes(seq_len: int) -> dict:
     at P = 1, 2, 4 (parameters, being state, are not counted)."""
     from usp.attention import usp_attention
     from usp.config import ModelConfig
-    from usp.models.llama import Transformer
+    from usp.models.decoder import Transformer
 
     cfg = ModelConfig()
     tokens = torch.randint(0, cfg.vocab_size, (1, seq_len),

@@ -32,7 +32,7 @@ from usp.data.dataset import build_dataset
 from usp.data.packing import IGNORE_INDEX, Batch
 from usp.layout import SequenceLayout
 from usp.mesh import SPMesh
-from usp.models.llama import Transformer
+from usp.models.decoder import Transformer
 from usp.models.tiling import loss_share
 from usp.train.build import shard_model
 from usp.train.forward import loss_and_predictions

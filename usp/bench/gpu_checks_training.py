@@ -90,7 +90,7 @@ def check_offload(device: torch.device, copier=None) -> dict:
     from functools import partial
 
     from ..config import ModelConfig
-    from ..models.llama import Transformer
+    from ..models.decoder import Transformer
     from ..models.offload import ActivationOffload, StreamCopier
 
     cuda = device.type == "cuda"
@@ -203,7 +203,7 @@ def _mfu_row(device: torch.device, sizes: Sizes) -> dict:
     from functools import partial
 
     from ..config import ModelConfig
-    from ..models.llama import Transformer
+    from ..models.decoder import Transformer
 
     cfg = ModelConfig(vocab_size=32000, dim=2048, n_layers=2, n_heads=16, n_kv_heads=8,
                       ffn_dim=5632)

@@ -40,7 +40,7 @@ class ModelConfig:
     # which layers see sliding_window tokens; None: the pattern above
     layer_types: Optional[List[str]] = None
     rope: str = "global"  # global: positions in the packed row | per_document: from each doc start
-    hf: Optional[str] = None  # None: usp.models.llama.Transformer | llama, qwen2, mistral: transformers'
+    hf: Optional[str] = None  # None: usp.models.decoder.Transformer | llama, qwen2, mistral: transformers'
     pretrained: Optional[str] = None  # a local model directory (save_pretrained) to start from
     # the transformers architecture the weights come from and export to (llama, qwen2,
     # mistral); None: export picks it from the windows (usp.models.llama_hf.hf_equivalent)

@@ -16,7 +16,7 @@ from ..data.packing import IGNORE_INDEX
 from ..layout import SequenceLayout
 from ..models.checkpoint import step_of
 from ..mesh import SPMesh
-from ..models.llama import Transformer
+from ..models.decoder import Transformer
 from ..run import RunLayout
 from ..scoring import report
 from ..scoring.position import bucket_losses

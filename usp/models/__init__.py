@@ -1,6 +1,6 @@
 """Models that run sequence parallel through ``usp_attention``, one concept per file:
 
-- ``llama``: the built-in Llama-style GQA decoder (``Transformer``, ``flops_per_token``);
+- ``decoder``: the built-in Llama-style GQA decoder (``Transformer``, ``flops_per_token``);
 - ``hf``: the Hugging Face adapter (transformers decoders through usp's attention);
 - ``export``: build, load and export transformers models (``from_pretrained`` directories);
 - ``tiling``: the chunked LM loss and the tiled MLP (exact recompute);

@@ -1,7 +1,7 @@
 """State-dict adapters: a transformers checkpoint (``save_pretrained``) as the built-in model.
 
 One adapter per architecture reads the checkpoint's config into ``ModelConfig`` fields and
-says which of its tensors becomes which parameter of ``usp.models.llama.Transformer``. The
+says which of its tensors becomes which parameter of ``usp.models.decoder.Transformer``. The
 name map is the inverse of the export's (``usp.models.llama_hf.hf_names``): the three
 decoders lay their weights out alike and both sides rotate with "rotate half" RoPE
 (``usp.models.rope.apply_rope`` is transformers' ``rotate_half``), so every tensor moves

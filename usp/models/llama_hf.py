@@ -1,4 +1,4 @@
-"""The built-in Llama (``usp.models.llama``, ``model.hf=None``) as a transformers model: the
+"""The built-in Llama (``usp.models.decoder``, ``model.hf=None``) as a transformers model: the
 architecture that computes what it computes, and where each of its weights goes.
 
 Both are the same decoder: pre-norm RMSNorm blocks, GQA attention without biases, SwiGLU,

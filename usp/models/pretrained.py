@@ -188,7 +188,7 @@ def tensor_index(path: str | Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
 def expected_tensors(mc: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     """checkpoint tensor name -> (built-in parameter name, its shape) for ``mc``."""
     from .adapters import adapter
-    from .llama import Transformer
+    from .decoder import Transformer
 
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in Transformer(mc, None).state_dict().items()}

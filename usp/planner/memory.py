@@ -1,7 +1,7 @@
 """Per-rank memory of one training step: what ``usp.train`` holds on the busiest ulysses
 rank, term by term, from the tensors the code allocates.
 
-The run: the built-in ``usp.models.llama.Transformer``, FSDP2 over all ``W = dp x ring x ulysses``
+The run: the built-in ``usp.models.decoder.Transformer``, FSDP2 over all ``W = dp x ring x ulysses``
 ranks, AdamW, ``B`` sequences per dp rank in one forward. Per rank: ``T = L/P`` tokens,
 ``S = L/r`` tokens of a ring segment, ``h``/``kv`` the query/KV heads the busiest ulysses
 rank attends with (``head_split``), ``d`` head_dim, ``D`` dim, ``F`` ffn_dim, ``V`` vocab,

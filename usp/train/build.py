@@ -22,7 +22,7 @@ from ..data.dataset import data_eos_id
 from ..models.run_records import (DATA_RECORD, MODEL_CONFIG, data_record_text, model_config_text,
                                   save_record, save_tokenizer, save_tokenizer_files)
 from ..models.shard_load import load_shards
-from ..models.llama import Transformer
+from ..models.decoder import Transformer
 from ..models.offload import ActivationOffload, StreamCopier
 from ..run import RunLayout
 from ..run.phases import PhasePlan

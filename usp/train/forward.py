@@ -9,7 +9,7 @@ import sys
 import torch
 
 from ..data.packing import Batch
-from ..models.llama import Transformer
+from ..models.decoder import Transformer
 from ..models.tiling import lm_loss, token_losses
 
 

@@ -28,7 +28,7 @@ from ..config import RunConfig
 from ..data.dataset import build_dataset, build_validation
 from ..data.packing import IGNORE_INDEX
 from ..layout import SequenceLayout
-from ..models.llama import flops_per_token
+from ..models.decoder import flops_per_token
 from ..models.tiling import loss_share
 from ..run import PhasePlan, RunLayout
 from ..scoring.grid import training_cases
