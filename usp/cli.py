@@ -23,6 +23,7 @@ from .config import DATA_KINDS, ModelConfig, PlanConfig, RunConfig
 from .config import files as config_files
 from .data.dataset import AUTO, data_vocab
 from .hydra_app import REFUSED, keep_run_dir, run_app, stray_key, unknown_key_error
+from .models.families import check_model
 from .models.pretrained import fill_model
 
 # hydra-core 1.4 warns about version_base="1.3" at every start (three lines on every task of
@@ -117,8 +118,8 @@ def unknown_keys(node, prefix: str = "") -> list[str]:
 
 def to_config(dcfg: DictConfig) -> RunConfig:
     """Hydra's composed config -> a ``RunConfig`` (``PlanConfig`` for usp-plan); refuses keys
-    the schema lacks and the values the dataclasses refuse (their ``__post_init__``), as
-    ``ValueError``."""
+    the schema lacks, the values the dataclasses refuse (their ``__post_init__``) and a model
+    its family cannot hold (``usp.models.families.check_model``), as ``ValueError``."""
     stray = unknown_keys(dcfg)
     if stray:
         raise unknown_key_error(stray)
@@ -132,6 +133,7 @@ def to_config(dcfg: DictConfig) -> RunConfig:
     # typed as the library's ModelConfig (the schema's auto keys are untyped)
     fields["model"] = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig),
                                                           model))
+    check_model(fields["model"])  # model.hf / model.arch: a family, and a shape it holds
     return cls(**fields)
 
 

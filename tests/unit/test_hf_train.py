@@ -13,6 +13,7 @@ from hydra import compose, initialize_config_dir
 import usp.cli as cli
 from usp.config import ModelConfig
 from usp.data.synthetic import RecallTask
+from usp.models.families import check_model
 from usp.models.hf_model import build_model, hf_config
 from usp.data.dataset import build_dataset
 from usp.run import resolve_run
@@ -53,7 +54,7 @@ def test_model_config_maps_to_the_transformers_config():
 ])
 def test_model_config_refuses_what_transformers_cannot_build(kw, needle):
     with pytest.raises(ValueError, match=needle):
-        ModelConfig(**kw)
+        check_model(ModelConfig(**kw))
 
 
 def test_preflight_refuses_a_missing_pretrained_directory(tmp_path):

@@ -1,6 +1,6 @@
-"""The built-in Llama as a transformers model (``usp.models.llama_hf``), in one process: after
-a few optimizer steps the mapped model gives the same logits and loss, with tied or untied
-embeddings, windows on every layer or some (Mistral, Qwen2 with zero q/k/v biases), and
+"""The built-in model as its family's transformers model (``usp.models.families``), in one
+process: after a few optimizer steps the mapped model gives the same logits and loss, with tied
+or untied embeddings, windows on every layer or some (Mistral, Qwen2 with zero q/k/v biases), and
 per-document RoPE equals each document alone. Exports of real runs:
 ``distributed/test_export_ranks.py``."""
 
@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from usp.attention import local_attention
-from usp.models.hf_model import hf_config
 from usp.models.decoder import Transformer
-from usp.models.llama_hf import hf_equivalent, hf_names, zero_filled
+from usp.models.families import check_model, hf_equivalent, hf_names, zero_filled
+from usp.models.hf_model import hf_config
 
 from _export_runs import MODEL
 
@@ -149,7 +149,7 @@ def test_a_run_from_a_checkpoint_exports_as_its_architecture(arch, windows, tmp_
     kw = dict(arch=arch, qkv_bias=arch == "qwen2", **WINDOWS[windows])
     if arch == "llama" and windows != "none" or arch == "mistral" and windows == "some":
         with pytest.raises(ValueError, match=f"model.arch={arch}"):
-            replace(MODEL, **kw)
+            check_model(replace(MODEL, **kw))
         return
     model = _trained(replace(MODEL, **kw))
     _as_hf(model).save_pretrained(tmp_path)

@@ -1,5 +1,5 @@
 """model.pretrained: a transformers checkpoint as the built-in model (usp.models.pretrained,
-usp.models.adapters): its config read, its weights loaded, and the logits transformers'."""
+usp.models.families): its config read, its weights loaded, and the logits transformers'."""
 
 import functools
 from dataclasses import replace
@@ -9,7 +9,7 @@ import torch
 
 from usp.attention import local_attention
 from usp.config import ModelConfig
-from usp.models.adapters import ADAPTERS
+from usp.models.families import FAMILIES
 from usp.models.decoder import Transformer
 from usp.models.pretrained import check_checkpoint, fill_model, load_state, pretrained_config
 
@@ -112,7 +112,7 @@ def test_bad_checkpoints_are_refused_with_the_fix(ckpts, tmp_path):
         pretrained_config(tmp_path)
     said = str(err.value)  # the path once, and no pointer to model.hf, which refuses it too
     assert said.startswith(f"model.pretrained={tmp_path} is a 'qwen3' model; usp maps "
-                           + ", ".join(ADAPTERS)) and said.count("model.pretrained=") == 1
+                           + ", ".join(FAMILIES)) and said.count("model.pretrained=") == 1
     assert "usp-train cannot train it" in said and "usp.models.hf.patch" in said
 
 

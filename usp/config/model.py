@@ -8,7 +8,6 @@ from typing import Any, List, Optional
 from .checks import above, at_least, one_of
 from .rope import check_rope_scaling
 
-HF_ARCHS = ("llama", "qwen2", "mistral")  # model.hf: transformers decoders of this shape
 LAYER_TYPES = ("full_attention", "sliding_attention")  # model.layer_types: transformers' names
 # how the model computes, not its shape: a model option leaves these at their defaults
 EXECUTION_FIELDS = ("loss_chunk", "mlp_tiles")
@@ -16,7 +15,11 @@ EXECUTION_FIELDS = ("loss_chunk", "mlp_tiles")
 
 @dataclass
 class ModelConfig:
-    """Shape of a Llama-style GQA decoder."""
+    """Shape of a Llama-style GQA decoder.
+
+    Which families ``hf`` and ``arch`` may name, and the shapes each family holds (a window on
+    a Llama, ...), are the models layer's: ``usp.models.families.check_model``, which the CLI,
+    ``usp.run.resolve_run`` and ``usp.models.pretrained.pretrained_config`` call."""
 
     vocab_size: int = 320
     dim: int = 128
@@ -40,10 +43,12 @@ class ModelConfig:
     # which layers see sliding_window tokens; None: the pattern above
     layer_types: Optional[List[str]] = None
     rope: str = "global"  # global: positions in the packed row | per_document: from each doc start
-    hf: Optional[str] = None  # None: usp.models.decoder.Transformer | llama, qwen2, mistral: transformers'
+    # None: the built-in model (usp.models.decoder) | a family (usp.models.families): its
+    # transformers class (llama, qwen2, mistral)
+    hf: Optional[str] = None
     pretrained: Optional[str] = None  # a local model directory (save_pretrained) to start from
-    # the transformers architecture the weights come from and export to (llama, qwen2,
-    # mistral); None: export picks it from the windows (usp.models.llama_hf.hf_equivalent)
+    # the family (usp.models.families) the weights come from and export to; None: export
+    # picks it from the windows (usp.models.families.hf_equivalent)
     arch: Optional[str] = None
     loss_chunk: int = 0  # tokens per LM-head + loss chunk (full logits never exist); 0: off
     mlp_tiles: int = 1  # sequence tiles of the MLP, recomputed in backward; 1: off
@@ -51,10 +56,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         one_of("model.rope", self.rope, ("global", "per_document"))
         self.rope_scaling = check_rope_scaling(self.rope_scaling)
-        self._check_hf()
+        if self.hf is not None and self.arch not in (None, self.hf):
+            raise ValueError(f"model.arch={self.arch} but model.hf={self.hf}: a transformers "
+                             "model is its own architecture; set model.arch=null")
         self._check_layers()
-        if self.arch is not None:
-            self._check_arch_windows()  # once layer_types is known to hold a type per layer
         at_least("model", 0, full_attention_every=self.full_attention_every,
                  loss_chunk=self.loss_chunk)
         if self.sliding_window is not None:
@@ -73,36 +78,6 @@ class ModelConfig:
             raise ValueError(
                 f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
             )
-
-    def _check_hf(self) -> None:
-        if self.arch is not None:
-            one_of("model.arch", self.arch, HF_ARCHS)
-        if self.hf is None:
-            return
-        one_of("model.hf", self.hf, HF_ARCHS)
-        if self.arch not in (None, self.hf):
-            raise ValueError(f"model.arch={self.arch} but model.hf={self.hf}: a transformers "
-                             "model is its own architecture; set model.arch=null")
-        if self.hf == "llama" and self.sliding_window is not None:
-            raise ValueError(f"model.hf=llama has no sliding window (model.sliding_window="
-                             f"{self.sliding_window}); set model.sliding_window=null or use "
-                             "model.hf=mistral (every layer) or qwen2 (any layers)")
-        if self.hf == "mistral" and self.sliding_window is not None and self.full_attention_every:
-            raise ValueError(f"model.hf=mistral windows every layer, but model."
-                             f"full_attention_every={self.full_attention_every} asks for full "
-                             "layers; set model.full_attention_every=0 or use model.hf=qwen2")
-
-    def _check_arch_windows(self) -> None:
-        """A Llama has no window; a Mistral windows every layer or none."""
-        windowed = {self.layer_window(i) is not None for i in range(self.n_layers)}
-        if self.arch == "llama" and True in windowed:
-            raise ValueError(f"model.arch=llama has no sliding window (model.sliding_window="
-                             f"{self.sliding_window}); set model.sliding_window=null, or start "
-                             "from a Mistral or Qwen2 checkpoint for windows")
-        if self.arch == "mistral" and windowed == {True, False}:
-            raise ValueError("model.arch=mistral windows every layer or none, but model."
-                             "full_attention_every / layer_types leave some layers full; window "
-                             "every layer, or start from a Qwen2 checkpoint for per-layer windows")
 
     def _check_layers(self) -> None:
         if self.layer_types is None:

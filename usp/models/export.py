@@ -6,8 +6,8 @@ A training run writes its checkpoints as ``usp.models.checkpoint`` does:
 records ``run_dir/model_config.json`` (the ``model`` group: built-in or transformers), for
 a transformers model its config in ``run_dir/hf_config/``, and the data's tokenizer in
 ``run_dir/tokenizer/`` when it has one (``usp.models.run_records``). ``export_checkpoint``
-verifies the checkpoint, builds the transformers model (the built-in Llama through
-``usp.models.llama_hf``), loads the ``model`` entries (not the optimizer) in one process and
+verifies the checkpoint, builds the transformers model (the built-in model as its family's,
+``usp.models.families``), loads the ``model`` entries (not the optimizer) in one process and
 writes safetensors with ``save_pretrained``, the tokenizer beside them.
 """
 
@@ -29,8 +29,8 @@ import torch.distributed.checkpoint as dcp
 
 from ..config import ModelConfig
 from .checkpoint import step_dirs, verify_checkpoint
+from .families import hf_equivalent, hf_names, zero_filled
 from .hf_model import hf_config
-from .llama_hf import hf_equivalent, hf_names, zero_filled
 from .run_records import (HF_CONFIG_DIR, MODEL_CONFIG, TOKENIZER_DIR, load_data_record,
                           load_model_config)
 
@@ -92,11 +92,11 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, config=None,
     a Hugging Face model directory ``out_dir`` (``config.json``, ``model.safetensors``,
     ``generation_config.json`` and the run's tokenizer files when it has them).
 
-    The model: the run's ``model_config.json`` says which. The built-in Llama is mapped to
-    ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM``
-    (``usp.models.llama_hf``); a transformers model (``model.hf``) is built from ``config``:
-    a ``PretrainedConfig``, or a directory with ``config.json``; default: the run's
-    ``hf_config``. ``dtype``: cast the weights (default: as stored, fp32).
+    The model: the run's ``model_config.json`` says which. The built-in model is mapped to
+    its family's transformers class (``usp.models.families.hf_equivalent``: ``model.arch``,
+    else the one its windows export as); a transformers model (``model.hf``) is built from
+    ``config``: a ``PretrainedConfig``, or a directory with ``config.json``; default: the
+    run's ``hf_config``. ``dtype``: cast the weights (default: as stored, fp32).
 
     Everything is checked before anything is written, each problem a ValueError: the
     checkpoint fails its manifest, the model config is missing or not buildable, a weight is

@@ -9,8 +9,8 @@ import torch
 
 from ..config import ModelConfig
 from ..config.rope import rope_parameters
+from .families import family
 
-_CONFIG_CLASS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "mistral": "MistralConfig"}
 # transformers config key -> the ModelConfig field it comes from (for mismatch messages)
 _FIELD = {"vocab_size": "vocab_size", "hidden_size": "dim", "num_hidden_layers": "n_layers",
           "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
@@ -20,15 +20,14 @@ _FIELD = {"vocab_size": "vocab_size", "hidden_size": "dim", "num_hidden_layers":
 
 
 def hf_config(mc: ModelConfig, max_positions: int | None = None):
-    """The transformers config (``LlamaConfig`` / ``Qwen2Config`` / ``MistralConfig`` for
-    ``mc.hf``) of ``mc``'s shape: no KV cache, no attention dropout. Windows: qwen2 marks
-    each layer in ``layer_types`` (``mc.layer_window``); mistral windows every layer.
-    ``max_position_embeddings``: YaRN's scaled length (transformers derives the factor from
-    it), else ``max_positions`` (the trained length) when given."""
+    """The transformers config (the class of the family ``mc.hf``,
+    ``usp.models.families``) of ``mc``'s shape: no KV cache, no attention dropout; the
+    windows as the family writes them (``Family.write``). ``max_position_embeddings``:
+    YaRN's scaled length (transformers derives the factor from it), else ``max_positions``
+    (the trained length) when given."""
     import transformers
 
-    if mc.hf not in _CONFIG_CLASS:
-        raise ValueError(f"model.hf={mc.hf!r} is not one of {', '.join(_CONFIG_CLASS)}")
+    fam = family(mc.hf)
     kw = dict(vocab_size=mc.vocab_size, hidden_size=mc.dim, intermediate_size=mc.ffn_dim,
               num_hidden_layers=mc.n_layers, num_attention_heads=mc.n_heads,
               num_key_value_heads=mc.n_kv_heads, head_dim=mc.head_dim, rms_norm_eps=mc.norm_eps,
@@ -40,14 +39,8 @@ def hf_config(mc: ModelConfig, max_positions: int | None = None):
     if scaling.get("rope_type") == "yarn":  # transformers reads the factor from these too
         kw.update(max_position_embeddings=round(
             scaling["factor"] * scaling["original_max_position_embeddings"]))
-    if mc.hf == "qwen2":
-        kw.update(use_sliding_window=mc.sliding_window is not None,
-                  sliding_window=mc.sliding_window,
-                  layer_types=["full_attention" if mc.layer_window(i) is None
-                               else "sliding_attention" for i in range(mc.n_layers)])
-    elif mc.hf == "mistral":
-        kw.update(sliding_window=mc.sliding_window)
-    return getattr(transformers, _CONFIG_CLASS[mc.hf])(**kw)
+    kw.update(fam.write(mc))
+    return getattr(transformers, fam.config_class)(**kw)
 
 
 def check_pretrained(mc: ModelConfig) -> None:

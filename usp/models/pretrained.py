@@ -10,8 +10,8 @@ safetensors) as the built-in model's shape, RoPE and weights.
 - ``check_checkpoint`` refuses, before any process group, a directory without config.json or
   weights, an unmapped architecture, a damaged safetensors file (named), a shape that
   contradicts the checkpoint and a data vocabulary beyond its embedding.
-- ``load_state`` reads the weights under the built-in model's parameter names
-  (``usp.models.adapters``).
+- ``load_state`` reads the weights under the built-in model's parameter names (the
+  checkpoint's family's state-dict adapter, ``usp.models.families``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
-from ..config.model import HF_ARCHS
+from .families import FAMILIES, check_model, checkpoint_family, family
 
 AUTO = "auto"
 # ModelConfig fields a checkpoint fixes (rope_theta and rope_scaling may differ: they extend)
@@ -55,7 +55,7 @@ def hf_checkpoint_config(path: str | Path):
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"model.pretrained={path}: config.json is not a transformers config "
                          f"({e})") from None
-    if hc.model_type not in HF_ARCHS:  # refused as an architecture (adapters), not by its keys
+    if hc.model_type not in FAMILIES:  # refused as an architecture (its family), not by its keys
         return hc
     missing = [k for k in SHAPE_KEYS if k not in raw]
     if missing:
@@ -69,14 +69,13 @@ def hf_checkpoint_config(path: str | Path):
 
 def checkpoint_fields(path: str | Path, hf: str | None = None) -> dict:
     """``ModelConfig`` fields of the checkpoint at ``path``: its shape, ``rope_theta`` and
-    ``rope_scaling`` and, for the built-in model (``hf`` None), ``arch``."""
-    from .adapters import adapter
-
+    ``rope_scaling`` and, for the built-in model (``hf`` None), ``arch``: what its family
+    reads (``Family.read``)."""
     path = Path(path)
     hc = hf_checkpoint_config(path)
-    mapped = adapter(hc.model_type, f"model.pretrained={path}")  # the refusal names the path
+    mapped = checkpoint_family(hc.model_type, f"model.pretrained={path}")  # names the path
     try:
-        out = mapped.fields(hc)
+        out = mapped.read(hc)
     except ValueError as e:
         raise ValueError(f"model.pretrained={path}: {e}") from None
     out["arch"] = None if hf is not None else hc.model_type
@@ -142,7 +141,9 @@ def pretrained_config(path: str | Path, **overrides) -> ModelConfig:
     base = {f.name: AUTO if f.name in SHAPE + ("rope_theta", "rope_scaling") else
             getattr(ModelConfig, f.name, None) for f in fields(ModelConfig)}
     base.update(pretrained=str(path), **overrides)
-    return ModelConfig(**fill_model(base))
+    mc = ModelConfig(**fill_model(base))
+    check_model(mc)
+    return mc
 
 
 def weight_files(path: str | Path) -> list[Path]:
@@ -187,12 +188,12 @@ def tensor_index(path: str | Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
 
 def expected_tensors(mc: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     """checkpoint tensor name -> (built-in parameter name, its shape) for ``mc``."""
-    from .adapters import adapter
     from .decoder import Transformer
 
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in Transformer(mc, None).state_dict().items()}
-    return {hf: (usp, shapes[usp]) for hf, usp in adapter(mc.arch).names(mc).items()}
+    names = family(mc.arch, "model.arch").checkpoint_names(mc)
+    return {hf: (usp, shapes[usp]) for hf, usp in names.items()}
 
 
 def check_checkpoint(mc: ModelConfig) -> None:

@@ -13,6 +13,7 @@ from ..config import ModelConfig, RunConfig
 from ..data.dataset import build_dataset, build_validation
 from ..dims.balance import choose_balance, sequence_balance
 from ..masks import check_masks
+from ..models.families import check_model
 from ..models.hf_model import check_pretrained
 from ..dims.heads import check_heads
 from ..models.pretrained import check_checkpoint
@@ -27,6 +28,7 @@ def check_inputs(cfg: RunConfig, device: str, run_dir: str | None) -> None:
     """The rules on a task's config, files and packages that no degree changes: its data
     files, its run directory, the kernel and ring engine on ``device`` ("cpu" or "cuda"),
     its masks, its transformers model, its recomputation settings."""
+    check_model(cfg.model)  # model.hf / model.arch: a family, and a shape it holds
     pc = cfg.parallel
     try:
         build_dataset(cfg.data, cfg.model)  # missing / corrupt data fails here

@@ -1,0 +1,97 @@
+"""The model families the built-in model serves: the one list, and the questions about a
+model config that need it. Each family is its folder, ``usp/models/<name>/`` (its
+``FAMILY``: ``usp.models.family.Family``); adding one is that folder, its entry in
+``FAMILIES`` and its tests. Build, forward, evaluation, export, preflight, the CLI's model
+schema and the tests ask here; nothing else names a family (``tests/unit/test_families.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..config import ModelConfig
+from ..config.checks import one_of
+from . import llama, mistral, qwen2
+from .family import Family, windows
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, qwen2.FAMILY, mistral.FAMILY)}
+
+
+def family(name: str | None, key: str = "model.hf") -> Family:
+    """The family ``name``; ValueError naming ``key`` and the families otherwise."""
+    one_of(key, name, tuple(FAMILIES))
+    return FAMILIES[name]
+
+
+def check_model(mc: ModelConfig) -> None:
+    """Refuse (ValueError) a ``model.arch`` or ``model.hf`` that is no family, and a shape its
+    family cannot hold (a window on a Llama, ...). The CLI, ``usp.run.resolve_run`` and
+    ``usp.models.pretrained.pretrained_config`` call it on every model config they accept."""
+    if mc.arch is not None:
+        family(mc.arch, "model.arch")
+    if mc.hf is not None:
+        family(mc.hf).check_hf(mc)
+    if mc.arch is not None:
+        builtin_family(mc)  # its windows
+
+
+def checkpoint_family(model_type: str | None, where: str = "the checkpoint") -> Family:
+    """The family of a checkpoint whose config says ``model_type``; ValueError naming
+    ``where`` and the families otherwise."""
+    if model_type not in FAMILIES:
+        raise ValueError(f"{where} is a {model_type!r} model; usp maps {', '.join(FAMILIES)} "
+                         "checkpoints onto its built-in model, and model.hf trains those "
+                         "transformers classes too: usp-train cannot train it. "
+                         "The library path patches any decoder transformers ships, or refuses "
+                         "it by name (usp.models.hf.patch, docs/huggingface.md)")
+    return FAMILIES[model_type]
+
+
+def builtin_family(mc: ModelConfig) -> Family:
+    """The family the built-in model of ``mc`` computes: ``model.arch`` (a run from a
+    checkpoint), else the one its windows export as (``Family.exports``)."""
+    if mc.arch is not None:
+        arch = family(mc.arch, "model.arch")
+        arch.check_arch(mc)
+        return arch
+    pattern = windows(mc)
+    return next(f for f in FAMILIES.values() if f.exports == pattern)
+
+
+def hf_equivalent(mc: ModelConfig) -> ModelConfig:
+    """``mc`` (a built-in model, ``hf=None``) as the ``model.hf`` config of the transformers
+    architecture that computes the same function (``builtin_family``): a family's windows
+    as it writes them (none: no window kept).
+    ``usp.models.hf_model.hf_config`` turns it into the transformers config."""
+    if mc.hf is not None:
+        raise ValueError(f"model.hf={mc.hf} is a transformers model already; it exports with "
+                         "its own config (run_dir/hf_config), not through the built-in mapping")
+    name, pattern = builtin_family(mc).name, windows(mc)
+    if pattern == "none":
+        return replace(mc, hf=name, sliding_window=None, full_attention_every=0, layer_types=None)
+    if pattern == "every":  # however full_attention_every / layer_types said it
+        return replace(mc, hf=name, full_attention_every=0)
+    return replace(mc, hf=name)
+
+
+def hf_names(mc: ModelConfig) -> dict[str, str]:
+    """Every parameter of the built-in model of ``mc`` -> its name in the transformers model
+    of ``hf_equivalent(mc)`` (its family's state-dict adapter)."""
+    return builtin_family(mc).names(mc)
+
+
+def zero_filled(mc: ModelConfig) -> list[str]:
+    """The transformers weights of ``hf_equivalent(mc)`` the built-in model lacks that are
+    exact at zero (Qwen2's q/k/v biases when the built-in model has none)."""
+    return builtin_family(mc).zero_filled(mc)
+
+
+def build(mc: ModelConfig, attn_fn, **options):
+    """The built-in model of ``mc``: its family's model class (``Family.model``) with
+    attention ``attn_fn`` and ``options`` (``checkpoint_activations``, ``offload``, ...)."""
+    return builtin_family(mc).model(mc, attn_fn, **options)
+
+
+def is_builtin(model) -> bool:
+    """``model`` is a built-in model of some family (FSDP keeps the class as a base)."""
+    return isinstance(model, tuple({f.model for f in FAMILIES.values()}))

@@ -1,0 +1,110 @@
+"""What a model family provides, and what the families the built-in model serves share.
+
+A family (``usp/models/<name>/``, listed in ``usp.models.families``) is a transformers
+architecture the built-in model computes exactly: its blocks (``model``: the shared decoder,
+``usp.models.decoder.Transformer``, or the family's own), the transformers config it reads
+from a checkpoint and writes for ``model.hf`` and the export, what it refuses, and its
+state-dict adapter both ways (built-in parameter <-> transformers name; the load inverts the
+export's map).
+
+Shared here: the fields every such transformers config holds alike (``common_fields``) and the
+names of the shared decoder's weights in transformers' Llama layout (``decoder_names``), which
+Llama, Qwen2 and Mistral all use. Both sides rotate with "rotate half" RoPE
+(``usp.models.rope.apply_rope`` is transformers' ``rotate_half``), so every tensor moves over
+unchanged, q and k included (no permutation, unlike Meta's original checkpoints).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..config import ModelConfig
+from ..config.rope import check_rope_scaling
+from .decoder import Transformer
+
+# shared decoder parameter (inside a block) -> transformers name (inside model.layers.i)
+BLOCK_NAMES = {"attention.wq.weight": "self_attn.q_proj.weight",
+               "attention.wk.weight": "self_attn.k_proj.weight",
+               "attention.wv.weight": "self_attn.v_proj.weight",
+               "attention.wo.weight": "self_attn.o_proj.weight",
+               "feed_forward.w1.weight": "mlp.gate_proj.weight",  # gate
+               "feed_forward.w3.weight": "mlp.up_proj.weight",  # up
+               "feed_forward.w2.weight": "mlp.down_proj.weight",  # down
+               "attention_norm.weight": "input_layernorm.weight",
+               "ffn_norm.weight": "post_attention_layernorm.weight"}
+QKV_BIASES = {"attention.wq.bias": "self_attn.q_proj.bias",  # with qkv_bias
+              "attention.wk.bias": "self_attn.k_proj.bias",
+              "attention.wv.bias": "self_attn.v_proj.bias"}
+# how the windows of a built-in model's layers fall: on none, on every layer, on some
+WINDOWS = ("none", "every", "some")
+
+
+def windows(mc: ModelConfig) -> str:
+    """Which of ``WINDOWS`` the layers of ``mc`` have (``mc.layer_window``)."""
+    windowed = [mc.layer_window(i) is not None for i in range(mc.n_layers)]
+    return "none" if not any(windowed) else "every" if all(windowed) else "some"
+
+
+def common_fields(hc) -> dict:
+    """The ``ModelConfig`` fields every family reads alike from a transformers config ``hc``:
+    the shape and RoPE, no biases, no windows (a family sets its own)."""
+    act = getattr(hc, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act={act!r}: the built-in model's MLP is SwiGLU (silu)")
+    heads = hc.num_attention_heads
+    rope = dict(getattr(hc, "rope_parameters", None) or {})
+    theta = rope.pop("rope_theta", None) or getattr(hc, "rope_theta", 10000.0)
+    return dict(vocab_size=hc.vocab_size, dim=hc.hidden_size, n_layers=hc.num_hidden_layers,
+                n_heads=heads, n_kv_heads=getattr(hc, "num_key_value_heads", None) or heads,
+                ffn_dim=hc.intermediate_size,
+                head_dim=getattr(hc, "head_dim", None) or hc.hidden_size // heads,
+                rope_theta=float(theta), rope_scaling=check_rope_scaling(rope),
+                norm_eps=float(hc.rms_norm_eps), tie_embeddings=bool(hc.tie_word_embeddings),
+                qkv_bias=False, sliding_window=None, full_attention_every=0, layer_types=None)
+
+
+def decoder_names(mc: ModelConfig) -> dict[str, str]:
+    """Every parameter of the shared decoder (``Transformer.state_dict()`` names) -> the name
+    of the same tensor in transformers' Llama layout. With tied embeddings there is no
+    ``output.weight``: ``lm_head.weight`` is ``embed_tokens``."""
+    names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+    for i in range(mc.n_layers):
+        block = {**BLOCK_NAMES, **QKV_BIASES} if mc.qkv_bias else BLOCK_NAMES
+        names.update({f"layers.{i}.{k}": f"model.layers.{i}.{v}" for k, v in block.items()})
+    if not mc.tie_embeddings:
+        names["output.weight"] = "lm_head.weight"
+    return names
+
+
+def _holds_any(mc: ModelConfig) -> None:
+    """No refusal: the family holds every setting of ``mc``."""
+
+
+def _no_zeros(mc: ModelConfig) -> list[str]:
+    return []
+
+
+@dataclass(frozen=True)
+class Family:
+    """One family: what ``usp.models.families`` lists, and what build, export, evaluation and
+    the checks ask it for."""
+
+    name: str  # transformers' model_type: what model.hf and model.arch say
+    config_class: str  # the transformers config class written for it
+    read: Callable  # a transformers config -> ModelConfig fields (shape, RoPE, windows)
+    write: Callable  # ModelConfig -> this family's own transformers config keywords (windows)
+    # the windows (WINDOWS) of a built-in model without model.arch that export as this family
+    exports: str | None = None
+    check_hf: Callable = _holds_any  # ModelConfig -> ValueError for a model.hf it cannot build
+    check_arch: Callable = _holds_any  # ... for a model.arch (a checkpoint's) it cannot hold
+    model: type = Transformer  # the built-in model class that computes it
+    names: Callable = decoder_names  # ModelConfig -> {built-in parameter: transformers name}
+    # ModelConfig -> the transformers weights the built-in model lacks that are exact at zero
+    zero_filled: Callable = _no_zeros
+
+    def checkpoint_names(self, mc: ModelConfig) -> dict[str, str]:
+        """Every tensor of a checkpoint -> the built-in parameter it loads into (the inverse
+        of ``names``, the export's map); a tied model takes ``lm_head.weight`` from the
+        embedding, so it maps no ``lm_head``."""
+        return {hf: usp for usp, hf in self.names(mc).items()}
