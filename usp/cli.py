@@ -21,6 +21,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from .config import DATA_KINDS, ModelConfig, PlanConfig, RunConfig
 from .config import files as config_files
+from .config.model import CHECKPOINT_FIELDS
 from .data.dataset import AUTO, data_vocab
 from .hydra_app import REFUSED, keep_run_dir, run_app, stray_key, unknown_key_error
 from .models.families import check_model
@@ -33,34 +34,21 @@ warnings.filterwarnings("ignore", message="The version_base parameter is depreca
 CONFIG_DIR = str(config_files.CONFIG_DIR)  # configs/ as the package ships it
 
 
-@dataclass
-class _ModelSchema(ModelConfig):
-    """``model`` as Hydra holds it: ``vocab_size`` may also be ``auto`` (the data's
-    vocabulary, resolved by ``to_config`` into the ``ModelConfig`` the library gets), and
-    so may the keys a checkpoint fixes (``model.pretrained``: ``usp.models.pretrained``)."""
+def _check_vocab(self) -> None:
+    if isinstance(self.vocab_size, str) and self.vocab_size != AUTO:
+        raise ValueError(f"model.vocab_size={self.vocab_size!r} is neither a whole number "
+                         f"nor {AUTO} (the data's vocabulary)")
+    # the values are checked as a ModelConfig once to_config has filled the autos
 
-    vocab_size: Any = ModelConfig.vocab_size
-    # --- model.pretrained: these may be auto (filled from DIR/config.json by to_config)
-    dim: Any = ModelConfig.dim
-    n_layers: Any = ModelConfig.n_layers
-    n_heads: Any = ModelConfig.n_heads
-    n_kv_heads: Any = ModelConfig.n_kv_heads
-    ffn_dim: Any = ModelConfig.ffn_dim
-    head_dim: Any = None
-    rope_theta: Any = ModelConfig.rope_theta
-    norm_eps: Any = ModelConfig.norm_eps
-    tie_embeddings: Any = ModelConfig.tie_embeddings
-    qkv_bias: Any = ModelConfig.qkv_bias
-    sliding_window: Any = None
-    full_attention_every: Any = ModelConfig.full_attention_every
-    layer_types: Any = None
-    arch: Any = None
 
-    def __post_init__(self) -> None:
-        if isinstance(self.vocab_size, str) and self.vocab_size != AUTO:
-            raise ValueError(f"model.vocab_size={self.vocab_size!r} is neither a whole number "
-                             f"nor {AUTO} (the data's vocabulary)")
-        # the values are checked as a ModelConfig once to_config has filled the autos
+# ``model`` as Hydra holds it: ``ModelConfig`` with each key a checkpoint may fill
+# (``CHECKPOINT_FIELDS``: ``model.pretrained``, ``usp.models.pretrained``) typed Any, so that
+# it may be ``auto``, ``vocab_size`` too (the data's vocabulary); ``to_config`` resolves them
+# into the ``ModelConfig`` the library gets
+_ModelSchema = dataclasses.make_dataclass(
+    "_ModelSchema", [(f.name, Any, field(default=f.default))
+                     for f in dataclasses.fields(ModelConfig) if f.name in CHECKPOINT_FIELDS],
+    bases=(ModelConfig,), namespace={"__post_init__": _check_vocab, "__module__": __name__})
 
 
 # OmegaConf cannot type a union of dataclasses, so in the schemas Hydra holds ``data`` is

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, List, Optional
 
 from .checks import above, at_least, one_of
@@ -13,6 +13,17 @@ LAYER_TYPES = ("full_attention", "sliding_attention")  # model.layer_types: tran
 EXECUTION_FIELDS = ("loss_chunk", "mlp_tiles")
 
 
+def _fixed(default: Any) -> Any:
+    """A field a checkpoint fixes: with ``model.pretrained``, ``auto`` takes the checkpoint's
+    value and a set value must equal it (``usp.models.pretrained.fill_model``)."""
+    return field(default=default, metadata={"checkpoint": "fixed"})
+
+
+def _read(default: Any) -> Any:
+    """A field ``auto`` reads from a checkpoint, which a set value may change (RoPE)."""
+    return field(default=default, metadata={"checkpoint": "read"})
+
+
 @dataclass
 class ModelConfig:
     """Shape of a Llama-style GQA decoder.
@@ -21,27 +32,28 @@ class ModelConfig:
     a Llama, ...), are the models layer's: ``usp.models.families.check_model``, which the CLI,
     ``usp.run.resolve_run`` and ``usp.models.pretrained.pretrained_config`` call."""
 
-    vocab_size: int = 320
-    dim: int = 128
-    n_layers: int = 2
-    n_heads: int = 8
-    n_kv_heads: int = 2
-    ffn_dim: int = 384
-    head_dim: Optional[int] = None  # width of a head; None: dim // n_heads (set on construction)
-    rope_theta: float = 10000.0
+    # _fixed: a checkpoint (model.pretrained) fixes it; _read: auto takes the checkpoint's
+    vocab_size: int = _fixed(320)
+    dim: int = _fixed(128)
+    n_layers: int = _fixed(2)
+    n_heads: int = _fixed(8)
+    n_kv_heads: int = _fixed(2)
+    ffn_dim: int = _fixed(384)
+    head_dim: Optional[int] = _fixed(None)  # width of a head; None: dim // n_heads (set then)
+    rope_theta: float = _read(10000.0)
     # RoPE frequency scaling for context extension, transformers' names (usp/config/rope.py):
     # e.g. {rope_type: yarn, factor: 4, original_max_position_embeddings: 8192}; null: plain.
     # Typed Any, not a dict, so that model.rope_scaling={...} replaces it whole on the command
     # line (Hydra would merge into a dict node, key by key, and refuse the new keys)
-    rope_scaling: Any = None
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = True
-    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
-    sliding_window: Optional[int] = None  # tokens a query sees (itself included); None: all
-    full_attention_every: int = 0  # 0: every layer windowed; k: layers k-1, 2k-1, ... full
+    rope_scaling: Any = _read(None)
+    norm_eps: float = _fixed(1e-5)
+    tie_embeddings: bool = _fixed(True)
+    qkv_bias: bool = _fixed(False)  # biases on the q, k and v projections (Qwen2)
+    sliding_window: Optional[int] = _fixed(None)  # tokens a query sees (itself included); None: all
+    full_attention_every: int = _fixed(0)  # 0: every layer windowed; k: layers k-1, 2k-1, ... full
     # per layer, transformers' names (full_attention | sliding_attention; Qwen2's layer_types):
     # which layers see sliding_window tokens; None: the pattern above
-    layer_types: Optional[List[str]] = None
+    layer_types: Optional[List[str]] = _fixed(None)
     rope: str = "global"  # global: positions in the packed row | per_document: from each doc start
     # None: the built-in model (usp.models.decoder) | a family (usp.models.families): its
     # transformers class (llama, qwen2, mistral)
@@ -49,7 +61,7 @@ class ModelConfig:
     pretrained: Optional[str] = None  # a local model directory (save_pretrained) to start from
     # the family (usp.models.families) the weights come from and export to; None: export
     # picks it from the windows (usp.models.families.hf_equivalent)
-    arch: Optional[str] = None
+    arch: Optional[str] = _fixed(None)
     loss_chunk: int = 0  # tokens per LM-head + loss chunk (full logits never exist); 0: off
     mlp_tiles: int = 1  # sequence tiles of the MLP, recomputed in backward; 1: off
 
@@ -123,3 +135,9 @@ class ModelConfig:
             per_layer += (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
         emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         return self.n_layers * per_layer + emb + self.dim
+
+
+# the fields a checkpoint fixes, and those ``auto`` may take from one, in declaration order
+CHECKPOINT_SHAPE = tuple(f.name for f in fields(ModelConfig)
+                         if f.metadata.get("checkpoint") == "fixed")
+CHECKPOINT_FIELDS = tuple(f.name for f in fields(ModelConfig) if "checkpoint" in f.metadata)

@@ -23,13 +23,10 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
+from ..config.model import CHECKPOINT_FIELDS, CHECKPOINT_SHAPE
 from .families import FAMILIES, check_model, checkpoint_family, family
 
 AUTO = "auto"
-# ModelConfig fields a checkpoint fixes (rope_theta and rope_scaling may differ: they extend)
-SHAPE = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "head_dim",
-         "norm_eps", "tie_embeddings", "qkv_bias", "sliding_window", "full_attention_every",
-         "layer_types", "arch")
 INDEX = "model.safetensors.index.json"
 
 
@@ -117,14 +114,14 @@ def fill_model(model: dict, data_vocab: int | None = None) -> dict:
                              f"model.pretrained=DIR or give model.{bad[0]} a value")
         return model
     have = checkpoint_fields(path, model.get("hf"))
-    wrong = [f"{k}: {model[k]!r} set, {have[k]!r} in the checkpoint" for k in SHAPE
+    wrong = [f"{k}: {model[k]!r} set, {have[k]!r} in the checkpoint" for k in CHECKPOINT_SHAPE
              if model.get(k) != AUTO and not _same(k, model.get(k), have[k], model)
              and not (k == "arch" and model.get(k) is None)]
     if wrong:
         raise ValueError(f"model.pretrained={path} disagrees with the model options: "
                          f"{'; '.join(wrong)}; set those keys to auto (model=pretrained does) "
                          "or to the checkpoint's values")
-    for k in SHAPE + ("rope_theta", "rope_scaling"):
+    for k in CHECKPOINT_FIELDS:  # the shape, and RoPE (which may differ: it extends)
         if model.get(k) == AUTO or k == "arch":
             model[k] = have[k]
     if data_vocab is not None and data_vocab > have["vocab_size"]:
@@ -138,7 +135,7 @@ def fill_model(model: dict, data_vocab: int | None = None) -> dict:
 def pretrained_config(path: str | Path, **overrides) -> ModelConfig:
     """The ``ModelConfig`` of the checkpoint at ``path`` (library use), with ``overrides``
     (e.g. ``rope_theta=8e6``, ``loss_chunk=1024``) checked as the CLI checks them."""
-    base = {f.name: AUTO if f.name in SHAPE + ("rope_theta", "rope_scaling") else
+    base = {f.name: AUTO if f.name in CHECKPOINT_FIELDS else
             getattr(ModelConfig, f.name, None) for f in fields(ModelConfig)}
     base.update(pretrained=str(path), **overrides)
     mc = ModelConfig(**fill_model(base))
