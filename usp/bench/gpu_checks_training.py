@@ -90,7 +90,7 @@ def check_offload(device: torch.device, copier=None) -> dict:
     from functools import partial
 
     from ..config import ModelConfig
-    from ..models.decoder import Transformer
+    from ..models.families import builtin_model
     from ..models.offload import ActivationOffload, StreamCopier
 
     cuda = device.type == "cuda"
@@ -103,8 +103,8 @@ def check_offload(device: torch.device, copier=None) -> dict:
     positions = torch.arange(n, device=device)
     grads, peaks, held = [], [], 0
     for offload in (None, ActivationOffload(copier or StreamCopier(device))):
-        model = Transformer(cfg, partial(local_attention, causal=True, kernel="torch"),
-                            checkpoint_activations=True, offload=offload).to(device)
+        model = builtin_model(cfg, partial(local_attention, causal=True, kernel="torch"),
+                              checkpoint_activations=True, offload=offload).to(device)
         if cuda:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -203,14 +203,14 @@ def _mfu_row(device: torch.device, sizes: Sizes) -> dict:
     from functools import partial
 
     from ..config import ModelConfig
-    from ..models.decoder import Transformer
+    from ..models.families import builtin_model
 
     cfg = ModelConfig(vocab_size=32000, dim=2048, n_layers=2, n_heads=16, n_kv_heads=8,
                       ffn_dim=5632)
     if device.type == "cpu":
         cfg = ModelConfig(vocab_size=512, dim=128, n_layers=1, n_heads=4, n_kv_heads=2,
                           ffn_dim=256)
-    model = Transformer(cfg, partial(local_attention, causal=True, kernel="torch")).to(device)
+    model = builtin_model(cfg, partial(local_attention, causal=True, kernel="torch")).to(device)
     L = sizes.mfu_len
     tokens = torch.randint(0, cfg.vocab_size, (1, L), device=device)
     positions = torch.arange(L, device=device)

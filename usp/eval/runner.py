@@ -16,7 +16,7 @@ from ..data.packing import IGNORE_INDEX
 from ..layout import SequenceLayout
 from ..models.checkpoint import step_of
 from ..mesh import SPMesh
-from ..models.decoder import Transformer
+from ..models.families import builtin_model
 from ..run import RunLayout
 from ..scoring import report
 from ..scoring.position import bucket_losses
@@ -31,7 +31,7 @@ def eval_model(job: EvalJob, run: RunLayout, mesh: SPMesh, device: torch.device)
     mc = job.cfg.model
     if mc.hf is None:
         attention = LayoutAttention(mesh, run.attention_options())
-        model = Transformer(mc, attention)
+        model = builtin_model(mc, attention)
         model.init_weights(job.cfg.trainer.seed)
         use = attention.use
     else:

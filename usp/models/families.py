@@ -86,7 +86,7 @@ def zero_filled(mc: ModelConfig) -> list[str]:
     return builtin_family(mc).zero_filled(mc)
 
 
-def build(mc: ModelConfig, attn_fn, **options):
+def builtin_model(mc: ModelConfig, attn_fn, **options):
     """The built-in model of ``mc``: its family's model class (``Family.model``) with
     attention ``attn_fn`` and ``options`` (``checkpoint_activations``, ``offload``, ...)."""
     return builtin_family(mc).model(mc, attn_fn, **options)

@@ -24,7 +24,7 @@ import torch
 
 from ..config import ModelConfig
 from ..config.model import CHECKPOINT_FIELDS, CHECKPOINT_SHAPE
-from .families import FAMILIES, check_model, checkpoint_family, family
+from .families import FAMILIES, builtin_model, check_model, checkpoint_family, family
 
 AUTO = "auto"
 INDEX = "model.safetensors.index.json"
@@ -185,10 +185,8 @@ def tensor_index(path: str | Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
 
 def expected_tensors(mc: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     """checkpoint tensor name -> (built-in parameter name, its shape) for ``mc``."""
-    from .decoder import Transformer
-
     with torch.device("meta"):
-        shapes = {k: tuple(v.shape) for k, v in Transformer(mc, None).state_dict().items()}
+        shapes = {k: tuple(v.shape) for k, v in builtin_model(mc, None).state_dict().items()}
     names = family(mc.arch, "model.arch").checkpoint_names(mc)
     return {hf: (usp, shapes[usp]) for hf, usp in names.items()}
 

@@ -22,7 +22,7 @@ from ..data.dataset import data_eos_id
 from ..models.run_records import (DATA_RECORD, MODEL_CONFIG, data_record_text, model_config_text,
                                   save_record, save_tokenizer, save_tokenizer_files)
 from ..models.shard_load import load_shards
-from ..models.decoder import Transformer
+from ..models.families import builtin_model
 from ..models.offload import ActivationOffload, StreamCopier
 from ..run import RunLayout
 from ..run.phases import PhasePlan
@@ -105,7 +105,7 @@ def _hf_model(cfg: RunConfig, run: RunLayout, mesh: SPMesh, layout: SequenceLayo
 def sharded_model(cfg: RunConfig, run: RunLayout, mesh: SPMesh, layout: SequenceLayout,
                   device: torch.device, from_checkpoint: bool = False):
     """(the run's model, ``use(layout)``): the model (``cfg.model``: the built-in
-    ``Transformer``, or a transformers model for ``model.hf``) on ``device``, initialised
+    model of its family, ``usp.models.families``, or a transformers model for ``model.hf``) on ``device``, initialised
     alike on every rank (``trainer.seed``), attention through usp on ``layout`` as ``run``
     says, then FSDP2-sharded over dp x sp (collective); ``use`` routes its attention through
     another layout (the passkey lengths; ``usp.train.passkey``).
@@ -125,9 +125,10 @@ def sharded_model(cfg: RunConfig, run: RunLayout, mesh: SPMesh, layout: Sequence
         offload = ActivationOffload(StreamCopier(device)) if tc.activation_offload else None
         # model.pretrained: built without weights, each rank reads its shard after sharding
         with torch.device("meta") if cfg.model.pretrained else contextlib.nullcontext():
-            model = Transformer(cfg.model, attn, checkpoint_activations=tc.activation_checkpointing,
-                                checkpoint_every=tc.checkpoint_every,
-                                checkpoint_part=tc.checkpoint_part, offload=offload)
+            model = builtin_model(cfg.model, attn,
+                                  checkpoint_activations=tc.activation_checkpointing,
+                                  checkpoint_every=tc.checkpoint_every,
+                                  checkpoint_part=tc.checkpoint_part, offload=offload)
         if cfg.model.pretrained is None:
             model.init_weights(tc.seed)
         blocks, use = model.layers, attn.use

@@ -1,5 +1,5 @@
-"""The model on one batch: logits, or (loss sum, predictions), for the built-in
-``Transformer`` and a transformers model alike. The training step, validation and
+"""The model on one batch: logits, or (loss sum, predictions), for the built-in model (its
+family's class, ``usp.models.families``) and a transformers model alike. The training step, validation and
 evaluation all call the model through here."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 import torch
 
 from ..data.packing import Batch
-from ..models.decoder import Transformer
+from ..models.families import is_builtin
 from ..models.tiling import lm_loss, token_losses
 
 
@@ -42,11 +42,11 @@ def forward(model, batch: Batch, positions: torch.Tensor) -> torch.Tensor:
 
 def loss_and_predictions(model, batch: Batch, positions: torch.Tensor):
     """(loss_sum, predictions) of this rank's ``batch``: the summed cross-entropy of its
-    labelled tokens (0-dim fp32) and each token's argmax [B, L/P] long. The built-in
-    ``Transformer`` computes both itself (so ``model.loss_chunk`` can keep whole logits from
+    labelled tokens (0-dim fp32) and each token's argmax [B, L/P] long. The built-in model
+    (``usp.models.families.is_builtin``) computes both itself (so ``model.loss_chunk`` can keep whole logits from
     existing); any other model's logits (``forward``) go through the same loss
     (``usp.models.tiling.lm_loss``)."""
-    if not isinstance(model, Transformer):
+    if not is_builtin(model):
         return lm_loss(forward(model, batch, positions), batch.labels)
     return model(batch.tokens, _rope(batch, positions), batch.segment_ids, labels=batch.labels)
 
@@ -54,9 +54,9 @@ def loss_and_predictions(model, batch: Batch, positions: torch.Tensor):
 def token_losses_and_predictions(model, batch: Batch, positions: torch.Tensor):
     """(losses [B, L/P] fp32, predictions [B, L/P] long) of this rank's ``batch``: each
     token's cross-entropy (0 where unlabelled) and argmax, for scoring (no gradients). The
-    built-in ``Transformer`` computes them itself (``per_token``, with ``model.loss_chunk``
+    built-in model computes them itself (``per_token``, with ``model.loss_chunk``
     too); any other model's logits go through ``usp.models.tiling.token_losses``."""
-    if not isinstance(model, Transformer):
+    if not is_builtin(model):
         return token_losses(forward(model, batch, positions), batch.labels)
     return model(batch.tokens, _rope(batch, positions), batch.segment_ids, labels=batch.labels,
                  per_token=True)
