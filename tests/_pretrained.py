@@ -7,26 +7,29 @@ from pathlib import Path
 
 import torch
 
+from usp.models.families import FAMILIES
+
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
 LLAMA3 = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
               high_freq_factor=4.0, original_max_position_embeddings=16)
-KINDS = ("llama", "qwen2", "mistral")
+# each family's checkpoint (a family without one here fails its tests by name)
+FAMILY_CONFIG = {
+    "llama": dict(head_dim=32, rope_parameters=LLAMA3),
+    "qwen2": dict(use_sliding_window=True, sliding_window=6, max_window_layers=1,
+                  tie_word_embeddings=True),  # layer 0 full, layers 1 and 2 a window of 6
+    "mistral": dict(sliding_window=5),
+}
+KINDS = tuple(FAMILIES)  # the families the built-in model serves
 
 
 def hf_model(kind: str, seed: int = 0):
-    """A fresh transformers model of ``kind`` (fp32), its biases random too."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                              Qwen2Config, Qwen2ForCausalLM)
+    """A fresh transformers model of the family ``kind`` (fp32), its biases random too."""
+    import transformers
 
+    config = getattr(transformers, FAMILIES[kind].config_class)(**SHAPE, **FAMILY_CONFIG[kind])
     torch.manual_seed(seed)
-    if kind == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**SHAPE, head_dim=32, rope_parameters=LLAMA3))
-    elif kind == "qwen2":  # layer 0 full, layers 1 and 2 a window of 6
-        model = Qwen2ForCausalLM(Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=6,
-                                             max_window_layers=1, tie_word_embeddings=True))
-    else:
-        model = MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=5))
+    model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("bias", "norm.weight")):  # away from 0 / 1: a dropped one shows

@@ -1,6 +1,7 @@
 """A small local checkpoint to try the pretrained journey on (docs/extend.md): a transformers
-decoder of ``--arch`` (llama, qwen2, mistral) written by its own class's ``save_pretrained``,
-with a byte-level BPE tokenizer beside it, trained on the text files under ``--src``.
+decoder of the family ``--arch`` (``usp.models.families``: llama, qwen2, mistral) written by its
+own class's ``save_pretrained``, with a byte-level BPE tokenizer beside it, trained on the text
+files under ``--src``.
 
     python -m tools.tiny_checkpoint --arch qwen2 --out ckpt/tiny_qwen2
     usp-prepare --src SRC --glob '*.py' --out data/tiny --tokenizer ckpt/tiny_qwen2 ...
@@ -17,10 +18,10 @@ import argparse
 import sysconfig
 from pathlib import Path
 
+from usp.models.families import FAMILIES
+
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=512)
-CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-           "mistral": ("MistralConfig", "MistralForCausalLM")}
 
 
 def texts(src: Path, glob: str, max_bytes: int) -> list[str]:
@@ -51,18 +52,18 @@ def write_checkpoint(out: Path, arch: str, docs: list[str], vocab: int, seed: in
         vocab_size=vocab, special_tokens=["<|endoftext|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
-    config_class, model_class = (getattr(transformers, n) for n in CLASSES[arch])
+    config_class = getattr(transformers, FAMILIES[arch].config_class)
     config = config_class(**SHAPE, vocab_size=len(tok), eos_token_id=tok.eos_token_id,
                           bos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)
-    model_class(config).save_pretrained(out)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(out)
     tok.save_pretrained(out)
     return len(tok)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arch", choices=sorted(CLASSES), default="llama")
+    ap.add_argument("--arch", choices=sorted(FAMILIES), default="llama")
     ap.add_argument("--out", type=Path, required=True, help="directory to write (new)")
     ap.add_argument("--src", type=Path, default=Path(sysconfig.get_paths()["stdlib"]),
                     help="folder of text for the tokenizer (default: Python's stdlib)")
