@@ -15,6 +15,11 @@ def read(hc) -> dict:
     return common_fields(hc)
 
 
+def write(mc) -> dict:
+    """No ``LlamaConfig`` keyword beyond the shared ones: a Llama has no window."""
+    return {}
+
+
 def check_hf(mc) -> None:
     """A ``LlamaForCausalLM`` has no sliding window."""
     if mc.sliding_window is not None:
