@@ -166,3 +166,26 @@ def test_layer_types_of_the_wrong_length_are_refused_before_the_architectures_wi
     with pytest.raises(ValueError, match="has 1 entries for 2 layers"):
         replace(MODEL, arch="qwen2", qkv_bias=True, sliding_window=8,
                 layer_types=["sliding_attention"])
+
+
+@pytest.mark.parametrize("windows", ["none", "every"])
+def test_a_built_in_model_with_biases_exports_as_qwen2_at_any_windows(windows, tmp_path):
+    """q/k/v biases without ``model.arch``: the family of the windows (Llama, Mistral) has no
+    biases, so the export is a Qwen2 holding them, reloaded with the built-in model's logits.
+    Before, it was a Llama or Mistral config with bias weights it has no place for."""
+    from transformers import AutoModelForCausalLM
+
+    model = _trained(replace(MODEL, qkv_bias=True, **WINDOWS[windows]))
+    _as_hf(model).save_pretrained(tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert hf.config.model_type == "qwen2"
+    assert hf.model.layers[0].self_attn.q_proj.bias.abs().sum() > 0  # the trained biases
+    ids = torch.randint(0, MODEL.vocab_size, (2, L), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert _rel(hf(input_ids=ids).logits, model(ids, torch.arange(L))) <= 1e-5
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_biases_on_a_run_from_a_checkpoint_without_them_are_refused(arch):
+    with pytest.raises(ValueError, match=f"model.arch={arch} has no q/k/v biases"):
+        check_model(replace(MODEL, arch=arch, qkv_bias=True))

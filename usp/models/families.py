@@ -49,13 +49,17 @@ def checkpoint_family(model_type: str | None, where: str = "the checkpoint") -> 
 
 def builtin_family(mc: ModelConfig) -> Family:
     """The family the built-in model of ``mc`` computes: ``model.arch`` (a run from a
-    checkpoint), else the one its windows export as (``Family.exports``)."""
+    checkpoint), else the one its windows export as (``Family.exports``), or with q/k/v
+    biases that family lacks the one that holds biases at any windows (``Family.biases``)."""
     if mc.arch is not None:
         arch = family(mc.arch, "model.arch")
         arch.check_arch(mc)
         return arch
     pattern = windows(mc)
-    return next(f for f in FAMILIES.values() if f.exports == pattern)
+    chosen = next(f for f in FAMILIES.values() if f.exports == pattern)
+    if mc.qkv_bias and not chosen.biases:
+        return next(f for f in FAMILIES.values() if f.biases)
+    return chosen
 
 
 def hf_equivalent(mc: ModelConfig) -> ModelConfig:

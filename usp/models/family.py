@@ -81,6 +81,13 @@ def _holds_any(mc: ModelConfig) -> None:
     """No refusal: the family holds every setting of ``mc``."""
 
 
+def refuse_biases(mc: ModelConfig, name: str) -> None:
+    """A ``model.arch`` of family ``name``, which has no q/k/v biases, with ``qkv_bias``."""
+    if mc.qkv_bias:
+        raise ValueError(f"model.arch={name} has no q/k/v biases (model.qkv_bias=true); set "
+                         "model.qkv_bias=false, or start from a Qwen2 checkpoint for biases")
+
+
 def _no_zeros(mc: ModelConfig) -> list[str]:
     return []
 
@@ -96,6 +103,9 @@ class Family:
     write: Callable  # ModelConfig -> this family's own transformers config keywords (windows)
     # the windows (WINDOWS) of a built-in model without model.arch that export as this family
     exports: str | None = None
+    # holds q/k/v biases at any windows: a built-in model with qkv_bias exports as it when the
+    # family of its windows has none (Llama's attention_bias would add an o_proj bias too)
+    biases: bool = False
     check_hf: Callable = _holds_any  # ModelConfig -> ValueError for a model.hf it cannot build
     check_arch: Callable = _holds_any  # ... for a model.arch (a checkpoint's) it cannot hold
     model: type = Transformer  # the built-in model class that computes it

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..family import common_fields, windows
+from ..family import common_fields, refuse_biases, windows
 
 
 def read(hc) -> dict:
@@ -29,7 +29,8 @@ def check_hf(mc) -> None:
 
 
 def check_arch(mc) -> None:
-    """A run from a Llama checkpoint windows no layer."""
+    """A run from a Llama checkpoint windows no layer and has no q/k/v biases."""
+    refuse_biases(mc, "llama")
     if windows(mc) != "none":
         raise ValueError(f"model.arch=llama has no sliding window (model.sliding_window="
                          f"{mc.sliding_window}); set model.sliding_window=null, or start "

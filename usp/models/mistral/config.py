@@ -3,7 +3,7 @@ every layer; what it refuses."""
 
 from __future__ import annotations
 
-from ..family import common_fields, windows
+from ..family import common_fields, refuse_biases, windows
 
 
 def read(hc) -> dict:
@@ -25,7 +25,8 @@ def check_hf(mc) -> None:
 
 
 def check_arch(mc) -> None:
-    """A run from a Mistral checkpoint windows every layer or none."""
+    """A run from a Mistral checkpoint windows every layer or none and has no q/k/v biases."""
+    refuse_biases(mc, "mistral")
     if windows(mc) == "some":
         raise ValueError("model.arch=mistral windows every layer or none, but model."
                          "full_attention_every / layer_types leave some layers full; window "
