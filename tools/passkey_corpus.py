@@ -1,7 +1,7 @@
 """Passkey documents to blend into a training corpus: each document is the protocol's
 filler with the needle "The pass key is K. Remember it. K is the pass key." at a random
 depth, then the question and the key, so a model learns to retrieve what ``usp-eval``
-scores (``usp.scoring.passkey``: the same sentences).
+scores (``usp.eval.passkey``: the same sentences).
 
     python -m tools.passkey_corpus --out data/passkey_src --docs 4000 --chars 240 --digits 3
     usp-prepare --src data/passkey_src --glob '*.jsonl' --out data/passkey --workers 1
@@ -9,7 +9,7 @@ scores (``usp.scoring.passkey``: the same sentences).
         'data.blend=[{path: data/passkey, weight: 0.8}, {path: data/text, weight: 0.2}]' ...
 
 ``--exact``: every document is exactly ``--chars`` characters, built as ``usp-eval`` builds
-a case of that length (``usp.scoring.passkey.make_case`` with byte tokens and the filler
+a case of that length (``usp.eval.passkey.make_case`` with byte tokens and the filler
 haystack) at a uniformly random depth: the needle at any character of the filler, the key
 last. Prepared with ``usp-prepare --tokenizer bytes --no-eos`` and trained at
 ``data.seq_len`` = ``--chars``, each training window is one whole document.
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from usp.scoring.passkey import (FILLER, NEEDLE, QUESTION, ByteTokenizer, filler_haystack,
+from usp.eval.passkey import (FILLER, NEEDLE, QUESTION, ByteTokenizer, filler_haystack,
                                  make_case)
 
 

@@ -365,7 +365,7 @@ def plan_main() -> None:
 def _eval_main(dcfg) -> None:
     from hydra.core.hydra_config import HydraConfig
 
-    from .eval.launch import evaluate
+    from .eval.command import evaluate
 
     try:
         code = evaluate(to_config(dcfg), HydraConfig.get().runtime.output_dir)

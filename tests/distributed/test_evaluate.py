@@ -1,4 +1,4 @@
-"""Held-out evaluation (``usp.train.validator.evaluate``) on the real data path across ranks.
+"""Held-out evaluation (``usp.eval.val_loss.evaluate``) on the real data path across ranks.
 
 The models are oracles: the recall task puts every answer right after its query, so
 predicting the next token of the global sequence (gathered over the SP group) answers
@@ -17,8 +17,8 @@ from usp.layout import SequenceLayout
 from usp.mesh import SPMesh
 from usp.data.dataset import build_dataset
 from usp.config import RunConfig
-from usp.train.batches import RowLayouts
-from usp.train.validator import evaluate
+from usp.data.batches import RowLayouts
+from usp.eval.val_loss import evaluate
 
 EVAL_BATCHES = 3
 LAYOUTS = [(1, 2, 2), (2, 1, 2)]  # (dp, ulysses, ring) on 4 ranks

@@ -39,7 +39,7 @@ def _reference(cfg: RunConfig) -> None:
     from usp.data.indexing import held_out_batch
     from usp.layout import SequenceLayout
     from usp.run import resolve_run
-    from usp.train.forward import forward, loss_and_predictions
+    from usp.models.forward import forward, loss_and_predictions
 
     run = resolve_run(cfg, dist.get_world_size(), "cpu")
     seq_len = cfg.data.seq_len

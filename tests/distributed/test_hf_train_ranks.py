@@ -37,7 +37,7 @@ def _logits_worker(cfg: RunConfig, exported: str, out: str) -> None:
     from usp.layout import SequenceLayout
     from usp.data.indexing import held_out_batch
     from usp.mesh import SPMesh
-    from usp.train.forward import forward
+    from usp.models.forward import forward
 
     with SPMesh.build(ulysses=2, ring=2) as mesh:
         layout = SequenceLayout(mesh, seq_len=cfg.data.seq_len)

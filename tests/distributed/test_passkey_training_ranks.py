@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from usp.eval.launch import _worker
-from usp.eval.plan import plan_eval
+from usp.eval.command import _worker
+from usp.eval.job import plan_eval
 from usp.launch import spawn_local
 from usp.run import resolve_eval
 from usp.train.trainer import train

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from usp.config import EvalConfig, MemmapData, RecallData
-from usp.scoring.passkey import (NEEDLE, QUESTION, ByteTokenizer, answer_ids, case_labels,
+from usp.eval.passkey import (NEEDLE, QUESTION, ByteTokenizer, answer_ids, case_labels,
                                  passkey_cases, score, text_haystack)
-from usp.eval.plan import plan_eval
-from usp.scoring.grid import data_path
+from usp.eval.job import plan_eval
+from usp.eval.grid import data_path
 from usp.run import resolve_eval
-from usp.scoring.position import bucket_edges, bucket_losses
-from usp.scoring.report import passkey_lines, passkey_result
+from usp.eval.position import bucket_edges, bucket_losses
+from usp.eval.results import passkey_lines, passkey_result
 from usp.models.run_records import save_data_record, save_model_config
 
 from _eval_runs import MODEL, byte_corpus, run_cfg

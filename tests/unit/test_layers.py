@@ -11,7 +11,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "usp"
 
-# usp.<first name> -> layer, bottom first; a module imports from its own layer or below
+# usp.<first name> (or usp.<package>.<module>, which then takes that one module out of its
+# package's layer) -> layer, bottom first; a module imports from its own layer or below
 LAYERS = (
     ("compat",),
     ("validate", "config"),
@@ -25,10 +26,14 @@ LAYERS = (
     ("attention",),
     ("models", "data"),
     ("planner",),
-    ("scoring",),  # passkey cases and scoring, position buckets, plots (usp-eval and train)
+    # evaluation (usp-eval and the trainer's): passkey cases and scoring, loss by position,
+    # validation loss, the sharded forward, the outputs; the run's checks read its grid
+    ("eval",),
     ("run",),
+    ("slurm", "launch"),
+    ("eval.runner", "eval.command"),  # usp-eval's command: its layout from usp.run
     ("train",),
-    ("slurm", "launch", "hydra_app", "cli", "bench", "eval"),  # hydra_app: only the CLI touches Hydra
+    ("hydra_app", "cli", "bench"),  # hydra_app: only the CLI touches Hydra
 )
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 
@@ -117,7 +122,7 @@ def cycles(g: dict[str, set[str]]) -> list[list[str]]:
 
 def layer(name: str) -> int | None:
     parts = name.split(".")
-    return LAYER.get(parts[1]) if len(parts) > 1 else None
+    return LAYER.get(".".join(parts[1:3]), LAYER.get(parts[1])) if len(parts) > 1 else None
 
 
 def test_every_module_has_a_layer():

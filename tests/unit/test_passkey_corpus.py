@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tools import passkey_corpus
-from usp.scoring.passkey import FILLER, NEEDLE, QUESTION, ByteTokenizer, filler_haystack, make_case
+from usp.eval.passkey import FILLER, NEEDLE, QUESTION, ByteTokenizer, filler_haystack, make_case
 
 BYTES = ByteTokenizer()
 

@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
-import usp.train.validator as va
+import usp.eval.val_loss as va
 from usp.config import EvalConfig, RecallData
-from usp.eval.plan import plan_eval
+from usp.eval.job import plan_eval
 from usp.run import check_degrees_fit, check_inputs
-from usp.scoring.grid import training_cases
-from usp.scoring.report import passkey_metrics, passkey_result
+from usp.eval.grid import training_cases
+from usp.eval.results import passkey_metrics, passkey_result
 from usp.train.console import Console
 from usp.train.validator import Validator
 
@@ -37,7 +37,7 @@ def test_metrics_are_each_lengths_pass_rate_and_mean_log_likelihood():
 def test_the_heatmap_writes_what_passkey_json_holds():
     """3 of 4 is 0.75 in passkey.json and "3/4" in its cell (one decimal rounded half to
     even printed "0.8"); the title says the step, the cases a cell and chance."""
-    from usp.scoring.report import cell_text, passkey_title
+    from usp.eval.results import cell_text, passkey_title
 
     cases = [_case(64, d, p, -1.0) for d in (0.0, 1.0) for p in (True, False, True, True)]
     cases[4:6] = [_case(64, 1.0, False, -1.0)] * 2  # depth 1: 2 of 4 passed

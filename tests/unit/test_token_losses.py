@@ -1,6 +1,6 @@
 """Per-token losses and predictions (scoring: usp.eval) against a plain full-logits
 computation: the built-in model with and without ``model.loss_chunk``, and a transformers
-model through ``usp.train.forward``."""
+model through ``usp.models.forward``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from usp.attention import local_attention
 from usp.config import ModelConfig
 from usp.data.packing import IGNORE_INDEX, Batch
 from usp.models.decoder import Transformer
-from usp.train.forward import forward, loss_and_predictions, token_losses_and_predictions
+from usp.models.forward import forward, loss_and_predictions, token_losses_and_predictions
 
 LOCAL = functools.partial(local_attention, causal=True)
 CFG = dict(vocab_size=64, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=32)

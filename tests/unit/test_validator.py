@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-import usp.train.validator as va
+import usp.eval.val_loss as va
 from usp.config import BlendSource, MemmapData, RecallData
 from usp.train.validator import Validator, missing_splits
 

@@ -35,7 +35,7 @@ from usp.mesh import SPMesh
 from usp.models.decoder import Transformer
 from usp.models.tiling import loss_share
 from usp.train.build import shard_model
-from usp.train.forward import loss_and_predictions
+from usp.models.forward import loss_and_predictions
 
 from .cluster_bench import PER_NODE
 from .deepspeed_ulysses import deepspeed_calls, import_deepspeed

@@ -1,9 +1,9 @@
 """The ranks' half of ``usp-eval``: build the scored model once, then for each length its
 own ``SequenceLayout``, every case one sharded forward pass through ``usp_attention`` (no
-generation, no KV cache; ``usp.train.passkey``, which the trainer's periodic passkey score
+generation, no KV cache; ``usp.eval.sharded``, which the trainer's periodic passkey score
 runs too), each token's loss and argmax gathered back to global order and scored
-(``usp.scoring.passkey.score``, ``usp.scoring.position.bucket_losses``); rank 0 writes the
-outputs (``usp.scoring.report``)."""
+(``usp.eval.passkey.score``, ``usp.eval.position.bucket_losses``); rank 0 writes the
+outputs (``usp.eval.results``)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,11 @@ from ..models.checkpoint import step_of
 from ..mesh import SPMesh
 from ..models.families import builtin_model
 from ..run import RunLayout
-from ..scoring import report
-from ..scoring.position import bucket_losses
-from ..train.passkey import LayoutAttention, passkey_scores, patch_layout, scored
-from .plan import EvalJob
+from ..eval.position import bucket_losses
+from ..models.routed import LayoutAttention, patch_layout
+from . import results
+from .job import EvalJob
+from .sharded import passkey_scores, scored
 
 
 def eval_model(job: EvalJob, run: RunLayout, mesh: SPMesh, device: torch.device):
@@ -73,7 +74,7 @@ def run_eval(job: EvalJob, run: RunLayout, rank: int, device: torch.device) -> d
         if job.cases:
             scores = passkey_scores(model, use, job.cases, mesh, run.balance, device)
             step = None if job.checkpoint is None else step_of(job.checkpoint)
-            out["passkey"] = report.passkey_result(scores, job.lengths, job.cfg.eval.depths,
+            out["passkey"] = results.passkey_result(scores, job.lengths, job.cfg.eval.depths,
                                                    job.train_len, job.cfg.eval.key_digits, step)
         if job.windows:
             out["position_loss"] = position_loss(model, use, job, mesh, run, device)
@@ -89,14 +90,14 @@ def _write(job: EvalJob, out: dict) -> None:
     for note in job.notes:
         print(f"usp-eval: {note}", flush=True)
     if "passkey" in out:
-        report.write_json(job.out / "passkey.json", out["passkey"])
-        report.passkey_png(out["passkey"], job.out / "passkey.png")
-        for line in report.passkey_lines(out["passkey"]):
+        results.write_json(job.out / "passkey.json", out["passkey"])
+        results.passkey_png(out["passkey"], job.out / "passkey.png")
+        for line in results.passkey_lines(out["passkey"]):
             print(line, flush=True)
     if "position_loss" in out:
-        report.write_json(job.out / "position_loss.json", out["position_loss"])
-        report.position_png(out["position_loss"], job.out / "position_loss.png", job.train_len)
-        for line in report.position_lines(out["position_loss"]):
+        results.write_json(job.out / "position_loss.json", out["position_loss"])
+        results.position_png(out["position_loss"], job.out / "position_loss.png", job.train_len)
+        for line in results.position_lines(out["position_loss"]):
             print(line, flush=True)
     wrote = [n for n in ("passkey.json", "passkey.png", "position_loss.json",
                          "position_loss.png") if (n.split(".")[0] in out)]

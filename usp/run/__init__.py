@@ -33,7 +33,7 @@ placement, balance or chunk fields of ``cfg.parallel`` again (``tests/unit/test_
 """
 
 from .decide import decide_a2a_chunks, decide_balance, decide_degrees, decide_eval_balance
-from .layout import RunLayout
+from .run_layout import RunLayout
 from .preflight import (check_degrees_fit, check_hf_model, check_inputs, check_passkey_memory,
                         check_recompute, check_run_dir, check_run_masks, check_task)
 from .resolve import resolve_eval, resolve_run, resolve_run_group, scheduler_hosts_notice

@@ -10,10 +10,10 @@ from ..config import MemmapData, RunConfig, phase_config
 from ..config.phases import PhaseConfig
 from ..data.dataset import build_validation
 from ..planner.phase_report import phase_refused, phase_steps, step_tokens_text
-from ..scoring.grid import passkey_lengths
+from ..eval.grid import passkey_lengths
 from ..validate import check_seq_len
 from .decide import detected_cluster
-from .layout import RunLayout
+from .run_layout import RunLayout
 from .phases import Phase, PhaseGate, PhasePlan
 from .preflight import check_task
 from .resolve import decide_in_group, resolve_run

@@ -20,7 +20,7 @@ from typing import Optional
 
 from ..config import RunConfig
 from ..config.phases import phase_heading
-from .layout import RunLayout
+from .run_layout import RunLayout
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from ..dims.heads import check_heads
 from ..models.pretrained import check_checkpoint
 from ..planner.memory import max_seq_len, size
 from ..planner.options import StepPolicy
-from ..scoring.grid import passkey_lengths, training_cases
+from ..eval.grid import passkey_lengths, training_cases
 from ..validate import check_kernel, check_seq_len
-from .layout import RunLayout
+from .run_layout import RunLayout
 
 
 def check_inputs(cfg: RunConfig, device: str, run_dir: str | None) -> None:
@@ -160,7 +160,7 @@ def check_run_masks(cfg: RunConfig) -> None:
 
 def check_training_passkey(cfg: RunConfig) -> None:
     """``eval.during_training``: refuse a run with no text to write passkey cases in (the
-    synthetic recall task) and every bad input of the grid (``usp.scoring.grid``: no
+    synthetic recall task) and every bad input of the grid (``usp.eval.grid``: no
     tokenizer, a key it cannot encode, a length the validation text cannot hold)."""
     if not cfg.eval.during_training:
         return

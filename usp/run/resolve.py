@@ -13,7 +13,7 @@ from ..planner.batch import grad_accum_steps
 from ..validate import check_ranks_per_node, check_seq_len
 from .decide import (decide_a2a_chunks, decide_balance, decide_degrees, decide_eval_balance,
                      detected_cluster)
-from .layout import RunLayout
+from .run_layout import RunLayout
 from .preflight import check_inputs, check_passkey_memory, check_task
 
 
@@ -126,7 +126,7 @@ def resolve_eval(cfg: RunConfig, world: int, device: str, lengths: list[int], en
     cell's ``eval.per_cell``, or ``eval.windows`` position-loss windows), every length
     checked against it (``check_seq_len``); one sample a row, one sequence with no document
     mask, so ``auto`` lays it out as zigzag (``decide_eval_balance``). ``say(text)``: the
-    planner's table when it chose a degree. The data's own checks are ``usp.eval.plan``'s."""
+    planner's table when it chose a degree. The data's own checks are ``usp.eval.job``'s."""
     ec = cfg.eval
     rows = max(ec.per_cell if ec.passkey else 1, ec.windows if ec.position_loss else 1)
     longest = replace(cfg, data=replace(cfg.data, seq_len=max(lengths), batch_per_dp_rank=rows))

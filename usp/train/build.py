@@ -24,9 +24,9 @@ from ..models.run_records import (DATA_RECORD, MODEL_CONFIG, data_record_text, m
 from ..models.shard_load import load_shards
 from ..models.families import builtin_model
 from ..models.offload import ActivationOffload, StreamCopier
+from ..models.routed import LayoutAttention, patch_layout
 from ..run import RunLayout
 from ..run.phases import PhasePlan
-from .passkey import LayoutAttention, patch_layout
 
 
 def lr_lambda(cfg: OptimConfig, steps: int):
@@ -108,7 +108,7 @@ def sharded_model(cfg: RunConfig, run: RunLayout, mesh: SPMesh, layout: Sequence
     model of its family, ``usp.models.families``, or a transformers model for ``model.hf``) on ``device``, initialised
     alike on every rank (``trainer.seed``), attention through usp on ``layout`` as ``run``
     says, then FSDP2-sharded over dp x sp (collective); ``use`` routes its attention through
-    another layout (the passkey lengths; ``usp.train.passkey``).
+    another layout (the passkey lengths; ``usp.eval.sharded``).
 
     ``from_checkpoint``: a checkpoint is loaded into it next (a resume, a later length
     phase), so the built-in model of ``model.pretrained`` gets empty storage on ``device``

@@ -25,24 +25,25 @@ import torch.distributed as dist
 
 from ..comm import naming_collectives
 from ..config import RunConfig
+from ..data.batches import RowLayouts, Rows
 from ..data.dataset import build_dataset, build_validation
 from ..data.packing import IGNORE_INDEX
 from ..layout import SequenceLayout
 from ..models.decoder import flops_per_token
+from ..models.forward import loss_and_predictions
 from ..models.tiling import loss_share
+from ..eval.grid import training_cases
+from ..eval.sharded import PasskeyScore
+from ..eval.val_loss import LengthLoss, evaluate
 from ..run import PhasePlan, RunLayout
-from ..scoring.grid import training_cases
-from .batches import RowLayouts, Rows
 from .build import (checkpoint_records, continue_schedule, optimizer, phase_schedule,
                     record_for_export, sharded_model)
 from .checkpointer import Checkpointer, Position, newest
 from .faults import NonFiniteGuard, Preempted, Preemption
 from .fingerprint import run_fingerprint
-from .forward import loss_and_predictions
 from .metrics import PeakMemory
-from .passkey import PasskeyScore
 from .run_plan import planned, records
-from .validator import LengthLoss, Validator, evaluate, missing_splits
+from .validator import Validator, missing_splits
 
 FaultHook = Callable[[int, torch.Tensor], torch.Tensor]
 

@@ -1,12 +1,11 @@
 """Passkey retrieval through the sharded model, for ``usp-eval`` and the trainer alike:
 each length its own ``SequenceLayout``, the cases of one (length, depth) cell in one
 forward pass through ``usp_attention`` (no generation, no KV cache), each token's loss and
-argmax gathered back to global order and scored by ``usp.scoring.passkey.score``.
+argmax gathered back to global order and scored by ``usp.eval.passkey.score``.
 
-``LayoutAttention`` is the built-in model's attention whose layout is set per length
-(``use(layout)``); a transformers model is patched again instead (``patch_layout``).
-``PasskeyScore`` is the trainer's periodic score (``eval.during_training``): the same grid
-``usp-eval`` scores (``usp.scoring.grid.grid_cases``), at every validation."""
+The model's attention is routed through each length's layout by its ``use(layout)``
+(``usp.models.routed``). ``PasskeyScore`` is the trainer's periodic score (``eval.during_training``): the same grid
+``usp-eval`` scores (``usp.eval.grid.grid_cases``), at every validation."""
 
 from __future__ import annotations
 
@@ -16,34 +15,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..attention import usp_attention
 from ..config import RunConfig
 from ..data.packing import Batch
 from ..layout import SequenceLayout
 from ..mesh import SPMesh
-from ..scoring import report
-from ..scoring.grid import passkey_lengths
-from ..scoring.passkey import Case, case_labels, score
-from .forward import token_losses_and_predictions
-
-
-class LayoutAttention:
-    """The built-in model's attention function, through ``layout`` (set by ``use``)."""
-
-    def __init__(self, mesh: SPMesh, options: dict, layout: SequenceLayout | None = None):
-        self.mesh, self.options, self.layout = mesh, options, layout
-
-    def __call__(self, q, k, v, **masks):
-        return usp_attention(q, k, v, mesh=self.mesh, layout=self.layout, causal=True,
-                             **self.options, **masks)
-
-    def use(self, layout: SequenceLayout) -> None:
-        self.layout = layout
-
-
-def patch_layout(patch, model, mesh: SPMesh, options: dict, layout: SequenceLayout) -> None:
-    """A transformers model's ``use(layout)``: ``patch`` (``usp.models.hf.patch``) again."""
-    patch(model, mesh, layout, **options)
+from ..models.forward import token_losses_and_predictions
+from . import results
+from .grid import passkey_lengths
+from .passkey import Case, case_labels, score
 
 
 def scored(model, layout: SequenceLayout, tokens: torch.Tensor, labels: torch.Tensor, device):
@@ -58,7 +37,7 @@ def scored(model, layout: SequenceLayout, tokens: torch.Tensor, labels: torch.Te
 @torch.no_grad()
 def passkey_scores(model, use, cases: list[Case], mesh: SPMesh, balance: str,
                    device) -> list[dict]:
-    """Every case's score (``usp.scoring.passkey.score``), the same on every rank of an SP
+    """Every case's score (``usp.eval.passkey.score``), the same on every rank of an SP
     group; the cases of one (length, depth) cell in one forward pass, each length through
     its own layout (``use(layout)``; the caller routes it back)."""
     cells = defaultdict(list)
@@ -79,7 +58,7 @@ class PasskeyScore:
     """``eval.during_training``: ``score(model)`` (collective over every rank) scores the grid
     through the model on every dp replica, takes rank 0's scores on every rank (a
     broadcast), routes attention back to the training layout, and returns the metrics
-    (``usp.scoring.report.passkey_metrics``: ``passkey_acc/<L>``, ``passkey_logprob/<L>``);
+    (``usp.eval.results.passkey_metrics``: ``passkey_acc/<L>``, ``passkey_logprob/<L>``);
     rank 0 writes ``passkey.json`` and ``passkey.png`` in ``run_dir`` (the last one stays)."""
 
     def __init__(self, cfg: RunConfig, cases: list[Case], mesh: SPMesh, use,
@@ -102,9 +81,9 @@ class PasskeyScore:
         held = [scores]
         dist.broadcast_object_list(held, src=0, group=self.mesh.group("loss"),
                                    device=self.device if self.device.type == "cuda" else None)
-        self.result = report.passkey_result(held[0], self.lengths, self.depths,
+        self.result = results.passkey_result(held[0], self.lengths, self.depths,
                                             self.train_layout.seq_len, self.key_digits, step)
         if dist.get_rank() == 0:
-            report.write_json(self.run_dir / "passkey.json", self.result)
-            report.passkey_png(self.result, self.run_dir / "passkey.png")
-        return report.passkey_metrics(self.result)
+            results.write_json(self.run_dir / "passkey.json", self.result)
+            results.passkey_png(self.result, self.run_dir / "passkey.png")
+        return results.passkey_metrics(self.result)

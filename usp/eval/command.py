@@ -13,7 +13,7 @@ from ..config import RunConfig
 from ..launch import (choose_device, decide_together, init_from_env, launcher_env,
                       rendezvous_store, run_local)
 from ..run import resolve_eval
-from .plan import plan_eval
+from .job import plan_eval
 from .runner import run_eval
 
 

@@ -13,8 +13,8 @@ import numpy as np
 from ..config import MemmapData, ModelConfig, RunConfig
 from ..models.export import resolve_checkpoint
 from ..models.run_records import load_data_record, load_model_config, run_root
-from ..scoring.grid import data_path, grid_cases, validation_tokens
-from ..scoring.passkey import Case
+from ..eval.grid import data_path, grid_cases, validation_tokens
+from ..eval.passkey import Case
 
 
 @dataclass
