@@ -18,7 +18,7 @@ from .masks import check_masks, gather_segment_ids
 from .mesh import SPMesh
 from .ring import RingAttention, RingPlan, ring_backward, ring_forward
 from .ulysses import HeadToSeq, SeqToHead, _Axis, _by_seq_chunk
-from .validate import RING_IMPLS, check_kernel, check_ring_impl
+from .rules import RING_IMPLS, check_kernel, check_ring_impl
 
 __all__ = ["RING_IMPLS", "PipelinedAttention", "attention_stages", "check_inputs",
            "local_attention", "usp_attention"]

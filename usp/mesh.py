@@ -25,7 +25,7 @@ from .compat import flatten_mesh, release_device_mesh
 from .dims.parallel import ROLES, ParallelDims
 from .dims.placement import AXES, mesh_ranks, node_order, simulated_hosts, spanning_groups
 from .mesh_exit import Owned, destroy_groups
-from .validate import check_ranks_per_node
+from .rules import check_ranks_per_node
 
 
 @dataclass

@@ -3,7 +3,7 @@
 ring-flash-attn 0.1.8 imports flash_attn and transformers at import time (and breaks with
 transformers 5.x), so it is imported only when ``ring_impl="ring_flash_attn"`` is asked
 for. Its zigzag layout (ring rank i holds chunks i and 2r-1-i) is the same as ours; its
-zigzag functions assert ``causal=True`` (``usp.validate.check_ring_impl`` refuses the rest
+zigzag functions assert ``causal=True`` (``usp.rules.check_ring_impl`` refuses the rest
 before any collective).
 
 Traffic, as 0.1.8's ``ring_flash_attn.py`` and ``zigzag_ring_flash_attn.py`` send it (the

@@ -103,7 +103,7 @@ def test_ring_bytes_grow_only_with_shared_kv_heads():
 
 def test_default_chunks_follow_the_hosts():
     from usp.dims.stages import AUTO_STAGES_ACROSS_HOSTS, default_a2a_chunks
-    from usp.validate import check_a2a_setting
+    from usp.rules import check_a2a_setting
 
     assert AUTO_STAGES_ACROSS_HOSTS == 4
     assert default_a2a_chunks("auto", False, 8, 2, 2) == 1  # inside a host: one stage

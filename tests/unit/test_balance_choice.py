@@ -13,7 +13,7 @@ from usp.config import (ModelConfig, ParallelConfig, PlanConfig, RecallData, Run
 from usp.dims.balance import choose_balance
 from usp.planner.report import plan_report
 from usp.run import decide_balance, resolve_eval, resolve_run
-from usp.validate import check_seq_len
+from usp.rules import check_seq_len
 
 MODEL = ModelConfig(vocab_size=320, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128)
 PACKED = RecallData(seq_len=256, batch_per_dp_rank=2, documents_per_row=2, packing="documents")

@@ -20,7 +20,7 @@ from usp.config import phase_config
 from usp.planner.batch import grad_accum_steps
 from usp.planner.phase_report import phases_report
 from usp.run import check_passkey_memory, decide_balance, decide_degrees, resolve_run
-from usp.validate import check_degrees, check_seq_len
+from usp.rules import check_degrees, check_seq_len
 from usp.dims.heads import check_heads
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ PACKAGE = ROOT / "usp"
 # package's layer) -> layer, bottom first; a module imports from its own layer or below
 LAYERS = (
     ("compat",),
-    ("validate", "config"),
+    ("rules", "config"),
     ("dims",),  # the pure layer: no torch.distributed (test_pure_layer.py)
     ("comm",),
     ("kernels",),

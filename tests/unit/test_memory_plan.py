@@ -15,7 +15,7 @@ from usp import cli
 from usp.config import ModelConfig
 from usp.planner import CheckpointPolicy, max_seq_len, memory_split
 from usp.planner.memory import attention_buffers
-from usp.validate import seq_multiple
+from usp.rules import seq_multiple
 
 M = ModelConfig(vocab_size=32000, dim=256, n_layers=4, n_heads=8, n_kv_heads=2, ffn_dim=768)
 L, DP, R, U, B = 8192, 1, 2, 2, 2

@@ -24,7 +24,7 @@ from usp.planner import (
 )
 from usp.config.cluster import GiB, cluster_dir
 from usp.planner.cost import attention_cost, best_a2a_chunks, layer_matmul_params, layer_params
-from usp.validate import check_seq_len
+from usp.rules import check_seq_len
 from usp.dims.heads import check_heads
 
 LLAMA3_8B = ModelConfig(

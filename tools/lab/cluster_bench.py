@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from usp.dims.heads import check_heads, head_split
-from usp.validate import check_seq_len
+from usp.rules import check_seq_len
 
 from .simcluster import rate_to_bytes_per_s
 

@@ -24,7 +24,7 @@ from statistics import median
 import torch
 import torch.distributed as dist
 
-from usp.validate import check_degrees, seq_multiple
+from usp.rules import check_degrees, seq_multiple
 
 from usp.dims.heads import head_imbalance, head_split
 from .cli import TimedBench

@@ -27,7 +27,7 @@ from statistics import median
 import torch
 import torch.distributed as dist
 
-from usp.validate import check_degrees, check_seq_len
+from usp.rules import check_degrees, check_seq_len
 from .cli import TimedBench
 
 ROWS = ("causal zigzag", "causal contiguous", "window contiguous", "window zigzag",

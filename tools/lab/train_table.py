@@ -36,7 +36,7 @@ from usp.config.parallel import ParallelConfig
 from usp.config.trainer import TrainerConfig
 from usp.planner.cost import estimate
 from usp.run import RunLayout, resolve_run
-from usp.validate import check_seq_len
+from usp.rules import check_seq_len
 
 from .cluster_bench import NODES, PER_NODE, WORLD
 from .cluster_report import table

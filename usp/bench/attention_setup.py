@@ -10,7 +10,7 @@ import torch
 
 from ..config.checks import at_least, one_of
 from ..dims.stages import check_a2a_chunks
-from ..validate import check_degrees, check_seq_len
+from ..rules import check_degrees, check_seq_len
 from ..dims.heads import check_heads
 from .timing import default_threads
 

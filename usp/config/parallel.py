@@ -28,7 +28,7 @@ class ParallelConfig:
     a2a_chunks: Any = "auto"
 
     def __post_init__(self) -> None:
-        from ..validate import BALANCE_SETTINGS, PLACEMENTS, RING_IMPLS, check_a2a_setting
+        from ..rules import BALANCE_SETTINGS, PLACEMENTS, RING_IMPLS, check_a2a_setting
 
         one_of("parallel.placement", self.placement, PLACEMENTS)
         one_of("parallel.balance", self.balance, BALANCE_SETTINGS)

@@ -28,7 +28,7 @@ from itertools import accumulate
 
 import torch
 
-from ..validate import check_balance
+from ..rules import check_balance
 from .tokens import _joined
 
 
@@ -37,7 +37,7 @@ def choose_balance(setting: str, packed: bool, ring_impl: str) -> tuple[str, str
     (``setting``), whether its rows pack documents under the document mask (``packed``:
     ``data.packing=documents``) and its ring engine. ``auto``: ``per_document`` for packed
     documents on usp's ring, else ``zigzag``; a set balance is checked
-    (``validate.check_balance``) and kept."""
+    (``rules.check_balance``) and kept."""
     check_balance(setting, ring_impl, packed)
     if setting != "auto":
         return setting, f"parallel.balance={setting}"

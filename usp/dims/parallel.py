@@ -1,7 +1,7 @@
 """``ParallelDims``: the parallel layout as data, validated once.
 
 After torchtitan's ``ParallelDims``: the degrees and how the mesh carries its exchanges,
-checked in ``__post_init__`` with the rules of ``usp.validate`` (one message each, before
+checked in ``__post_init__`` with the rules of ``usp.rules`` (one message each, before
 any process group); ``SPMesh.from_dims`` builds the mesh of it, the planner prices it,
 nobody re-derives it.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..validate import check_a2a_setting, check_degrees, check_fragment_bytes, check_placement
+from ..rules import check_a2a_setting, check_degrees, check_fragment_bytes, check_placement
 
 ROLES = {"batch": "dp", "sequence": "sp", "loss": "dp_sp", "fsdp": "dp_sp"}
 
@@ -55,7 +55,7 @@ class ParallelDims:
     @classmethod
     def for_world(cls, world: int, ulysses: int = 1, ring: int = 1, dp: int | None = None,
                   **kw) -> ParallelDims:
-        """The dims of ``world`` ranks: ``dp`` derived when None (``validate.check_degrees``
+        """The dims of ``world`` ranks: ``dp`` derived when None (``rules.check_degrees``
         refuses degrees whose product is not ``world``); ``kw`` as the fields."""
         return cls(check_degrees(world, ulysses, ring, dp), ring, ulysses, **kw)
 

@@ -12,7 +12,7 @@ nodes (rail-aligned); ``placement="ring_inner"`` swaps the two, for experiments.
 
 from __future__ import annotations
 
-from ..validate import check_placement
+from ..rules import check_placement
 
 AXES = ("dp", "ring", "ulysses")
 

@@ -30,7 +30,7 @@ from functools import lru_cache
 
 import torch
 
-from ..validate import FIXED_BALANCES, check_seq_len
+from ..rules import FIXED_BALANCES, check_seq_len
 
 
 def _joined(ranges: list[range]) -> tuple[range, ...]:
@@ -96,7 +96,7 @@ def position_tensor(ranges: tuple[range, ...]) -> torch.Tensor:
 class Ownership:
     """Token ownership for one sequence length: who holds token t on ``ring x ulysses``.
 
-    Validated once (``validate.check_seq_len``: zigzag needs 2 x ring x ulysses | L). The
+    Validated once (``rules.check_seq_len``: zigzag needs 2 x ring x ulysses | L). The
     same object on every rank; a rank asks for its own share with its coordinates.
     """
 

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from ..validate import KERNELS  # the names the rules know
+from ..rules import KERNELS  # the names the rules know
 from .aten import TorchKernel
 from .base import Kernel
 from .reference import ReferenceKernel

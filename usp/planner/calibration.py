@@ -15,7 +15,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from ..validate import FIXED_BALANCES, seq_multiple
+from ..rules import FIXED_BALANCES, seq_multiple
 
 from ..dims.heads import check_heads
 from ..config.cluster import ClusterSpec, load_cluster

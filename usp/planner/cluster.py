@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..dims.placement import axis_groups, mesh_ranks, simulated_hosts
-from ..validate import check_degrees
+from ..rules import check_degrees
 
 
 # ---- where ranks sit -------------------------------------------------------------------

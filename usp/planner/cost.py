@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from ..config import ModelConfig
 from ..dims.stages import check_a2a_chunks
-from ..validate import BALANCES
+from ..rules import BALANCES
 from ..dims.heads import check_heads, head_split
 from ..config.cluster import ClusterSpec
 from .cluster import GroupSpan, group_span

@@ -62,7 +62,7 @@ import math
 from dataclasses import dataclass, fields
 
 from ..config import ModelConfig
-from ..validate import seq_multiple
+from ..rules import seq_multiple
 from ..dims.heads import check_heads, head_split
 
 FP32 = 4

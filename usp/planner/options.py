@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from ..config.cluster import ClusterSpec
 from ..config import ModelConfig
 from ..dims.counts import divisors
-from ..validate import check_degrees, check_placement
+from ..rules import check_degrees, check_placement
 from .memory import CheckpointPolicy, MemorySplit, memory_split
 
 

@@ -19,7 +19,7 @@ feasible but is noted, and pays for its all-to-all on the inter-node link in the
 from __future__ import annotations
 
 from ..config import ModelConfig
-from ..validate import check_degrees, check_seq_len
+from ..rules import check_degrees, check_seq_len
 from ..dims.heads import check_heads, head_split
 from ..config.cluster import GiB, ClusterSpec
 from .cluster import group_span

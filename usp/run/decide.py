@@ -12,7 +12,7 @@ from ..dims.balance import choose_balance, sequence_balance
 from ..planner import detect_topology
 from ..planner.cost import choose_a2a_chunks
 from ..planner.report import config_degree, plan_run, plan_table
-from ..validate import check_degrees
+from ..rules import check_degrees
 from .preflight import check_degrees_fit
 
 

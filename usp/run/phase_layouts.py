@@ -11,7 +11,7 @@ from ..config.phases import PhaseConfig
 from ..data.dataset import build_validation
 from ..planner.phase_report import phase_refused, phase_steps, step_tokens_text
 from ..eval.grid import passkey_lengths
-from ..validate import check_seq_len
+from ..rules import check_seq_len
 from .decide import detected_cluster
 from .run_layout import RunLayout
 from .phases import Phase, PhaseGate, PhasePlan

@@ -20,7 +20,7 @@ from ..models.pretrained import check_checkpoint
 from ..planner.memory import max_seq_len, size
 from ..planner.options import StepPolicy
 from ..eval.grid import passkey_lengths, training_cases
-from ..validate import check_kernel, check_seq_len
+from ..rules import check_kernel, check_seq_len
 from .run_layout import RunLayout
 
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from ..config import RunConfig
 from ..models.pretrained import start_notes
 from ..planner.batch import grad_accum_steps
-from ..validate import check_ranks_per_node, check_seq_len
+from ..rules import check_ranks_per_node, check_seq_len
 from .decide import (decide_a2a_chunks, decide_balance, decide_degrees, decide_eval_balance,
                      detected_cluster)
 from .run_layout import RunLayout

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from ..data.indexing import sample_indices
 from ..dims.parallel import ParallelDims
 from ..mesh import SPMesh
-from ..validate import check_degrees, check_placement, check_ranks_per_node
+from ..rules import check_degrees, check_placement, check_ranks_per_node
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from usp.validate import check_degrees, check_kernel, check_placement, check_seq_len
+from usp.rules import check_degrees, check_kernel, check_placement, check_seq_len
 
 from usp.dims.heads import check_heads
 
