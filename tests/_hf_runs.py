@@ -32,7 +32,8 @@ def checkpointed_model(cfg: RunConfig, run, mesh, layout):
     from usp.attention import usp_attention
     from usp.models.checkpoint import latest_checkpoint, load_checkpoint
     from usp.models.decoder import Transformer
-    from usp.train.build import _hf_model, shard_model
+    from usp.models.routed import routed_model
+    from usp.train.build import shard_model
 
     if cfg.model.hf is None:
         attn = partial(usp_attention, mesh=mesh, layout=layout, causal=True,
@@ -40,7 +41,9 @@ def checkpointed_model(cfg: RunConfig, run, mesh, layout):
         model = Transformer(cfg.model, attn)
         blocks = model.layers
     else:
-        model, blocks, _ = _hf_model(cfg, run, mesh, layout)
+        model, blocks, _ = routed_model(cfg.model, mesh, run.attention_options(),
+                                        cfg.trainer.seed, layout,
+                                        checkpoint_activations=cfg.trainer.activation_checkpointing)
     shard_model(model, mesh.submesh("dp_sp"), "fp32", blocks)
     opt = torch.optim.AdamW(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)

@@ -237,3 +237,21 @@ def test_a_stated_shape_meets_the_data_vocabulary_rule_of_the_checkpoint(ckpts, 
     with pytest.raises(ValueError, match=r"> the embedding of model.pretrained=.* \(64 rows\).*"
                                          r"checkpoint's tokenizer"):
         check_vocab(memmap(tmp_path / "data"), mc)
+
+
+def test_usp_eval_scores_the_checkpoints_own_weights(ckpts):
+    """``usp-eval`` of the built-in model of ``model.pretrained`` (no ``eval.run_dir``) builds
+    it where training does (``usp.models.routed.routed_model``) and holds the checkpoint's
+    tensors, not a fresh init."""
+    from types import SimpleNamespace
+
+    from usp.eval.runner import eval_model
+
+    mc = pretrained_config(ckpts["qwen2"])
+    job = SimpleNamespace(cfg=SimpleNamespace(model=mc, trainer=SimpleNamespace(seed=0)),
+                          checkpoint=None)
+    run = SimpleNamespace(attention_options=dict, dtype="fp32")
+    model, _ = eval_model(job, run, None, torch.device("cpu"))
+    want, got = load_state(mc), dict(model.named_parameters())
+    assert sorted(want) == sorted(got)
+    assert all(torch.equal(got[name], tensor) for name, tensor in want.items())

@@ -7,8 +7,6 @@ outputs (``usp.eval.results``)."""
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 
 from ..config import torch_dtype
@@ -16,10 +14,10 @@ from ..data.packing import IGNORE_INDEX
 from ..layout import SequenceLayout
 from ..models.checkpoint import step_of
 from ..mesh import SPMesh
-from ..models.families import builtin_model
 from ..run import RunLayout
 from ..eval.position import bucket_losses
-from ..models.routed import LayoutAttention, patch_layout
+from ..models.routed import routed_model
+from ..models.shard_load import load_shards
 from . import results
 from .job import EvalJob
 from .sharded import passkey_scores, scored
@@ -30,17 +28,9 @@ def eval_model(job: EvalJob, run: RunLayout, mesh: SPMesh, device: torch.device)
     through ``layout``): the run's checkpoint loaded model-only, or the model group's
     (``model.pretrained``), unsharded on every rank."""
     mc = job.cfg.model
-    if mc.hf is None:
-        attention = LayoutAttention(mesh, run.attention_options())
-        model = builtin_model(mc, attention)
-        model.init_weights(job.cfg.trainer.seed)
-        use = attention.use
-    else:
-        from ..models import hf
-        from ..models.hf_model import build_model
-
-        model = build_model(mc, job.cfg.trainer.seed)
-        use = partial(patch_layout, hf.patch, model, mesh, run.attention_options())
+    model, _, use = routed_model(mc, mesh, run.attention_options(), job.cfg.trainer.seed)
+    if mc.hf is None and mc.pretrained is not None:
+        load_shards(model, mc, device)  # the built-in model of model.pretrained: every row
     if job.checkpoint is not None:
         from ..models.export import load_model
 

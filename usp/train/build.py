@@ -4,10 +4,8 @@ its FSDP2 sharding over dp x sp, the optimizer and learning-rate schedule; and t
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import replace
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -20,11 +18,11 @@ from ..layout import SequenceLayout
 from ..mesh import SPMesh
 from ..data.dataset import data_eos_id
 from ..models.run_records import (DATA_RECORD, MODEL_CONFIG, data_record_text, model_config_text,
-                                  save_record, save_tokenizer, save_tokenizer_files)
+                                  save_config, save_record, save_tokenizer,
+                                  save_tokenizer_files)
 from ..models.shard_load import load_shards
-from ..models.families import builtin_model
 from ..models.offload import ActivationOffload, StreamCopier
-from ..models.routed import LayoutAttention, patch_layout
+from ..models.routed import routed_model
 from ..run import RunLayout
 from ..run.phases import PhasePlan
 
@@ -84,24 +82,6 @@ def shard_model(model, mesh: DeviceMesh, dtype: str, blocks=None) -> None:
     fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
-def _hf_model(cfg: RunConfig, run: RunLayout, mesh: SPMesh, layout: SequenceLayout):
-    """(transformers model, its decoder layers, its ``use(layout)``): built on every rank
-    alike, its attention routed through usp as ``run`` says; rank 0 writes its config to
-    ``run_dir/hf_config`` for export."""
-    from ..models import hf
-    from ..models.hf_model import build_model
-    from ..models.run_records import save_config
-
-    model = build_model(cfg.model, cfg.trainer.seed)
-    if cfg.trainer.activation_checkpointing:  # the same non-reentrant torch checkpoint
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    hf.patch(model, mesh, layout, **run.attention_options())
-    if dist.get_rank() == 0:
-        save_config(model.config, run.run_dir)
-    return model, model.model.layers, partial(patch_layout, hf.patch, model, mesh,
-                                              run.attention_options())
-
-
 def sharded_model(cfg: RunConfig, run: RunLayout, mesh: SPMesh, layout: SequenceLayout,
                   device: torch.device, from_checkpoint: bool = False):
     """(the run's model, ``use(layout)``): the model (``cfg.model``: the built-in
@@ -120,20 +100,13 @@ def sharded_model(cfg: RunConfig, run: RunLayout, mesh: SPMesh, layout: Sequence
     # not autocast: the ops that need fp32 upcast themselves (RMSNorm, RoPE, attention LSE
     # and merge, loss).
     tc = cfg.trainer
-    if cfg.model.hf is None:
-        attn = LayoutAttention(mesh, run.attention_options(), layout)
-        offload = ActivationOffload(StreamCopier(device)) if tc.activation_offload else None
-        # model.pretrained: built without weights, each rank reads its shard after sharding
-        with torch.device("meta") if cfg.model.pretrained else contextlib.nullcontext():
-            model = builtin_model(cfg.model, attn,
-                                  checkpoint_activations=tc.activation_checkpointing,
-                                  checkpoint_every=tc.checkpoint_every,
-                                  checkpoint_part=tc.checkpoint_part, offload=offload)
-        if cfg.model.pretrained is None:
-            model.init_weights(tc.seed)
-        blocks, use = model.layers, attn.use
-    else:
-        model, blocks, use = _hf_model(cfg, run, mesh, layout)
+    offload = ActivationOffload(StreamCopier(device)) if tc.activation_offload else None
+    model, blocks, use = routed_model(cfg.model, mesh, run.attention_options(), tc.seed, layout,
+                                      checkpoint_activations=tc.activation_checkpointing,
+                                      checkpoint_every=tc.checkpoint_every,
+                                      checkpoint_part=tc.checkpoint_part, offload=offload)
+    if cfg.model.hf is not None and dist.get_rank() == 0:
+        save_config(model.config, run.run_dir)  # the transformers config, for export
     if cfg.model.hf is not None or cfg.model.pretrained is None:
         model.to(device)
     shard_model(model, mesh.submesh("fsdp"), run.dtype, blocks)
