@@ -1,4 +1,4 @@
-"""Held-out evaluation (``usp.eval.val_loss.evaluate``) on the real data path across ranks.
+"""Held-out evaluation (``usp.eval.val_loss.held_out_accuracy``) on the real data path across ranks.
 
 The models are oracles: the recall task puts every answer right after its query, so
 predicting the next token of the global sequence (gathered over the SP group) answers
@@ -18,7 +18,7 @@ from usp.mesh import SPMesh
 from usp.data.dataset import build_dataset
 from usp.config import RunConfig
 from usp.data.batches import RowLayouts
-from usp.eval.val_loss import evaluate
+from usp.eval.val_loss import held_out_accuracy
 
 EVAL_BATCHES = 3
 LAYOUTS = [(1, 2, 2), (2, 1, 2)]  # (dp, ulysses, ring) on 4 ranks
@@ -70,7 +70,7 @@ def _worker():
 
             def score(rule):
                 model = Oracle(layout, cfg.model.vocab_size, rule)
-                acc = evaluate(model, data, cfg.data.batch_per_dp_rank, mesh, layouts)
+                acc = held_out_accuracy(model, data, cfg.data.batch_per_dp_rank, mesh, layouts)
                 assert model.modes == [False] * EVAL_BATCHES and model.training, model.modes
                 return acc
 

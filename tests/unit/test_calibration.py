@@ -21,7 +21,7 @@ from usp.planner.calibration import (
     CalibrationSetup,
     calibrated_spec,
     causal_tile_from_rates,
-    evaluate,
+    compare_predictions,
     fit_link,
     format_report,
     overlap_share,
@@ -244,9 +244,9 @@ def _attention(setup: CalibrationSetup, seconds) -> dict:
     return out
 
 
-def test_evaluate_recovers_the_made_up_machine():
+def test_compare_predictions_recovers_the_made_up_machine():
     setup = CalibrationSetup(seq_lens=(1024, 2048), iters=3)
-    ev = evaluate(setup, _fake_res(setup, _attention(setup, lambda L, c: 1.0)), "min")
+    ev = compare_predictions(setup, _fake_res(setup, _attention(setup, lambda L, c: 1.0)), "min")
     cal = ev["calibration"]
     for key, want in (("a2a_bw", BW), ("a2a_lat_s", LAT), ("p2p_bw", BW), ("p2p_lat_s", LAT),
                       ("merge_bw", MERGE_BW), ("kernel_flops", RATE_CAUSAL),
@@ -255,24 +255,24 @@ def test_evaluate_recovers_the_made_up_machine():
         assert cal[key] == pytest.approx(want, rel=1e-9), key
     assert ev["spec"].mfu == pytest.approx(RATE_CAUSAL / ev["spec"].peak_flops)
     # the median of two repetitions is the lower one (a measured time, not a mean)
-    median = evaluate(setup, _fake_res(setup, _attention(setup, lambda L, c: 1.0)), "median")
+    median = compare_predictions(setup, _fake_res(setup, _attention(setup, lambda L, c: 1.0)), "median")
     assert median["micro"]["merge_s"] == ev["micro"]["merge_s"]
 
 
-def test_evaluate_ratios_and_orders():
+def test_compare_predictions_ratios_and_orders():
     setup = CalibrationSetup(seq_lens=(1024, 2048), iters=3)
-    first = evaluate(setup, _fake_res(setup, _attention(setup, lambda L, c: 1.0)))
+    first = compare_predictions(setup, _fake_res(setup, _attention(setup, lambda L, c: 1.0)))
     pred = {(r["L"], r["config"]): r["pred_s"] for r in first["rows"]}
     assert len(set(pred.values())) == len(pred)  # the layouts differ in the model
     # measured = 2 x predicted: ratio 1/2 everywhere, every order and resolved pair agrees
-    ev = evaluate(setup, _fake_res(setup, _attention(setup, lambda L, c: 2 * pred[L, c])))
+    ev = compare_predictions(setup, _fake_res(setup, _attention(setup, lambda L, c: 2 * pred[L, c])))
     s = ev["summary"]["model"]
     assert s["min"] == pytest.approx(0.5) and s["max"] == pytest.approx(0.5)
     assert s["same_order"] == s["lengths"] == 2
     assert all(o["agree"] == o["resolved"] == o["pairs"] == 3 for o in ev["orders"])
     assert all(r["rest_s"] == pytest.approx(0.2 * r["measured_s"]) for r in ev["rows"])
     # measured in the reverse order of the model: no length and no pair agrees
-    rev = evaluate(setup, _fake_res(setup, _attention(setup, lambda L, c: 1 / pred[L, c])))
+    rev = compare_predictions(setup, _fake_res(setup, _attention(setup, lambda L, c: 1 / pred[L, c])))
     assert rev["summary"]["model"]["same_order"] == 0
     assert all(o["agree"] == 0 and o["resolved"] == 3 for o in rev["orders"])
     text, js = format_report(setup, _fake_res(setup, _attention(setup, lambda L, c: 1.0)))

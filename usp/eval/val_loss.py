@@ -1,6 +1,6 @@
 """Scoring on data no training step draws: the validation loss of the validation splits
 during the run (``usp.train.validator.Validator``), and the held-out answer accuracy at its
-end (``evaluate``)."""
+end (``held_out_accuracy``)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from ..models.forward import loss_and_predictions
 
 
 @torch.no_grad()
-def evaluate(model, data: TrainingData, batch_per_dp_rank: int, mesh: SPMesh,
-             layouts: RowLayouts) -> float:
+def held_out_accuracy(model, data: TrainingData, batch_per_dp_rank: int, mesh: SPMesh,
+                      layouts: RowLayouts) -> float:
     """Answer accuracy on ``data.eval_batches`` batches no training step has drawn (held out),
     each laid out by ``layouts``."""
     model.eval()

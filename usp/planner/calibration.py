@@ -233,7 +233,7 @@ def summarize_micro(m: dict, nprocs: int, threads: int) -> dict:
                 overlap=m["overlap"], nprocs=nprocs, threads=threads)
 
 
-def evaluate(setup: CalibrationSetup, res: dict, stat: str = "min") -> dict:
+def compare_predictions(setup: CalibrationSetup, res: dict, stat: str = "min") -> dict:
     """Calibrate ``cpu_local`` from the measured ``res`` (``usp.bench.calibrate.measure``),
     predict every attention call and compare, summarizing repeated times with
     ``STATS[stat]``. Two predictions per call: ``pred`` (the calibrated spec as the planner
@@ -295,8 +295,8 @@ def summary_lines(ev: dict) -> list[str]:
 
 def format_report(setup: CalibrationSetup, res: dict, stat: str = "min") -> tuple[str, dict]:
     """(report text, ``{stat: evaluation, other stat: evaluation}`` as JSON-able dicts)."""
-    ev = evaluate(setup, res, stat)
-    other = evaluate(setup, res, "median" if stat == "min" else "min")
+    ev = compare_predictions(setup, res, stat)
+    other = compare_predictions(setup, res, "median" if stat == "min" else "min")
     m, cal, out = ev["micro"], ev["calibration"], []
     out += [
         f"\n== this machine: {setup.nprocs} gloo processes x {setup.threads} thread(s), "

@@ -34,7 +34,7 @@ from ..models.forward import loss_and_predictions
 from ..models.tiling import loss_share
 from ..eval.grid import training_cases
 from ..eval.sharded import PasskeyScore
-from ..eval.val_loss import LengthLoss, evaluate
+from ..eval.val_loss import LengthLoss, held_out_accuracy
 from ..run import PhasePlan, RunLayout
 from .build import (checkpoint_records, continue_schedule, optimizer, phase_schedule,
                     record_for_export, sharded_model)
@@ -375,8 +375,9 @@ class Trainer:
         (``data.eval_batches``), the metrics get their final summary; the plot (or None)."""
         self.console.close()
         if self.data.eval_batches > 0:
-            summary["eval_acc"] = evaluate(self.model, self.data, self.run.batch_per_dp_rank,
-                                           self.mesh, self.layouts)
+            summary["eval_acc"] = held_out_accuracy(self.model, self.data,
+                                                    self.run.batch_per_dp_rank, self.mesh,
+                                                    self.layouts)
         self.logger.finish(summary)
         return self.logger.plot()
 
