@@ -8,7 +8,6 @@ structured schemas below, and hands typed dataclasses to the library.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from .config import files as config_files
 from .config.model import CHECKPOINT_FIELDS
 from .data.dataset import AUTO, data_vocab
 from .hydra_app import REFUSED, keep_run_dir, run_app, stray_key, unknown_key_error
+from .launch.job import JobError
 from .models.families import check_model
 from .models.pretrained import fill_model
 
@@ -135,12 +135,6 @@ def _reads_vocab(model: dict, data) -> bool:
     return model["vocab_size"] == AUTO
 
 
-class JobError(RuntimeError):
-    """Under submitit: what usp-train would print and exit with, as an exception, so that
-    submitit writes it as the job's result and the submitter reports it (a ``SystemExit``
-    would leave no result and the submitter polling)."""
-
-
 def _refuse(prog: str, e: Exception, status: int = REFUSED) -> None:
     """Print ``prog: error: ...`` (no traceback) and exit with ``status``.
 
@@ -150,6 +144,7 @@ def _refuse(prog: str, e: Exception, status: int = REFUSED) -> None:
     rank's own (a fault, a lost peer, a rendezvous that is not its job's): that rank prints
     it, named. Under submitit the line is raised as ``JobError`` instead."""
     from .launch import SharedRefusal, launcher_env
+    from .launch.job import under_submitit
 
     text = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
     info = launcher_env()
@@ -160,163 +155,20 @@ def _refuse(prog: str, e: Exception, status: int = REFUSED) -> None:
         text = f"rank {info['rank']}: {text}"
     if info is None or not shared or info["rank"] == 0:
         print(f"{prog}: error: {text}", file=sys.stderr, flush=True)
-    if _under_submitit():
+    if under_submitit():
         raise JobError(f"{prog}: error: {text}") from None
     raise SystemExit(status)
 
 
-def _under_submitit() -> bool:
-    import os
-
-    from .slurm import under_submitit
-
-    return under_submitit(os.environ)
-
-
 def run_training(cfg: RunConfig, run_dir: str | None = None) -> None:
-    """Launch: torchrun/Slurm environment if present, else spawn ``trainer.nprocs`` local ranks.
-    ``run_dir``: where the run writes when ``trainer.run_dir`` is not set (Hydra's folder).
+    """usp-train's launch (``usp.train.command``): the run's plan decided before any process
+    group, then the ranks train it. ``run_dir``: where the run writes when
+    ``trainer.run_dir`` is not set (Hydra's folder)."""
+    from .train.command import run_job, training_job
 
-    The run's plan (``usp.run.PhasePlan``: a ``RunLayout`` per length phase, one without
-    ``trainer.phases``) is resolved once, before any process starts training: here, in the
-    parent of the spawned ranks; under torchrun/Slurm by rank 0 before any process group,
-    checked by every other task on its own config and machine, the verdicts exchanged in the
-    rendezvous store (``usp.launch.decide_together``: a layout that cannot fit the
-    allocation is refused at once, alike on every task). Every rank builds its mesh, model
-    and trainer from that one object: ``train(plan.cfg, plan)``.
-    """
-    from functools import partial
-
-    import torch
-
-    from .launch import choose_device, launcher_env, run_local
-    from .run import resolve_phases, scheduler_hosts_notice
-
-    info = launcher_env()
-    say = partial(print, flush=True)
-    if info is None:
-        nprocs = cfg.trainer.nprocs
-        _, device = choose_device(cfg.trainer.device, nprocs, torch.cuda.is_available(),
-                                  torch.cuda.device_count())  # the run's device, decided once
-        # refuse bad layouts/data before spawning
-        plan = resolve_phases(cfg, nprocs, device, run_dir=run_dir, say=say)
-        keep_run_dir()  # accepted: from here a failure is the run's, its directory stays
-        code = run_local(_local_worker, nprocs, plan.cfg, plan, device_type=plan[0].run.device,
-                         max_restarts=cfg.trainer.max_restarts, timeout_s=cfg.trainer.timeout_s)
-        if code:  # the ranks' own exit code, e.g. preempted after a forwarded SIGTERM
-            _local_exit(cfg, code)
-        return
-    slurm = info["kind"] == "slurm"  # the scheduler's hosts are the topology, not a recipe's
-    notice = scheduler_hosts_notice(cfg, info["placement"] or "from Slurm") if slurm else None
-    if notice and info["rank"] == 0:
-        print(f"usp: {notice}", flush=True)
-    # before any process group: rank 0 resolves the layout for this allocation (degrees,
-    # heads, sequence, data, kernel) and every other task checks its own config, data and
-    # device against it; the verdicts meet in the rendezvous store, so one refusal is
-    # raised on every task within a second of start-up
-    from .launch import decide_together, rendezvous_store
-    from .run import check_phase_tasks
-
-    # (resolve_run and check_task include the data checks: vocabulary, validation split)
-    said = []  # rank 0's planner table, said once every task agreed
-
-    def decide():
-        _, device = choose_device(cfg.trainer.device, 1, torch.cuda.is_available(),
-                                  torch.cuda.device_count())  # the run's device, decided once
-        # every rank composed its own config; rank 0's run directory is the run's
-        return resolve_phases(cfg, info["world"], device, scheduler_hosts=slurm,
-                              run_dir=run_dir, say=said.append)
-
-    def check(decided):
-        check_phase_tasks(decided)  # this task on rank 0's layouts, its device included
-
-    store = rendezvous_store(info, cfg.trainer.timeout_s)
-    plan = decide_together(store, info, decide, check, cfg.trainer.timeout_s)
-    for text in said:
-        say(text)
-    keep_run_dir()  # accepted by every task: from here a failure is the run's
-    _train_launched(cfg, info, plan, store)
-
-
-def _train_launched(cfg: RunConfig, info: dict, plan, store) -> None:
-    """Join the launch's process group and train ``plan`` (``usp.run.PhasePlan``); a
-    preempted Slurm job is requeued by rank 0 after its checkpoint (``usp.slurm.requeue``)."""
-    import torch.distributed as dist
-
-    from .launch import init_from_env
-    from .train.faults import Preempted
-    from .train.trainer import train
-
-    # refuses a missing GPU before joining; trainer.timeout_s bounds every collective
-    init_from_env(info, plan[0].run.device, timeout_s=cfg.trainer.timeout_s, store=store)
-    preempted, requeued = None, False
-    try:
-        train(plan.cfg, plan)
-    except Preempted as e:  # every rank checkpointed at e.step
-        preempted = e
-        requeued, line = _requeue(cfg, info)
-    finally:
-        gc.collect()  # train() closed its mesh; free what is left before the world goes
-        dist.destroy_process_group()
-    if preempted is None:
-        return
-    if _under_submitit() and not requeued:  # the submitter learns it from the result
-        raise JobError(f"usp-train: {preempted}; {line}")
-    raise SystemExit(preempted.exit_code)
-
-
-def _requeue(cfg: RunConfig, info: dict) -> tuple[bool, str]:
-    """After the preemption checkpoint (collective): rank 0 requeues the Slurm batch job
-    (``trainer.requeue``) and every rank learns whether it did."""
-    import os
-    import signal
-
-    import torch.distributed as dist
-
-    from .slurm import requeue
-
-    # requeueing ends this job step with SIGTERM: the ranks finish exiting first, with 75
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if info["kind"] != "slurm":
-        return False, "not a Slurm job: not requeued; run it again to resume"
-    if not cfg.trainer.requeue:
-        return False, "trainer.requeue=false: not requeued; submit it again to resume"
-    dist.barrier()  # every rank ignores SIGTERM before rank 0 asks Slurm to end the step
-    outcome = [requeue(os.environ) if info["rank"] == 0 else None]
-    if info["rank"] == 0:
-        print(f"usp: {outcome[0][1]}", flush=True)
-    dist.broadcast_object_list(outcome, src=0)
-    return outcome[0]
-
-
-def _local_exit(cfg: RunConfig, code: int) -> None:
-    """The local launcher's ranks exited with ``code``. Inside a one-task Slurm job (the
-    launcher spawns the ranks) a preemption requeues the job as a multi-task one does;
-    under submitit the outcome is raised as ``JobError`` unless the job was requeued."""
-    import os
-    import signal
-
-    from . import slurm
-    from .train.faults import PREEMPTED_EXIT_CODE
-
-    line = f"the ranks exited with {code}"
-    requeued = False
-    if code == PREEMPTED_EXIT_CODE and os.environ.get("SLURM_JOB_ID"):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the requeue ends this step
-        if cfg.trainer.requeue:
-            requeued, line = slurm.requeue(os.environ)
-        else:
-            line = "trainer.requeue=false: not requeued; submit it again to resume"
-        print(f"usp: {line}", flush=True)
-    if _under_submitit() and not requeued:
-        raise JobError(f"usp-train: {line}")
-    raise SystemExit(code)
-
-
-def _local_worker(cfg: RunConfig, plan) -> None:
-    from .train.trainer import train
-
-    train(cfg, plan)  # plan.cfg: the base config, trainer.steps the phases' total
+    job = training_job(cfg, run_dir)  # refuses bad layouts/data before any rank starts
+    keep_run_dir()  # accepted: from here a failure is the run's, its directory stays
+    run_job(job, cfg)
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="train", version_base="1.3")

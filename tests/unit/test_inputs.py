@@ -13,6 +13,7 @@ from hydra import compose, initialize_config_dir
 
 import usp.cli as cli
 import usp.launch
+import usp.launch.job
 from usp.config import ModelConfig
 from usp.planner import BatchSpec, ClusterSpec, plan
 from usp.run import resolve_run
@@ -39,6 +40,7 @@ def launch(hydra_init, monkeypatch, tmp_path):
     monkeypatch.setattr(torch.multiprocessing, "spawn", started)
     monkeypatch.setattr(usp.launch, "spawn_local", started)
     monkeypatch.setattr(usp.launch, "run_local", started, raising=False)
+    monkeypatch.setattr(usp.launch.job, "run_local", started)  # the one launch usp-train uses
 
     def run(*overrides):
         base = ["logging.wandb=disabled", f"trainer.run_dir={tmp_path / 'run'}"]

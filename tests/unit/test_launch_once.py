@@ -153,7 +153,9 @@ def local_launch(monkeypatch, fake_dist):
         return 0, "ok", ""
 
     monkeypatch.setattr(launcher, "_run_once", run_once)
-    monkeypatch.setattr(cli, "_local_worker",  # a run without phases: a plan of one layout
+    import usp.train.command as command
+
+    monkeypatch.setattr(command, "train",  # a run without phases: a plan of one layout
                         lambda cfg, plan: fake_dist.append(("train", cfg, plan[0].run)))
     resolved = []
     real_resolve = usp.run.phase_layouts.resolve_run

@@ -156,8 +156,8 @@ def test_under_submitit_the_error_is_the_tasks_result(monkeypatch, capsys, rank)
 def test_a_one_task_job_that_spawned_its_ranks_requeues_after_a_preemption(monkeypatch, capsys):
     import signal
 
-    from usp import cli, slurm
-    from usp.config import RunConfig
+    from usp import slurm
+    from usp.launch import job
 
     _task(monkeypatch, 0)
     monkeypatch.setenv("SLURM_NTASKS", "1")  # usp-train spawns trainer.nprocs ranks itself
@@ -167,13 +167,13 @@ def test_a_one_task_job_that_spawned_its_ranks_requeues_after_a_preemption(monke
     before = signal.getsignal(signal.SIGTERM)
     try:
         with pytest.raises(SystemExit) as ex:
-            cli._local_exit(RunConfig(), 75)
+            job._local_exit(75, requeue=True)
         assert ex.value.code == 75 and asked == ["5"]
         assert "usp: job 5 requeued" in capsys.readouterr().out
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # the requeue ends the step
         monkeypatch.setenv("SUBMITIT_FOLDER", "/tmp/submitit/%j")
-        with pytest.raises(cli.JobError, match="the ranks exited with 1"):
-            cli._local_exit(RunConfig(), 1)  # a failure: the submitter gets it as the result
+        with pytest.raises(job.JobError, match="the ranks exited with 1"):
+            job._local_exit(1, requeue=True)  # a failure: the submitter gets it as the result
         assert asked == ["5"]  # no requeue for a failure
     finally:
         signal.signal(signal.SIGTERM, before)

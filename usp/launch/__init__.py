@@ -6,7 +6,9 @@ carried in the run's layout (``RunLayout.device``) to every rank.
 ``run_local``, the supervised local launch (it restarts all ranks after a fault, forwards
 preemption signals to them and never leaves a rank running). ``scheduler``: rank, world and
 rendezvous from torchrun/Slurm variables. ``rendezvous``: the store a launched run meets in,
-the vote on rank 0's decision before any process group, and joining the group."""
+the vote on rank 0's decision before any process group, and joining the group. ``job``: a
+command's launch from those parts (``prepare`` then ``start``: usp-train's and usp-eval's),
+its exit codes and the requeue of a preempted Slurm job; imported as ``usp.launch.job``."""
 
 from .device import BACKENDS, DEVICE_SETTINGS, choose_device, cuda_index
 from .local import FORWARDED_SIGNALS, free_port, run_local, spawn_local

@@ -22,10 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import parse_signals
-
-# sysexits.h EX_TEMPFAIL, "temporary failure, the user is invited to retry": the run stopped
-# on a preemption signal after writing a checkpoint; requeue it with trainer.resume=true.
-PREEMPTED_EXIT_CODE = 75
+from ..launch.job import PREEMPTED_EXIT_CODE  # the launcher requeues a job that exits with it
 MAX_CONSECUTIVE_SKIPS = 10  # on_nonfinite=skip: this many non-finite steps in a row stop the run
 
 
