@@ -160,3 +160,17 @@ def test_the_package_never_imports_the_lab():
     text = "\n".join(p.read_text() for p in PACKAGE.rglob("*.py"))
     for needs in ("import deepspeed", "from deepspeed", "ip netns", "unshare", "tc qdisc"):
         assert needs not in text, f"usp/ holds lab code: {needs!r}"
+
+
+def test_nothing_in_the_package_imports_the_cli():
+    """One path, read forward: the console script (``usp.cli``) parses and hands over; no
+    module below it imports it, so none can call back into it (``usp.hydra_app`` beside it
+    included)."""
+    g = graph()
+    callers = sorted(m for m, ts in g.items() if "usp.cli" in ts and m != "usp.cli")
+    assert not callers, f"modules importing usp.cli: {callers}"
+    text = {p: p.read_text() for p in PACKAGE.rglob("*.py") if p.name != "cli.py"}
+    named = sorted(str(p.relative_to(ROOT)) for p, t in text.items()
+                   if any(s in t for s in ("from .cli", "from ..cli", "import usp.cli",
+                                           "from usp.cli", "from usp import cli")))
+    assert not named, f"usp/ sources naming usp.cli in an import: {named}"
