@@ -56,7 +56,7 @@ from ..data.packing import IGNORE_INDEX, document_positions, packed_rows
 from ..layout import SequenceLayout
 from ..mesh import SPMesh
 from ..dims.heads import check_heads
-from .hf_keywords import (NEUTRAL_KEYWORDS, SINKS, UNSET_KEYWORDS, check_keywords,
+from .hf_keywords import (NEUTRAL_KEYWORDS, SINK_NAMES, SINKS, UNSET_KEYWORDS, check_keywords,
                           check_positions)
 from .tiling import loss_share
 
@@ -178,7 +178,7 @@ def _check_config(model, mesh: SPMesh, layout: SequenceLayout) -> tuple[int | No
                          "it (a model of your own that computes attention from q, k, v alone "
                          "may set the flag)")
     sinks = next((name for name, _ in model.named_parameters()
-                  if name.rsplit(".", 1)[-1] in ("sinks", "s_aux")), None)
+                  if name.rsplit(".", 1)[-1] in SINK_NAMES), None)
     if sinks is not None:
         raise ValueError(f"{type(model).__name__} has {sinks}: {SINKS}")
     hq = cfg.num_attention_heads

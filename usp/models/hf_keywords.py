@@ -35,6 +35,8 @@ UNSET_KEYWORDS = {
     "cu_seq_lens_q": VARLEN, "cu_seq_lens_k": VARLEN,
     "max_length_q": VARLEN, "max_length_k": VARLEN,
 }
+# the names transformers gives attention sinks, as a keyword and as a module's parameter
+SINK_NAMES = tuple(k for k, why in UNSET_KEYWORDS.items() if why is SINKS)
 
 
 def check_keywords(module, kwargs: dict) -> None:
