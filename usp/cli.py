@@ -21,11 +21,11 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from .config import DATA_KINDS, ModelConfig, PlanConfig, RunConfig
 from .config import files as config_files
 from .config.model import CHECKPOINT_FIELDS
-from .data.dataset import AUTO, data_vocab
+from .data.dataset import AUTO
 from .hydra_app import REFUSED, keep_run_dir, run_app, stray_key, unknown_key_error
 from .launch.job import JobError
 from .models.families import check_model
-from .models.pretrained import fill_model
+from .run.model_shape import resolve_model
 
 # hydra-core 1.4 warns about version_base="1.3" at every start (three lines on every task of
 # a job); 1.3 semantics are what the configs are written for
@@ -43,8 +43,8 @@ def _check_vocab(self) -> None:
 
 # ``model`` as Hydra holds it: ``ModelConfig`` with each key a checkpoint may fill
 # (``CHECKPOINT_FIELDS``: ``model.pretrained``, ``usp.models.pretrained``) typed Any, so that
-# it may be ``auto``, ``vocab_size`` too (the data's vocabulary); ``to_config`` resolves them
-# into the ``ModelConfig`` the library gets
+# it may be ``auto``, ``vocab_size`` too (the data's vocabulary); ``to_config`` has the
+# resolver fill them (``usp.run.model_shape``) and types the ``ModelConfig`` the library gets
 _ModelSchema = dataclasses.make_dataclass(
     "_ModelSchema", [(f.name, Any, field(default=f.default))
                      for f in dataclasses.fields(ModelConfig) if f.name in CHECKPOINT_FIELDS],
@@ -107,32 +107,22 @@ def unknown_keys(node, prefix: str = "") -> list[str]:
 def to_config(dcfg: DictConfig) -> RunConfig:
     """Hydra's composed config -> a ``RunConfig`` (``PlanConfig`` for usp-plan); refuses keys
     the schema lacks, the values the dataclasses refuse (their ``__post_init__``) and a model
-    its family cannot hold (``usp.models.families.check_model``), as ``ValueError``."""
+    its family cannot hold (``usp.models.families.check_model``), as ``ValueError``. The
+    model's ``auto`` keys are filled on the way by the resolver
+    (``usp.run.model_shape.resolve_model``): the typed ``ModelConfig`` holds none."""
     stray = unknown_keys(dcfg)
     if stray:
         raise unknown_key_error(stray)
     composed = OmegaConf.to_object(dcfg)
     cls = _LIBRARY_TYPE[type(composed)]
     fields = {f.name: getattr(composed, f.name) for f in dataclasses.fields(cls)}
-    model = dataclasses.asdict(composed.model)
-    # the data's metadata and a checkpoint's config.json, read by every task before any group
-    vocab = data_vocab(composed.data) if _reads_vocab(model, composed.data) else None
-    model = fill_model(model, vocab)
+    # the model's auto keys, the resolver's first decision (a ModelConfig holds no auto)
+    model = resolve_model(dataclasses.asdict(composed.model), composed.data)
     # typed as the library's ModelConfig (the schema's auto keys are untyped)
     fields["model"] = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig),
                                                           model))
     check_model(fields["model"])  # model.hf / model.arch: a family, and a shape it holds
     return cls(**fields)
-
-
-def _reads_vocab(model: dict, data) -> bool:
-    """The data's vocabulary is needed: ``vocab_size=auto``, or token files with a checkpoint
-    read for ``auto`` keys (its embedding must cover them)."""
-    from .config import MemmapData
-
-    if model["pretrained"] is not None:  # read with the checkpoint (a stated shape: neither)
-        return isinstance(data, MemmapData) and AUTO in model.values()
-    return model["vocab_size"] == AUTO
 
 
 def _refuse(prog: str, e: Exception, status: int = REFUSED) -> None:

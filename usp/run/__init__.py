@@ -7,7 +7,12 @@ and per-rank batch. It runs every rule that needs the world size, the device or 
 system (the config dataclasses check plain values themselves), one message per rule, and
 raises ``ValueError`` before anything starts.
 
-One concept a file: ``layout`` (the ``RunLayout`` data), ``preflight`` (the input checks),
+The model's ``auto`` keys (its shape from the data's vocabulary or a checkpoint's
+config.json) are decided first, by ``model_shape.resolve_model``, where the command line
+becomes a typed config (``usp.cli.to_config``): a ``ModelConfig`` holds no ``auto``.
+
+One concept a file: ``model_shape`` (the model's ``auto`` keys), ``run_layout`` (the
+``RunLayout`` data), ``preflight`` (the input checks),
 ``decide`` (balance, degrees and all-to-all stages; the accumulation is
 ``usp.planner.batch``'s), ``resolve`` (the resolver: checks, then decisions, then the
 layout). The planner's table of an ``auto`` choice is text of ``usp.planner.report``, said by
@@ -32,6 +37,7 @@ The mesh, the model and the trainer take the layout; nothing downstream reads th
 placement, balance or chunk fields of ``cfg.parallel`` again (``tests/unit/test_run_layout.py``).
 """
 
+from .model_shape import resolve_model
 from .decide import decide_a2a_chunks, decide_balance, decide_degrees, decide_eval_balance
 from .run_layout import RunLayout
 from .preflight import (check_degrees_fit, check_hf_model, check_inputs, check_passkey_memory,
@@ -44,5 +50,5 @@ __all__ = ["Phase", "PhaseGate", "PhasePlan", "RunLayout", "check_degrees_fit", 
            "check_hf_model", "check_inputs", "check_phase_tasks",
            "check_passkey_memory", "check_recompute", "check_run_dir", "check_run_masks", "check_task",
            "decide_a2a_chunks", "decide_balance", "decide_degrees", "decide_eval_balance",
-           "resolve_eval", "resolve_phases", "resolve_phases_group", "resolve_run",
-           "resolve_run_group", "scheduler_hosts_notice"]
+           "resolve_eval", "resolve_model", "resolve_phases", "resolve_phases_group",
+           "resolve_run", "resolve_run_group", "scheduler_hosts_notice"]
