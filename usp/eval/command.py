@@ -1,6 +1,7 @@
 """How ``usp-eval`` starts its ranks, as ``usp-train`` does (``usp.launch.job``):
 ``trainer.nprocs`` local ranks, or the tasks torchrun/Slurm started, which meet in the
-rendezvous store before any process group so that a refusal is said once."""
+rendezvous store before any process group so that a refusal is said once. What the ranks
+run is decided by the resolver (``usp.run.eval_args``)."""
 
 from __future__ import annotations
 
@@ -11,19 +12,8 @@ import torch.distributed as dist
 
 from ..config import RunConfig
 from ..launch.job import prepare, start
-from ..run import resolve_eval
-from .job import plan_eval
+from ..run import eval_args
 from .runner import run_eval
-
-
-def _decide(cfg: RunConfig, out: str | None, world: int, device: str, info: dict | None,
-            say) -> tuple[tuple, str]:
-    """The worker's arguments (EvalJob, RunLayout) and the ranks' device type: every bad
-    input refused here, before any process group; the planner's table (forward-only memory)
-    said when it chose a degree."""
-    job = plan_eval(cfg, out)
-    run = resolve_eval(job.cfg, world, device, job.lengths, say=say)
-    return (job, run), run.device
 
 
 def _device(run) -> torch.device:
@@ -38,4 +28,4 @@ def _worker(job, run) -> None:
 def evaluate(cfg: RunConfig, out: str | None = None) -> int:
     """Run ``usp-eval`` on ``cfg`` (``cfg.eval``); ``out``: the Hydra run directory, used
     when neither ``eval.out`` nor ``eval.run_dir`` is given. Returns the exit code."""
-    return start(prepare(partial(_decide, cfg, out), cfg.trainer), _worker, cfg.trainer)
+    return start(prepare(partial(eval_args, cfg, out), cfg.trainer), _worker, cfg.trainer)

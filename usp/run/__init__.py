@@ -45,10 +45,12 @@ from .preflight import (check_degrees_fit, check_hf_model, check_inputs, check_p
 from .resolve import resolve_eval, resolve_run, resolve_run_group, scheduler_hosts_notice
 from .phases import Phase, PhaseGate, PhasePlan
 from .phase_layouts import check_gate, check_phase_tasks, resolve_phases, resolve_phases_group
+from .worker_args import check_training_args, eval_args, training_args
 
 __all__ = ["Phase", "PhaseGate", "PhasePlan", "RunLayout", "check_degrees_fit", "check_gate",
-           "check_hf_model", "check_inputs", "check_phase_tasks",
-           "check_passkey_memory", "check_recompute", "check_run_dir", "check_run_masks", "check_task",
-           "decide_a2a_chunks", "decide_balance", "decide_degrees", "decide_eval_balance",
-           "resolve_eval", "resolve_model", "resolve_phases", "resolve_phases_group",
-           "resolve_run", "resolve_run_group", "scheduler_hosts_notice"]
+           "check_hf_model", "check_inputs", "check_passkey_memory", "check_phase_tasks",
+           "check_recompute", "check_run_dir", "check_run_masks", "check_task",
+           "check_training_args", "decide_a2a_chunks", "decide_balance", "decide_degrees",
+           "decide_eval_balance", "eval_args", "resolve_eval", "resolve_model", "resolve_phases",
+           "resolve_phases_group", "resolve_run", "resolve_run_group", "scheduler_hosts_notice",
+           "training_args"]
