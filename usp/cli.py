@@ -1,13 +1,21 @@
 """Command-line entry points: ``usp-train``, ``usp-plan`` and ``usp-eval`` (Hydra).
 
-The only modules that touch Hydra/OmegaConf, with ``usp.hydra_app`` (how the app runs and
-how Hydra's refusals read): it composes ``configs/`` (+ ``recipes/``), validates against the
+The only modules that touch Hydra/OmegaConf, with ``usp.hydra_app`` (what Hydra is given and
+how its refusals read): it composes ``configs/`` (+ ``recipes/``), validates against the
 structured schemas below, and hands typed dataclasses to the library.
+
+One path, read forward: each console script runs its Hydra app (``_run_app``); the app
+parses (``to_config``; the model's ``auto`` keys are the resolver's, ``usp.run.model_shape``)
+and hands over: ``usp-train`` to ``usp.train.command`` (the launcher asks the resolver for the
+plan, then every rank runs ``train``), ``usp-eval`` to ``usp.eval.command`` the same way,
+``usp-plan`` to the planner's report. Nothing it calls calls back into this module
+(``tests/unit/test_walk.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -16,13 +24,16 @@ from typing import Any
 
 import hydra
 from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException
 from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from .config import DATA_KINDS, ModelConfig, PlanConfig, RunConfig
 from .config import files as config_files
 from .config.model import CHECKPOINT_FIELDS
 from .data.dataset import AUTO
-from .hydra_app import REFUSED, keep_run_dir, run_app, stray_key, unknown_key_error
+from .hydra_app import (REFUSED, cluster_file_overrides, config_error, forget_run_dir, keep_run_dir,
+                        stray_key, unknown_key_error)
 from .launch.job import JobError
 from .models.families import check_model
 from .run.model_shape import resolve_model
@@ -150,6 +161,39 @@ def _refuse(prog: str, e: Exception, status: int = REFUSED) -> None:
     raise SystemExit(status)
 
 
+def _run_app(app, prog: str) -> None:
+    """Run the Hydra app ``app`` (an ``@hydra.main`` function below) on ``sys.argv``, each
+    ``cluster=PATH.yaml`` made an option first (``cluster_file_overrides``). A config Hydra
+    cannot compose is refused as ``prog: error: ...`` (``config_error``), and a command
+    refused once it ran (exit ``REFUSED``) leaves no run directory behind
+    (``forget_run_dir``).
+
+    Hydra is asked to raise what it refuses (``HYDRA_FULL_ERROR=1`` while the app runs), so an
+    error of the run itself that nothing caught ends with Python's own traceback and exit 1.
+    ``HYDRA_FULL_ERROR=1`` set by the user keeps Hydra's exceptions as they are."""
+    try:
+        sys.argv[:] = cluster_file_overrides(sys.argv)
+    except ValueError as e:  # a cluster file missing or unreadable
+        _refuse(prog, e)
+    user = os.environ.get("HYDRA_FULL_ERROR")
+    try:
+        os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises what it cannot compose, unprinted
+        app()
+    except SystemExit as e:
+        if e.code == REFUSED:  # refused before anything ran: nothing of it stays on disk
+            forget_run_dir()
+        raise
+    except (HydraException, OmegaConfBaseException) as e:
+        if user == "1":
+            raise
+        _refuse(prog, config_error(e, sys.argv[1:]))
+    finally:
+        if user is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = user
+
+
 def run_training(cfg: RunConfig, run_dir: str | None = None) -> None:
     """usp-train's launch (``usp.train.command``): the run's plan decided before any process
     group, then the ranks train it. ``run_dir``: where the run writes when
@@ -177,7 +221,7 @@ def _train_main(dcfg) -> None:
 
 
 def train_main() -> None:
-    run_app(_train_main, lambda e: _refuse("usp-train", e), sys.argv)
+    _run_app(_train_main, "usp-train")
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="plan", version_base="1.3")
@@ -200,7 +244,7 @@ def _plan(cfg: PlanConfig) -> None:
 
 
 def plan_main() -> None:
-    run_app(_plan_main, lambda e: _refuse("usp-plan", e), sys.argv)
+    _run_app(_plan_main, "usp-plan")
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="eval", version_base="1.3")
@@ -220,7 +264,7 @@ def _eval_main(dcfg) -> None:
 
 
 def eval_main() -> None:
-    run_app(_eval_main, lambda e: _refuse("usp-eval", e), sys.argv)
+    _run_app(_eval_main, "usp-eval")
 
 
 if __name__ == "__main__":  # torchrun -m usp.cli ...

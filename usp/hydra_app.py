@@ -1,5 +1,5 @@
-"""How ``usp-train`` and ``usp-plan`` run their Hydra app: what Hydra is given and how its
-refusals read.
+"""What ``usp-train``, ``usp-plan`` and ``usp-eval`` give Hydra and how its refusals read;
+``usp.cli`` runs the Hydra app and calls these (none of them calls back into it).
 
 - ``cluster=PATH.yaml``: a cluster file anywhere becomes an option of the ``cluster`` group
   (``cluster_file_overrides``), checked and overridden like ``cluster=h100_ib``.
@@ -8,26 +8,22 @@ refusals read.
   line ``usp-...: error: ...`` and exit 2 (``config_error``), where Hydra would print its
   own lines and exit 1. A key the schema lacks gets ``stray_key``'s "did you mean ...?",
   the same words as ``usp.cli.unknown_keys`` for keys added with ``+``.
-
-Hydra is asked to raise what it refuses (``HYDRA_FULL_ERROR=1`` while the app runs), so an
-error of the run itself that nothing caught ends with Python's own traceback and exit 1.
-``HYDRA_FULL_ERROR=1`` set by the user keeps Hydra's exceptions as they are.
+- A command refused once Hydra made its run directory leaves nothing behind: ``RunDirRecord``
+  notes what Hydra makes, ``forget_run_dir`` removes it, ``keep_run_dir`` keeps it once the
+  command started its work.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
-from typing import NoReturn
 
 import yaml
 from hydra.core.config_store import ConfigStore
 from hydra.experimental.callback import Callback
-from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
@@ -199,32 +195,3 @@ def forget_run_dir() -> None:
         except OSError:  # a torchrun task of the same second removed it first
             pass
     keep_run_dir()
-
-
-def run_app(app: Callable[[], None], refuse: Callable[[Exception], NoReturn],
-            args: list[str]) -> None:
-    """Run the Hydra app ``app`` on the command line ``args`` (rewritten in place by
-    ``cluster_file_overrides``); a config it cannot compose goes to ``refuse`` as
-    ``config_error``'s ValueError. A command refused once it ran (exit ``REFUSED``) leaves
-    no run directory behind (``forget_run_dir``)."""
-    try:
-        args[:] = cluster_file_overrides(args)
-    except ValueError as e:  # a cluster file missing or unreadable
-        refuse(e)
-    user = os.environ.get("HYDRA_FULL_ERROR")
-    try:
-        os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises what it cannot compose, unprinted
-        app()
-    except SystemExit as e:
-        if e.code == REFUSED:  # refused before anything ran: nothing of it stays on disk
-            forget_run_dir()
-        raise
-    except (HydraException, OmegaConfBaseException) as e:
-        if user == "1":
-            raise
-        refuse(config_error(e, args[1:]))
-    finally:
-        if user is None:
-            os.environ.pop("HYDRA_FULL_ERROR", None)
-        else:
-            os.environ["HYDRA_FULL_ERROR"] = user
