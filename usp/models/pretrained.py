@@ -1,9 +1,10 @@
 """``model.pretrained=DIR``: a local ``save_pretrained`` directory (``config.json`` +
 safetensors) as the built-in model's shape, RoPE and weights.
 
-- ``fill_model`` turns the ``model`` group as Hydra holds it into ``ModelConfig`` fields: each
-  shape key that is ``auto`` (``configs/model/pretrained.yaml``) takes the checkpoint's value;
-  a key the user set must agree with it, or it is refused with both values.
+- ``fill_model`` turns the ``model`` group as Hydra holds it into ``ModelConfig`` fields (the
+  resolver's first step, ``usp.run.model_shape.resolve_model``, calls it): each shape key
+  that is ``auto`` (``configs/model/pretrained.yaml``) takes the checkpoint's value; a key
+  the user set must agree with it, or it is refused with both values.
 - ``model.rope_theta`` may differ from the checkpoint's (a raised base); ``model.rope_scaling``
   is ``auto`` (the checkpoint's own scaling, e.g. Llama 3.1's ``llama3``; without a checkpoint:
   none), ``none`` / null (plain RoPE) or a dict (``usp/config/rope.py``).
