@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import usp.train.trainer  # noqa: F401  (the launcher has usp imported, as pytest has)
+import usp.train.phase_runner  # noqa: F401  (the launcher has usp imported, as pytest has)
 from usp.launch import local
 
 

@@ -19,7 +19,7 @@ from usp import SequenceLayout, SPMesh
 from usp.config import MemmapData, RecallData, LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainerConfig
 from usp.launch import spawn_local
 from usp.data.dataset import build_dataset
-from usp.train.trainer import RunConfig, train
+from usp.train.phase_runner import RunConfig, train
 
 LAYOUTS = [(2, 1), (1, 2)]  # (ulysses, ring); dp = 2 on 4 ranks
 DP = 2

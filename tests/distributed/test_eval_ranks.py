@@ -21,7 +21,7 @@ from usp.eval.job import plan_eval
 from usp.run import resolve_eval
 from usp.launch import spawn_local
 from usp.models.export import main as export_main
-from usp.train.trainer import train
+from usp.train.phase_runner import train
 
 from _eval_runs import at, byte_corpus, run_cfg
 

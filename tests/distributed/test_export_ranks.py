@@ -20,7 +20,7 @@ from usp.config import RunConfig
 from usp.launch import spawn_local
 from usp.models.export import main
 from usp.models.run_records import MODEL_CONFIG
-from usp.train.trainer import train
+from usp.train.phase_runner import train
 
 from _export_runs import RUNS, TEXT, corpus, memmap, run_cfg
 from _hf_runs import checkpointed_model

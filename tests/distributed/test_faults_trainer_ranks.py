@@ -24,7 +24,7 @@ from usp.config import (
 )
 from usp.launch import spawn_local
 from usp.train.faults import PREEMPTED_EXIT_CODE, NonFiniteError, Preempted
-from usp.train.trainer import RunConfig, train
+from usp.train.phase_runner import RunConfig, train
 
 QUIET = LoggingConfig(wandb="disabled", jsonl=True, plot=False, progress=False)
 

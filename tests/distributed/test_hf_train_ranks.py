@@ -16,7 +16,7 @@ from usp.models.hf_model import check_pretrained
 from usp.launch import spawn_local
 from usp.data.dataset import build_dataset
 from usp.run import resolve_run
-from usp.train.trainer import train
+from usp.train.phase_runner import train
 
 from _hf_runs import MODEL, checkpointed_model, small_cfg
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from usp.config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, RecallData, \
     TrainerConfig
 from usp.launch import spawn_local
-from usp.train.trainer import RunConfig, train
+from usp.train.phase_runner import RunConfig, train
 
 STEPS = 2
 CASES = {

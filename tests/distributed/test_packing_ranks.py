@@ -23,7 +23,7 @@ def _sp_worker(run_dir):
     """(2, 2) SP model vs one process (packed, windows) and vs documents alone; then a
     packed recall run that learns."""
     from usp import SPMesh, usp_attention
-    from usp.train.trainer import train
+    from usp.train.phase_runner import train
 
     L = 64
     tokens, ids = packed_row([9, 20, 1, 6, 28], MODEL["vocab_size"], seed=1)

@@ -16,7 +16,7 @@ from usp.eval.command import _worker
 from usp.eval.job import plan_eval
 from usp.launch import spawn_local
 from usp.run import resolve_eval
-from usp.train.trainer import train
+from usp.train.phase_runner import train
 
 from _eval_runs import byte_corpus, run_cfg
 

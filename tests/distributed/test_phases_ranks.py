@@ -1,4 +1,4 @@
-"""Length phases on 4 ranks (``usp.train.trainer.train`` with a ``PhasePlan``): three phases
+"""Length phases on 4 ranks (``usp.train.phase_runner.train`` with a ``PhasePlan``): three phases
 whose layout changes at every boundary (dp 4 at 64 tokens, ulysses 2 x ring 2 at 128, ring
 4 at 256, RoPE base raised at each), in the same processes; stopped at a boundary and
 mid-phase and resumed, the losses equal the uninterrupted run's; a gate ends a phase early
@@ -23,7 +23,7 @@ from usp.config import (LoggingConfig, MemmapData, ModelConfig, OptimConfig, Par
 from usp.launch import spawn_local
 from usp.run import resolve_run
 from usp.run.phases import Phase, PhaseGate, PhasePlan
-from usp.train.trainer import train
+from usp.train.phase_runner import train
 
 ROOT = Path(__file__).resolve().parents[2]
 QUIET = LoggingConfig(wandb="disabled", jsonl=True, plot=True, progress=False)

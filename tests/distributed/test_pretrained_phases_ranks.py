@@ -13,7 +13,7 @@ from usp.config import LoggingConfig, ParallelConfig, PhaseConfig, RecallData, R
 from usp.launch import spawn_local
 from usp.models.pretrained import pretrained_config
 from usp.run import resolve_phases
-from usp.train.trainer import train
+from usp.train.phase_runner import train
 
 from _pretrained import save_checkpoint
 

@@ -23,7 +23,7 @@ from usp.config import (BlendSource, LoggingConfig, MemmapData, ModelConfig, Opt
                         RunConfig, TrainerConfig)
 from usp.data import TokenWriter
 from usp.launch import spawn_local
-from usp.train.trainer import train
+from usp.train.phase_runner import train
 
 QUIET = LoggingConfig(wandb="disabled", jsonl=True, plot=False, progress=False)
 MODEL = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)

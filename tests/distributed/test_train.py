@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from usp.config import MemmapData, RecallData, LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, TrainerConfig
 from usp.launch import spawn_local
-from usp.train.trainer import RunConfig, train
+from usp.train.phase_runner import RunConfig, train
 
 ROOT = Path(__file__).resolve().parents[2]
 QUIET = LoggingConfig(wandb="disabled", jsonl=True, plot=False, progress=False)

@@ -21,7 +21,7 @@ import usp.eval.command  # noqa: F401 -- imported before the trace, as the comma
 import usp.launch.job
 import usp.train.command  # noqa: F401
 from usp.run import PhasePlan, RunLayout
-from usp.train.trainer import train
+from usp.train.phase_runner import train
 
 from _eval_runs import byte_corpus
 

@@ -1,6 +1,6 @@
 """Per-rank peak memory of training steps against sequence length (``tools.bench_memory``).
 
-Every point runs ``usp.train.trainer.train`` itself (model, FSDP2, AdamW, the loss and
+Every point runs ``usp.train.phase_runner.train`` itself (model, FSDP2, AdamW, the loss and
 the memory features as the trainer applies them) for ``steps`` steps and reads the last
 one, when the optimizer state exists before the step begins. The trainer's per-step
 memory probe (``PeakMemory``, started at the step start and read after the optimizer step)
@@ -227,7 +227,7 @@ def measure_run(cfg: RunConfig, track: bool = True) -> list[StepMemory]:
     rss_idle = 0 if device.type == "cuda" else resident_bytes()
     records: list[StepMemory] = []
     tracker = LiveTensorTracker(device.type) if track and device.type == "cpu" else None
-    from usp.train.trainer import train
+    from usp.train.phase_runner import train
 
     def probe(dev: torch.device) -> StepProbe:
         return StepProbe(dev, tracker, rss_idle, records)

@@ -31,7 +31,7 @@ H200_BF16_PEAK = 989e12  # dense bf16 tensor-core FLOP/s, NVIDIA's H200 SXM data
 def _train_once(dtype: str, ckpt: bool, sizes: Sizes, run_dir: str, device_type: str) -> dict:
     from ..config import (LoggingConfig, ModelConfig, ParallelConfig, RecallData, RunConfig,
                           TrainerConfig)
-    from ..train.trainer import train
+    from ..train.phase_runner import train
 
     cfg = RunConfig(
         model=ModelConfig(vocab_size=320),

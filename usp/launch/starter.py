@@ -23,7 +23,7 @@ import sys
 from multiprocessing import forkserver, reduction
 from pathlib import Path
 
-PRELOAD = ["usp.train.trainer"]  # torch, torch.distributed, FSDP and usp's whole training path
+PRELOAD = ["usp.train.phase_runner"]  # torch, torch.distributed, FSDP and usp's whole training path
 
 
 def start_method() -> str:

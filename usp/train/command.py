@@ -13,7 +13,7 @@ from functools import partial
 from ..config import RunConfig
 from ..launch.job import Job, prepare, start
 from ..run import check_training_args, training_args
-from .trainer import train
+from .phase_runner import train
 
 
 def training_job(cfg: RunConfig, run_dir: str | None = None) -> Job:
