@@ -333,3 +333,12 @@ def test_a_phases_blend_is_refused_with_the_phase_named(tmp_path, blend, data, m
         cfg = _cfg({"seq_len": 64, "steps": 1}, {"seq_len": 64, "steps": 1, "blend": blend},
                    data=base)
         phase_config(cfg, 1)
+
+
+def test_a_run_resolved_inside_a_group_needs_its_run_directory():
+    """``resolve_phases_group`` resolves a run that trains: without ``trainer.run_dir`` it is
+    refused before any collective (so without a process group here), on every rank alike."""
+    from usp.run import resolve_phases_group
+
+    with pytest.raises(ValueError, match=r"no run directory: set trainer.run_dir=PATH"):
+        resolve_phases_group(_cfg(), "cpu")

@@ -169,7 +169,11 @@ def resolve_phases_group(cfg: RunConfig, device_type: str, env=None,
     """``resolve_phases`` inside an existing process group (collective), as
     ``resolve_run_group``: rank 0 resolves, every rank receives its plan and checks its own
     task (``check_phase_tasks``); a refusal on any rank is raised on every rank; then rank 0
-    says the phases' headings and tables (``say``)."""
+    says the phases' headings and tables (``say``). The run trains in this group: it needs
+    ``trainer.run_dir`` (refused alike on every rank before any collective)."""
+    if cfg.trainer.run_dir is None:
+        raise ValueError("the run has no run directory: set trainer.run_dir=PATH (usp-train "
+                         "takes Hydra's output folder when it is not set)")
     return decide_in_group(lambda world, said: resolve_phases(cfg, world, device_type, env,
                                                               say=said),
                            check_phase_tasks, say)

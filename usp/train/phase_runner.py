@@ -1,6 +1,6 @@
-"""The run's phases as ``train`` takes them (``planned``: a plan, a layout or nothing,
-checked against this group), the records every phase of a run writes to (``records``: the
-metrics and the console, opened once for the run) and ``train``, which runs them."""
+"""The run's phases as ``train`` takes them (``planned``: a plan, a layout or nothing), the
+records every phase of a run writes to (``records``: the metrics and the console, opened
+once for the run) and ``train``, which runs them."""
 
 from __future__ import annotations
 
@@ -22,26 +22,14 @@ from .trainer import FaultHook, Trainer
 
 
 def planned(cfg: RunConfig, run: RunLayout | PhasePlan | None) -> PhasePlan:
-    """The run's phases: ``run``, a layout as one phase, or for a caller that made the
-    process group itself the phases rank 0 resolves for it (``resolve_phases_group``), on
-    the device its backend computes on."""
+    """The run's phases: ``run`` as the resolver gave it (``usp.run.resolve_phases``), a
+    layout as one phase, or for a caller that made the process group itself the phases rank 0
+    resolves for it (``resolve_phases_group``), on the device its backend computes on. The
+    resolver checked them; the mesh checks each layout's world when it is built."""
     if run is None:
         # rank 0 prints the planner's tables
         run = resolve_phases_group(cfg, "cuda" if dist.get_backend() == "nccl" else "cpu")
-    plan = run if isinstance(run, PhasePlan) else PhasePlan.single(cfg, run)
-    run_dirs = {p.run.run_dir for p in plan.phases}
-    if None in run_dirs:
-        raise ValueError("the run has no run directory: set trainer.run_dir=PATH (usp-train "
-                         "takes Hydra's output folder when it is not set)")
-    if len(run_dirs) > 1:
-        raise ValueError(f"the phases were resolved for different run directories "
-                         f"{sorted(run_dirs)}; resolve every phase with the same run_dir")
-    for p in plan.phases:
-        if p.run.world != dist.get_world_size():
-            raise ValueError(f"phase {p.index + 1} was laid out for {p.run.world} ranks but "
-                             f"this group has {dist.get_world_size()}; resolve it for this "
-                             f"launch (usp.run.resolve_run)")
-    return plan
+    return run if isinstance(run, PhasePlan) else PhasePlan.single(cfg, run)
 
 
 @contextmanager
