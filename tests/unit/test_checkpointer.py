@@ -11,6 +11,7 @@ import pytest
 import usp.train.checkpointer as ckr
 from usp.config import TrainerConfig
 from usp.train.checkpointer import Checkpointer, Position
+from usp.train.phase_runner import PhasePosition
 
 def _checkpointer(rank=0, run_dir="run", **trainer) -> Checkpointer:
     run = SimpleNamespace(global_batch=8, dp=2, grad_accum=2, batch_per_dp_rank=2,
@@ -30,11 +31,11 @@ def test_ckpt_every_zero_saves_only_the_last_and_a_preempted_step():
     assert c.should_save(2, preempted=True)
 
 
-def test_a_phase_saves_at_its_end_and_where_its_gate_ends_it():
+def test_a_trainer_saves_at_its_end_and_where_its_stop_ends_it():
     c = Checkpointer(TrainerConfig(steps=10, ckpt_every=0),
                      SimpleNamespace(global_batch=8, run_dir="run"), {}, 0, end=4)
     assert [s for s in range(1, 11) if c.should_save(s)] == [4]
-    assert c.should_save(2, ends_phase=True)
+    assert c.should_save(2, ends=True)
 
 
 def test_save_records_the_data_position_and_the_fingerprint(monkeypatch, tmp_path):
@@ -42,7 +43,8 @@ def test_save_records_the_data_position_and_the_fingerprint(monkeypatch, tmp_pat
     monkeypatch.setattr(ckr, "save_checkpoint",
                         lambda *a, **kw: calls.append((a, kw)) or Path("step_000004"))
     c = _checkpointer(run_dir=str(tmp_path), keep_checkpoints=3)
-    assert c.save(4, "model", "opt", "sched", Position(4, 32, 1)) == Path("step_000004")
+    at = PhasePosition(4, 32, 1)  # the runner's record beside the trainer's position
+    assert c.save(4, "model", "opt", "sched", at.trainer, at.record()) == Path("step_000004")
     (args, kw), = calls
     assert args == (tmp_path, 4, "model", "opt", "sched")
     assert kw == {"keep": 3, "extra": {"skipped_steps": 1, "consumed": 32, "global_batch": 8,
@@ -58,24 +60,25 @@ def test_a_boundary_checkpoint_leaves_the_batch_to_the_next_phase(monkeypatch, t
     monkeypatch.setattr(ckr, "save_checkpoint",
                         lambda *a, **kw: calls.append(kw) or Path("step_000004"))
     c = _checkpointer(run_dir=str(tmp_path))
-    c.save(4, "model", "opt", "sched", Position(4, 0, 0, 1, (0, 4), 128))
-    c.save(6, "model", "opt", "sched", Position(6, 8, 0, 1, (0, 4), 128))
+    for at in (PhasePosition(4, 0, 0, 1, (0, 4), 128), PhasePosition(6, 8, 0, 1, (0, 4), 128)):
+        c.save(at.step, "model", "opt", "sched", at.trainer, at.record())
     assert [kw["extra"]["global_batch"] for kw in calls] == [None, 8]
 
 
 def test_a_boundary_hands_on_the_next_phases_position():
-    at = Position(step=5, consumed=40, skipped=1, phase=0, starts=(0,), reference=2.5)
+    at = PhasePosition(step=5, consumed=40, skipped=1, phase=0, starts=(0,), reference=2.5)
     assert at.tokens_seen(128) == 40 * 128
     after = at.next_phase(128)
-    assert after == Position(5, 0, 1, 1, (0, 5), 40 * 128, 2.5)
+    assert after == PhasePosition(5, 0, 1, 1, (0, 5), 40 * 128, 2.5)
     assert replace(after, consumed=8).tokens_seen(256) == 40 * 128 + 8 * 256
     # what a checkpoint records reads back as the same position
-    assert Position.of({"step": 5, **after.record()}, 8) == after
+    assert PhasePosition.of({"step": 5, **after.record()}, 8) == after
+    assert after.trainer == Position(5, 0, 1)
 
 
 def test_newest_without_resume_looks_for_nothing(monkeypatch):
     monkeypatch.setattr(ckr, "choose_checkpoint", lambda d: pytest.fail("looked"))
-    assert ckr.newest(TrainerConfig(resume=False), "run", {}, 8) == (None, Position())
+    assert ckr.newest(TrainerConfig(resume=False), "run", {}) == (None, {})
 
 
 def _write_ckpt(path, extra, fingerprint):
@@ -94,17 +97,19 @@ def test_newest_reads_the_phase_before_anything_is_built(monkeypatch, tmp_path):
              "tokens_before": 999, "reference_val_loss": 1.5, "scheduler": {}}
     ckpt = _write_ckpt(tmp_path / "step_000006", extra, {"model.dim": 64})
     monkeypatch.setattr(ckr, "choose_checkpoint", lambda d: ckpt)
-    assert ckr.newest(TrainerConfig(resume=True), "run", {"model.dim": 64}, 8) == (
-        ckpt, Position(6, 0, 2, 2, (0, 3, 5), 999, 1.5))
+    found, record = ckr.newest(TrainerConfig(resume=True), "run", {"model.dim": 64})
+    assert (found, PhasePosition.of(record, 8)) == (
+        ckpt, PhasePosition(6, 0, 2, 2, (0, 3, 5), 999, 1.5))
     with pytest.raises(ValueError, match="model.dim: 64 -> 32"):  # before anything is built
-        ckr.newest(TrainerConfig(resume=True), "run", {"model.dim": 32}, 8)
+        ckr.newest(TrainerConfig(resume=True), "run", {"model.dim": 32})
 
 
 def test_newest_of_an_older_checkpoint_counts_steps_in_phase_zero(monkeypatch, tmp_path):
     """No ``consumed`` (before the data position): steps x global batch; no phase: 0."""
     ckpt = _write_ckpt(tmp_path / "step_000003", {"step": 3}, {})
     monkeypatch.setattr(ckr, "choose_checkpoint", lambda d: ckpt)
-    assert ckr.newest(TrainerConfig(resume=True), "run", {}, 8) == (ckpt, Position(3, 24, 0))
+    found, record = ckr.newest(TrainerConfig(resume=True), "run", {})
+    assert (found, PhasePosition.of(record, 8)) == (ckpt, PhasePosition(3, 24, 0))
 
 
 def test_load_reports_the_checkpoints_position(monkeypatch, capsys):

@@ -118,11 +118,12 @@ def sharded_model(cfg: RunConfig, run: RunLayout, mesh: SPMesh, layout: Sequence
     return model, use
 
 
-def optimizer(oc: OptimConfig, model, schedule):
-    """(AdamW over ``model``'s parameters at peak ``optim.lr``, its ``LambdaLR`` by
-    ``schedule(count)``, the factor of that peak: ``phase_schedule``)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=oc.lr, betas=(oc.beta1, oc.beta2),
-                            weight_decay=oc.weight_decay)
+def optimizer(oc: OptimConfig, model, schedule, lr: float | None = None):
+    """(AdamW over ``model``'s parameters at peak ``lr`` (default ``optim.lr``; a run of
+    phases: the base config's, which ``phase_schedule``'s factors are of), its ``LambdaLR``
+    by ``schedule(count)``, the factor of that peak: ``phase_schedule``)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=oc.lr if lr is None else lr,
+                            betas=(oc.beta1, oc.beta2), weight_decay=oc.weight_decay)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule)
 
 

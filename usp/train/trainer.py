@@ -1,14 +1,16 @@
-"""The training loop, top to bottom. Runs on every rank of an initialised process group.
+"""One trainer, top to bottom: ``Trainer`` trains a model from a position to a stop on
+every rank of an initialised process group, from one config and one layout.
 
-``train`` finds where the run stands (``newest``), then for each length phase from there
-builds it (``Trainer``), resumes it, loops over its steps and closes it, once, however the
-phase ends; a phase boundary is a checkpoint the next phase resumes from, in the same
-processes. A run without phases is one phase. ``Trainer.train_step`` is one optimizer step: the
-micro-batches' forward and backward (``forward_backward``), then the optimizer. Around a
-step, one component per concern, each with one verb: ``Validator`` (``should_validate`` /
-``validate``), ``MetricsLogger`` (``log``: every step to JSONL and wandb), ``Console``
-(``should_log`` / ``log``), ``Preemption`` (``agree``), ``Checkpointer`` (``should_save`` /
-``save``; ``load`` to resume).
+``Trainer.loop`` runs its optimizer steps from where it starts (``Position``) to its last
+step (``Leg.end``), unless its ``Stop`` holds at a validation or ``trainer.stop_after``
+comes first. ``train_step`` is one optimizer step: the micro-batches' forward and backward
+(``forward_backward``), then the optimizer. Around a step, one component per concern, each
+with one verb: ``Validator`` (``should_validate`` / ``validate``), the records (``log``:
+every step to the run's metrics and console), ``Preemption`` (``agree``), ``Checkpointer``
+(``should_save`` / ``save``; ``load`` to resume). The trainer knows no length phases:
+``usp.train.phase_runner.train`` runs one trainer per phase and tells each, by its ``Leg``
+and its ``Stop``, where it ends, what its records carry and what its checkpoints record
+for the run.
 """
 
 from __future__ import annotations
@@ -17,14 +19,14 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ..comm import naming_collectives
-from ..config import RunConfig
+from ..config import DataConfig, RunConfig
 from ..data.batches import RowLayouts, Rows
 from ..data.dataset import build_dataset, build_validation
 from ..data.packing import IGNORE_INDEX
@@ -35,12 +37,11 @@ from ..models.tiling import loss_share
 from ..eval.grid import training_cases
 from ..eval.sharded import PasskeyScore
 from ..eval.val_loss import LengthLoss, held_out_accuracy
-from ..run import PhasePlan, RunLayout
-from .build import (checkpoint_records, continue_schedule, optimizer, phase_schedule,
-                    record_for_export, sharded_model)
+from ..run import RunLayout
+from .build import (checkpoint_records, continue_schedule, optimizer, record_for_export,
+                    sharded_model)
 from .checkpointer import Checkpointer, Position
 from .faults import NonFiniteGuard, Preempted, Preemption
-from .fingerprint import run_fingerprint
 from .metrics import PeakMemory
 from .validator import Validator, missing_splits
 
@@ -54,43 +55,89 @@ def _device(run: RunLayout) -> torch.device:
     return torch.device("cpu")
 
 
-class Trainer:
-    """One phase of a run on this rank (a run without phases: the whole run). ``__init__``
-    (collective) builds it from its ``Phase``: the mesh and sequence layout, the sharded
-    model (``from_checkpoint``: its weights come from the checkpoint ``resume`` loads, not
-    from ``model.pretrained``), optimizer and schedule, the data and the components around
-    a step; ``running``
-    closes the model, optimizer and mesh once. The run's metrics and console (``records``)
-    outlive it."""
+@dataclass(frozen=True)
+class Leg:
+    """What a runner tells one ``Trainer`` beside its config and layout: the steps it may
+    train and what its records and checkpoints carry for the run around it.
 
-    def __init__(self, base: RunConfig, plan: PhasePlan, at: Position, records: tuple,
-                 fault_hook: FaultHook | None,
-                 memory_probe: Callable[[torch.device], PeakMemory],
+    ``end``: its last optimizer step (1-based, the run's count; its ``Stop`` may end it
+    earlier). ``schedule(count)``: the lr factor, of the peak ``lr``, after ``count``
+    optimizer steps (``usp.train.build.phase_schedule``). ``fingerprint``: the run's, in each
+    checkpoint (``usp.train.fingerprint``). ``tags``: the keys every record starts its
+    layout keys with (e.g. ``{"phase": 2}``). ``tokens_before``: the tokens the run saw
+    before this trainer's data began (each record's ``tokens_seen`` counts on from them).
+    ``passes``: which passes of the data it reads (``build_dataset``'s; 0: a run's first).
+    ``short``: data at another length whose validation windows it also scores, on its own
+    layout, as ``short_val_loss``; None: none."""
+
+    end: int
+    lr: float
+    schedule: Callable[[int], float]
+    fingerprint: dict
+    tags: dict = field(default_factory=dict)
+    tokens_before: int = 0
+    passes: int = 0
+    short: DataConfig | None = None
+
+
+class Stop:
+    """When a ``Trainer``'s loop ends before its last step, and what its end and its
+    checkpoints record for whoever runs it. This one: nothing (the loop ends at its last step
+    or ``trainer.stop_after``); a runner of several trainers gives its own
+    (``usp.train.phase_runner``). ``final``: no trainer follows this one, so after its last
+    step the run is complete (no preemption agreement is needed there)."""
+
+    final = True
+
+    def holds(self, step: int, summary: dict) -> bool:
+        """At a validation after optimizer step ``step``: whether the loop ends there
+        (``summary``: the step's, with the validation's scores; all-reduced, so every rank
+        decides alike)."""
+        return False
+
+    def labels(self, summary: dict, early: bool) -> dict:
+        """The keys the loop's last step's ``summary`` gets before it is logged (``early``:
+        ``holds`` ended it, not the last step)."""
+        return {}
+
+    def record(self, summary: dict, at: Position, ends: bool) -> dict:
+        """What a checkpoint after ``at.step`` records beside the trainer's position
+        (``Checkpointer.save``'s ``extra``); ``ends``: the loop's last step."""
+        return {}
+
+
+class Trainer:
+    """One trainer of a run on this rank. ``__init__`` (collective) builds it from its
+    config ``cfg`` and layout ``run``: the mesh and sequence layout, the sharded model
+    (``from_checkpoint``: its weights come from the checkpoint ``resume`` loads, not from
+    ``model.pretrained``), optimizer and schedule, the data and the components around a
+    step; ``running`` closes the model, optimizer and mesh once. ``log(record)``: the run's
+    metrics and console, which outlive it."""
+
+    def __init__(self, cfg: RunConfig, run: RunLayout, leg: Leg, log: Callable[[dict], None],
+                 fault_hook: FaultHook | None = None,
+                 memory_probe: Callable[[torch.device], PeakMemory] = PeakMemory,
                  from_checkpoint: bool = False):
-        self.phase = phase = plan[at.phase]
-        cfg, run, tc = phase.cfg, phase.run, base.trainer  # the loop's settings: the base's
-        self.cfg, self.run, self.tc, self.plan = cfg, run, tc, plan
-        self.logger, self.console = records
+        tc = cfg.trainer
+        self.cfg, self.run, self.tc, self.leg, self.end = cfg, run, tc, leg, leg.end
+        self.log = log
         self.fault_hook = fault_hook
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = _device(run)
-        self.end = plan.end(phase.index, at.starts)  # its last step, unless its gate ends it
         self.mesh = run.build_mesh()
         # who holds which tokens: the run's one layout, or under per_document each batch's own
         self.layouts = RowLayouts(self.mesh, run.seq_len, run.balance, self.device)
         layout = self.layouts.sequence
         if self.rank == 0:
-            if len(plan) > 1:
-                print(plan.describe(phase.index, at.starts), flush=True)  # its steps as run
             print(f"{self.mesh.describe()}\nbalance={run.balance}", flush=True)
-            record_for_export(cfg, run.run_dir)  # the latest phase's model and length
-        # resuming (a later phase, a restart): the weights come from the checkpoint alone
+            record_for_export(cfg, run.run_dir)  # the latest trainer's model and length
+        # resuming (a restart, or the checkpoint of the trainer before this one): the weights
+        # come from the checkpoint alone
         self.model, use = sharded_model(cfg, run, self.mesh, layout, self.device,
                                         from_checkpoint)
         self.layouts.use = use
-        self.opt, self.sched = optimizer(base.optim, self.model,
-                                         phase_schedule(base.optim, plan, at.starts))
-        self.data = build_dataset(cfg.data, cfg.model, phase.index)  # the phase's own passes
+        self.opt, self.sched = optimizer(cfg.optim, self.model, leg.schedule, lr=leg.lr)
+        self.data = build_dataset(cfg.data, cfg.model, leg.passes)  # its own passes
         splits = build_validation(cfg.data, cfg.model, tc.eval_windows)  # [(name, weight, split)]
         note = missing_splits(cfg.data, splits)
         if self.rank == 0 and note:
@@ -101,41 +148,40 @@ class Trainer:
                                    layout, run.run_dir, self.device)
         self.validator = Validator(splits, tc.eval_every, self.end, run.batch_per_dp_rank,
                                    self.mesh, self.layouts, passkey,
-                                   self._short_loss(plan, use, layout, splits))
+                                   self._short_loss(use, layout, splits))
         self.guard = NonFiniteGuard(tc.on_nonfinite)
-        self.checkpointer = Checkpointer(tc, run, run_fingerprint(base, plan), self.rank,
-                                         self.end, checkpoint_records(cfg))
+        self.checkpointer = Checkpointer(tc, run, leg.fingerprint, self.rank, self.end,
+                                         checkpoint_records(cfg))
         self.dp_sp = self.mesh.group("loss")  # the loss's token count, the metrics (dp_sp)
         self.n_shard = self.mesh.submesh("fsdp").size()
         self.flops = flops_per_token(cfg.model, run.seq_len)
         self.peak_mem = memory_probe(self.device)
-        # in every record: which phase and layout made it
-        self.where = {"phase": phase.index + 1, "seq_len": run.seq_len, "dp": run.dp,
-                      "ring": run.ring, "ulysses": run.ulysses}
+        # in every record: which part of the run (the runner's tags) and layout made it
+        self.where = {**leg.tags, "seq_len": run.seq_len, "dp": run.dp, "ring": run.ring,
+                      "ulysses": run.ulysses}
 
-    def _short_loss(self, plan: PhasePlan, use, layout: SequenceLayout,
-                    splits: list) -> LengthLoss | None:
-        """A later phase's validation at the first phase's length (``short_val_loss``),
-        when the data has validation splits; None in the first phase or without them."""
-        first = plan[0].cfg
-        if self.phase.index == 0 or not splits:
+    def _short_loss(self, use, layout: SequenceLayout, splits: list) -> LengthLoss | None:
+        """The validation of the leg's ``short`` data at its own length on this layout
+        (``short_val_loss``), when this trainer has validation splits; else None."""
+        short = self.leg.short
+        if short is None or not splits:
             return None
-        short = build_validation(first.data, first.model, self.tc.eval_windows)
-        layouts = RowLayouts(self.mesh, first.data.seq_len, self.run.balance, self.device, use)
-        return LengthLoss(short, layouts, use, layout, self.run.batch_per_dp_rank, self.mesh)
+        windows = build_validation(short, self.cfg.model, self.tc.eval_windows)
+        layouts = RowLayouts(self.mesh, short.seq_len, self.run.balance, self.device, use)
+        return LengthLoss(windows, layouts, use, layout, self.run.batch_per_dp_rank, self.mesh)
 
     def resume(self, ckpt: Path | None, report: bool) -> None:
-        """Collective: checkpoint ``ckpt`` (the newest at the start of a run, the boundary's
-        in a later phase; None: a fresh start) loaded into the phase's model, optimizer and
-        schedule, resharded to its layout; the phase's schedule then sets the lr.
+        """Collective: checkpoint ``ckpt`` (the run's newest, or the one the trainer before
+        this one ended with; None: a fresh start) loaded into the model, optimizer and
+        schedule, resharded to this layout; the leg's schedule then sets the lr.
         ``report``: rank 0 says where the run resumed."""
         if ckpt is not None:
             self.checkpointer.load(ckpt, self.model, self.opt, self.sched, report)
-            continue_schedule(self.opt, self.sched)  # a new phase may start a new warmup
+            continue_schedule(self.opt, self.sched)  # the leg may start a new warmup
 
     @contextmanager
     def running(self) -> Iterator[None]:
-        """Closes the phase's model, optimizer and mesh (``close``) however the block ends."""
+        """Closes the model, optimizer and mesh (``close``) however the block ends."""
         try:
             yield
         except BaseException as e:  # Preempted, NonFiniteError, a lost peer
@@ -150,24 +196,25 @@ class Trainer:
     def close(self, barrier: bool = True) -> None:
         """The model and optimizer (FSDP state holds the mesh's groups) and what holds the
         mesh, then the mesh's groups, freed while the interpreter is alive (see
-        ``SPMesh.close``): the next phase builds its own."""
+        ``SPMesh.close``): the next trainer builds its own."""
         self.model = self.opt = self.sched = self.validator = self.dp_sp = None
         self.mesh.close(barrier=barrier)
 
-    def loop(self, at: Position) -> tuple[dict, tuple[Path, Position] | None]:
-        """Optimizer steps ``at.step + 1`` .. the phase's last (1-based; its gate or
-        ``trainer.stop_after`` ends it earlier) from ``at``: (the last step's summary, {}
-        when no step is left; the boundary, (its checkpoint, the next phase's position), or
-        None when the run ends in this phase)."""
-        tc, phase, last_phase = self.tc, self.phase, self.phase.index == len(self.plan) - 1
+    def loop(self, at: Position, stop: Stop = Stop()
+             ) -> tuple[dict, Position, Path | None, bool]:
+        """Optimizer steps ``at.step + 1`` .. ``Leg.end`` (1-based) from ``at``, unless
+        ``stop`` holds at a validation or ``trainer.stop_after`` comes first: (the last step's
+        summary, {} when no step is left; the position after it; the checkpoint written last,
+        or None; whether the loop reached its end, by ``stop`` or its last step, rather than
+        ``trainer.stop_after`` or no step at all)."""
+        tc = self.tc
         summary: dict = {}
+        ckpt, ended = None, False
         self.guard.skipped = at.skipped
         # The handlers only set a flag; the previous ones are back however the loop ends.
         with Preemption(tc.preempt_signals) as preemption:
             if at.step == 0 and self.validator.should_validate(0):  # where the model starts
-                record = {"step": 0, **self.validator.validate(self.model, 0), **self.where}
-                self.logger.log(record)
-                self.console.log(record)
+                self.log({"step": 0, **self.validator.validate(self.model, 0), **self.where})
             for step in range(at.step + 1, self.end + 1):
                 summary = self.train_step(step, at)
                 at = replace(at, step=step, consumed=summary["samples"],
@@ -175,47 +222,34 @@ class Trainer:
                 validated = self.validator.should_validate(step)
                 if validated:
                     summary.update(self.validator.validate(self.model, step))
-                # the phase ends here: its gate holds at this validation, or its last step
-                gated = validated and self.gate_holds(summary, at)
-                ends = gated or step == self.end
-                if ends and phase.index == 0:  # the first phase's final validation loss
-                    at = replace(at, reference=summary.get("val_loss"))
-                if ends and (len(self.plan) > 1 or phase.until is not None):
-                    summary["phase_end"] = "gate" if gated else "steps"
-                self.logger.log(summary)
-                self.console.log(summary)
-                self.console.phase_end(summary, phase.until)
+                # the loop ends here: its stop holds at this validation, or its last step
+                early = validated and stop.holds(step, summary)
+                ends = early or step == self.end
+                if ends:
+                    summary.update(stop.labels(summary, early))
+                self.log(summary)
                 # Sync: every rank learns whether any rank got a preemption signal (none is
-                # needed after the last step: the run is complete and exits normally).
-                done = ends and last_phase
+                # needed after the run's last step: it is complete and exits normally).
+                done = ends and stop.final
                 sig = None if done else preemption.agree(self.device)
-                after = at if done or not ends else at.next_phase(self.run.seq_len)
-                if self.checkpointer.should_save(step, preempted=sig is not None,
-                                                 ends_phase=ends):
-                    ckpt = self.checkpointer.save(step, self.model, self.opt, self.sched, after)
+                if self.checkpointer.should_save(step, preempted=sig is not None, ends=ends):
+                    ckpt = self.checkpointer.save(step, self.model, self.opt, self.sched, at,
+                                                  stop.record(summary, at, ends))
                 if sig is not None:
                     err = Preempted(step, sig.name, str(ckpt))
                     if self.rank == 0:
                         print(f"usp: {err}", flush=True)
                     raise err
-                if step == tc.stop_after or done:
+                if step == tc.stop_after or ends:
+                    ended = ends and step != tc.stop_after
                     break
-                if ends:
-                    return summary, (ckpt, after)
-        return summary, None
-
-    def gate_holds(self, scores: dict, at: Position) -> bool:
-        """Whether the phase's gate (``until``) holds on a validation's ``scores``: they are
-        all-reduced (the passkey's broadcast), so every rank decides alike."""
-        gate = self.phase.until
-        return gate is not None and gate.holds(scores.get(f"passkey_acc/{self.run.seq_len}"),
-                                               scores.get("short_val_loss"), at.reference)
+        return summary, at, ckpt, ended
 
     def train_step(self, step: int, at: Position) -> dict:
-        """Optimizer step ``step`` (1-based) on the global batch after the phase's
+        """Optimizer step ``step`` (1-based) on the global batch after the data's
         ``at.consumed`` samples: forward and backward of its micro-batches, then the optimizer
         and schedule (not for a skipped non-finite step); the step's summary (``samples``:
-        the phase's position after it)."""
+        the data position after it)."""
         run, data, consumed = self.run, self.data, at.consumed
         t0, comm0 = time.perf_counter(), self.mesh.comm.total_seconds()
         pairs0 = sum(self.mesh.comm.kernel_pairs.values())  # the ring's counted work so far
@@ -269,9 +303,9 @@ class Trainer:
                                     if total.item() else 1.0),
             "step_s": dt,
             "skipped_steps": self.guard.skipped,
-            "samples": consumed,  # the data position: the phase's samples consumed
-            "tokens_seen": replace(at, consumed=consumed).tokens_seen(run.seq_len),
-            **self.where,  # which phase and layout made it, last on the console line
+            "samples": consumed,  # the data position: this trainer's samples consumed
+            "tokens_seen": self.leg.tokens_before + consumed * run.seq_len,  # the run's
+            **self.where,  # which part of the run and layout made it, last on the line
         }
         summary.update(data.epochs(consumed))
         if data.has_answers:
@@ -320,20 +354,17 @@ class Trainer:
         dist.all_reduce(stats, group=dp_sp)
         return stats, counts[0].item(), gn
 
-    def finish(self, summary: dict) -> Path | None:
-        """After the last step: the bar ends, the held-out answer accuracy joins ``summary``
-        (``data.eval_batches``), the metrics get their final summary; the plot (or None)."""
-        self.console.close()
+    def finish(self, summary: dict) -> None:
+        """After the run's last step: the held-out answer accuracy joins ``summary``
+        (``data.eval_batches``)."""
         if self.data.eval_batches > 0:
             summary["eval_acc"] = held_out_accuracy(self.model, self.data,
                                                     self.run.batch_per_dp_rank, self.mesh,
                                                     self.layouts)
-        self.logger.finish(summary)
-        return self.logger.plot()
 
-    def report(self, summary: dict, at: Position, plot: Path | None) -> None:
-        """Rank 0's last line: the run's final figures and where it wrote them (``at``:
-        where it started)."""
+    def report(self, summary: dict, start: int, plot: Path | None) -> None:
+        """Rank 0's last line: the run's final figures and where it wrote them (``start``:
+        the step it started from)."""
         if self.rank != 0:
             return
         tail = f", train accuracy {summary['acc']:.3f}" if "acc" in summary else ""
@@ -343,6 +374,6 @@ class Trainer:
         if "val_loss" in summary:
             tail += f", val loss {summary['val_loss']:.4f} (ppl {summary['val_ppl']:.2f})"
         run_dir = Path(self.run.run_dir).resolve()
-        print(f"done: step {summary.get('step', at.step)}, loss "
+        print(f"done: step {summary.get('step', start)}, loss "
               f"{summary.get('loss', float('nan')):.4f}{tail}; run directory {run_dir}"
               + (f" (plot {plot.name})" if plot else ""), flush=True)
