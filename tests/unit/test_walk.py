@@ -1,6 +1,6 @@
 """One path, read forward: the walk from a console script (``usp.cli.train_main``,
 ``eval_main``, ``plan_main``) to what the ranks run reads as parse (``usp.cli``), resolve
-(``usp.run``), launch (``usp.launch.job``), train (the worker, ``usp.train.trainer.train``),
+(``usp.run``), launch (``usp.launch.job``), train (the worker, ``usp.train.phase_runner.train``),
 and never re-enters a usp module it left: nothing below the CLI calls back up into it.
 
 Every Python call of a command run in this process is traced (``sys.setprofile``), the
