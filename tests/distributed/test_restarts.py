@@ -75,7 +75,8 @@ def _waits_for_signal(out_dir):
         raise _Preempted()
 
     signal.signal(signal.SIGTERM, on_signal)
-    Path(out_dir, f"ready_r{rank}").write_text("")
+    # forked from the server that preloaded the trainer (this file never imports it)
+    Path(out_dir, f"ready_r{rank}").write_text(str("usp.train.phase_runner" in sys.modules))
     time.sleep(60)
 
 
@@ -87,7 +88,7 @@ def _hangs_outside_collectives(out_dir):
     all_to_all(torch.ones(2, 3), None, None, CommStats(), axis="ulysses")
 
 
-def _launcher(fn_name: str, out_dir: Path, **kw) -> subprocess.Popen:
+def _launcher(fn_name: str, out_dir: Path, session: bool = False, **kw) -> subprocess.Popen:
     """``run_local`` in its own process (signals are sent to it); exits with its code.
 
     The launcher and the ranks it spawns import this file as ``test_restarts`` from
@@ -100,7 +101,8 @@ def _launcher(fn_name: str, out_dir: Path, **kw) -> subprocess.Popen:
         sys.exit(run_local(t.{fn_name}, 2, {str(out_dir)!r}, threads=1, **{kw!r}))
     """)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
-    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env)
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env,
+                            start_new_session=session)
 
 
 def _wait_for(paths, seconds=30.0):
@@ -149,6 +151,21 @@ def test_sigterm_to_launcher_reaches_every_rank_and_its_code_is_returned(tmp_pat
     assert proc.wait(timeout=30) == _Preempted.exit_code  # the ranks' code, not a restart
     assert [(tmp_path / f"sig_r{r}").read_text() for r in range(2)] == ["SIGTERM"] * 2
     assert len(_pids(tmp_path)) == 2
+    assert not [pid for pid in _pids(tmp_path) if _alive(pid)]
+
+
+def test_sigterm_to_every_process_of_the_job_still_returns_the_ranks_code(tmp_path):
+    """A signal to the whole process group (a terminal's, a scheduler's) reaches the server
+    the ranks were forked from too: it stays, so the launcher learns their exit code (and
+    restarts nothing)."""
+    proc = _launcher("_waits_for_signal", tmp_path, session=True, max_restarts=1)
+    ready = [tmp_path / "ready_r0", tmp_path / "ready_r1"]
+    _wait_for(ready)
+    assert [p.read_text() for p in ready] == ["True", "True"]  # forked, not spawned
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=30) == _Preempted.exit_code
+    assert [(tmp_path / f"sig_r{r}").read_text() for r in range(2)] == ["SIGTERM"] * 2
+    assert len(_pids(tmp_path)) == 2  # no restart
     assert not [pid for pid in _pids(tmp_path) if _alive(pid)]
 
 

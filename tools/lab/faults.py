@@ -156,16 +156,23 @@ def _checkpoints(run_dir: Path) -> list[int]:
                   if p.name.startswith("step_") and not p.name.endswith(".tmp"))
 
 
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
 def _rank_pids(ranks: list[int]) -> list[int]:
-    """The rank processes among the launcher's descendants (spawned python processes that
-    are not multiprocessing's resource tracker)."""
+    """The rank processes among the launcher's descendants: spawned ones, or the children of
+    the forkserver that forks them (not multiprocessing's resource tracker, nor the server)."""
     out = []
     for pid in ranks:
         try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            cmd = _cmdline(pid)
+            parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+            forked = "forkserver import main" in cmd and "forkserver import main" in _cmdline(
+                int(parent))
         except OSError:
             continue
-        if "spawn_main" in cmd:
+        if "spawn_main" in cmd or forked:
             out.append(pid)
     return out
 

@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 
 from ..comm import PEER_LOST
 from .device import BACKENDS
-from .starter import FromLauncher, start_method
+from .starter import JOB_SIGNALS, FromLauncher, server_pid, start_method
 
 
 def free_port() -> int:
@@ -101,12 +101,13 @@ def spawn_local(fn, world_size: int, *args, threads: int | None = None,
 
 # ---- supervised local launch: restarts, signal forwarding, no rank left behind ---------------
 
-FORWARDED_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")  # sent on to every rank by run_local
+FORWARDED_SIGNALS = JOB_SIGNALS  # sent on to every rank by run_local
 _SETTLE_S = 2.0  # after a rank lost its peer: how long the peer may take to report why
 
 
 def _die_with_parent(parent: int) -> None:
-    """Linux: the kernel SIGKILLs this rank when its launcher dies, even by SIGKILL."""
+    """Linux: the kernel SIGKILLs this rank when ``parent`` dies, even by SIGKILL: the
+    launcher, or the forkserver that forked the rank (which ends with the launcher)."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -173,7 +174,11 @@ def _run_once(worker_args: tuple, nprocs: int, grace_s: float) -> tuple[int, str
     "exited" (a rank exited on purpose, e.g. preempted); "refused" (ValueError);
     "raised" / "killed" (a fault: the attempt may be restarted).
     """
-    ctx = mp.get_context("spawn")
+    method = start_method()  # forked from the preloaded server (starter), else spawned
+    ctx = mp.get_context(method)
+    forked = method == "forkserver"
+    parent = server_pid() if forked else os.getpid()  # the ranks' parent process
+    worker_args = (*worker_args, FromLauncher() if forked else None)
     received: list[int] = []
     procs = []
 
@@ -190,7 +195,7 @@ def _run_once(worker_args: tuple, nprocs: int, grace_s: float) -> tuple[int, str
         try:
             for rank in range(nprocs):
                 procs.append(ctx.Process(target=_rank_entry, daemon=False,
-                                         args=(rank, os.getpid(), report_dir, worker_args)))
+                                         args=(rank, parent, report_dir, worker_args)))
                 procs[-1].start()
             first, deadline, settle = None, None, None  # first failure; end of waits
             while True:

@@ -10,7 +10,14 @@ uses more than one) and no CUDA context.
 What a spawned rank takes from its launcher at the moment it starts, and a forked one would
 take from the server instead, is sent along with the rank's arguments (``FromLauncher``):
 the environment and the standard output and error. The working directory and ``sys.path``
-multiprocessing sends itself. The server imports the launcher's own usp: it starts with the
+multiprocessing sends itself.
+
+The server outlives a signal sent to every process of a job (a terminal's or a scheduler's
+``kill`` of the process group, ``scancel --signal``): it ignores ``JOB_SIGNALS``
+(``usp.launch.serving``, which only the server imports), so it is still there to report each
+rank's exit code to the launcher; a rank takes back the default handlers as it starts. It
+ends with the launcher (it reads the launcher's end on a pipe), and a rank with it
+(``PR_SET_PDEATHSIG``, ``usp.launch.local``). The server imports the launcher's own usp: it starts with the
 folder that holds it first on ``PYTHONPATH`` (the server does not take the launcher's
 ``sys.path``), and a rank checks it got that usp.
 """
@@ -19,11 +26,17 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import sys
 from multiprocessing import forkserver, reduction
 from pathlib import Path
 
-PRELOAD = ["usp.train.phase_runner"]  # torch, torch.distributed, FSDP and usp's whole training path
+# usp.launch.serving: the server ignores JOB_SIGNALS; usp.train.phase_runner: torch,
+# torch.distributed, FSDP and usp's whole training path
+PRELOAD = ["usp.launch.serving", "usp.train.phase_runner"]
+# what a job's processes get together: sent on to every rank by ``run_local``, ignored by the
+# server (SIGINT is multiprocessing's own: the server ignores it, a rank takes it back)
+JOB_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
 
 
 def start_method() -> str:
@@ -42,6 +55,17 @@ def start_method() -> str:
         else:
             os.environ["PYTHONPATH"] = old
     return "forkserver"
+
+
+def server_pid() -> int | None:
+    """The running forkserver's process id (the parent of the ranks it forks), or None."""
+    return getattr(forkserver._forkserver, "_forkserver_pid", None)
+
+
+def server_ignores() -> list[signal.Signals]:
+    """``JOB_SIGNALS`` this platform has but SIGINT (multiprocessing's server ignores that
+    one itself and gives its ranks Python's handler back)."""
+    return [getattr(signal, n) for n in JOB_SIGNALS if n != "SIGINT" and hasattr(signal, n)]
 
 
 def _usp_root() -> str:
@@ -66,11 +90,26 @@ def _adopt(env: dict, streams: dict, usp_root: str) -> None:
                            f"sys.path, or set PYTHONPATH={usp_root}")
     os.environ.clear()
     os.environ.update(env)
+    for sig in server_ignores():
+        signal.signal(sig, signal.SIG_DFL)
+    _leave_server()
     for target, dup in streams.items():
         fd = dup.detach()
         if fd != target:
             os.dup2(fd, target)
             os.close(fd)
+
+
+def _leave_server() -> None:
+    """In a forked rank: close the server's keep-alive pipe it inherited (multiprocessing
+    hands it on so that a rank could fork from the same server). The server ends when every
+    holder has closed it: with the ranks holding none, it ends with the launcher, even a
+    SIGKILLed one, and takes its ranks with it (``PR_SET_PDEATHSIG``). A rank that starts
+    processes of its own from a forkserver gets a server of its own."""
+    server = forkserver._forkserver
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = server._forkserver_address = None
 
 
 class FromLauncher:
