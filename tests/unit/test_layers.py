@@ -22,7 +22,7 @@ LAYERS = (
     ("mesh_exit",),
     ("mesh", "layout"),
     ("masks",),
-    ("ring", "ulysses", "ring_flash"),
+    ("ring", "ulysses", "ring_flash", "pipelined"),
     ("attention",),
     ("models", "data"),
     ("planner",),

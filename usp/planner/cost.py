@@ -108,7 +108,7 @@ def ring_step_link(cluster: ClusterSpec, span: GroupSpan) -> tuple[float, float]
 def a2a_pass(chunks: int, send_in: float, send_out: float, stage: float,
              overlap: float) -> float:
     """Exposed seconds of one pass's two all-to-alls split over ``chunks`` pipeline stages, as
-    ``usp.attention.PipelinedAttention`` schedules them: ``send_in``/``send_out``: one stage's
+    ``usp.pipelined.PipelinedAttention`` schedules them: ``send_in``/``send_out``: one stage's
     incoming / outgoing message on the link; ``stage``: one stage's ring pass. The first
     incoming and the last outgoing message wait alone; beside stage t's compute travel the
     next stage's input (t < c-1) and the previous stage's output (t >= 1)."""
