@@ -26,17 +26,26 @@ def visible(seq_len, causal, segment_ids=None, window=None):
     return ok
 
 
-def dense_reference(q, k, v, dout, causal, segment_ids=None, window=None):
-    """fp64 single-process attention and its grads: (out, dq, dk, dv)."""
+def dense_reference(q, k, v, dout, causal, segment_ids=None, window=None, sinks=None):
+    """fp64 single-process attention and its grads: (out, dq, dk, dv), and dsinks after
+    them when ``sinks`` [Hq] are given (gpt-oss's eager formula: the softmax of [scores,
+    sink], the sink column dropped)."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
     g = q.shape[2] // k.shape[2]
     ke, ve = k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)
     s = torch.einsum("bshd,bkhd->bhsk", q, ke) * q.shape[-1] ** -0.5
     ok = visible(q.shape[1], causal, segment_ids, window)[:, None]  # [B|1, 1, L, L]
     s = s.masked_fill(~ok, float("-inf"))
-    out = torch.einsum("bhsk,bkhd->bshd", s.softmax(-1), ve)
+    if sinks is None:
+        p = s.softmax(-1)
+    else:
+        sinks = sinks.detach().double().requires_grad_()
+        col = sinks[None, :, None, None].expand(*s.shape[:3], 1)  # [B, H, L, 1]
+        p = torch.cat([s, col], -1).softmax(-1)[..., :-1]
+    out = torch.einsum("bhsk,bkhd->bshd", p, ve)
     out.backward(dout.double())
-    return out.detach(), q.grad, k.grad, v.grad
+    grads = (out.detach(), q.grad, k.grad, v.grad)
+    return grads if sinks is None else grads + (sinks.grad,)
 
 
 def document_ids(batch, seq_len, gen, edge):

@@ -19,6 +19,7 @@ from .masks import check_masks, gather_segment_ids
 from .mesh import SPMesh
 from .pipelined import PipelinedAttention
 from .ring import RingAttention, RingPlan
+from .ring_flash import ring_flash_attn
 from .ulysses import HeadToSeq, SeqToHead, _Axis
 from .rules import RING_IMPLS, check_kernel, check_ring_impl
 
@@ -27,17 +28,37 @@ __all__ = ["RING_IMPLS", "PipelinedAttention", "attention_stages", "check_inputs
 
 
 def local_attention(q, k, v, causal: bool = True, kernel: str | Kernel = "torch", scale=None,
-                    segment_ids: torch.Tensor | None = None, window: int | None = None):
+                    segment_ids: torch.Tensor | None = None, window: int | None = None,
+                    sinks: torch.Tensor | None = None):
     """Single-process attention with autograd: q [B, L, Hq, d], k/v [B, L, Hkv, d] -> [B, L, Hq, d].
 
-    ``segment_ids`` [B, L] long and ``window`` as in ``usp_attention`` (the same plan, on
-    one ring rank: no hop, no transport).
+    ``segment_ids`` [B, L] long, ``window`` and ``sinks`` [Hq] as in ``usp_attention`` (the
+    same plan, on one ring rank: no hop, no transport).
     """
     check_masks(segment_ids, window, batch=q.shape[0], seq_len=q.shape[1], device=q.device,
                 kernel=kernel)
+    check_sinks(sinks, q)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     plan = RingPlan(0, 1, q.shape[1], causal, "contiguous", window, segment_ids)
-    return RingAttention.apply(q, k, v, None, plan, get_kernel(kernel), scale)
+    return RingAttention.apply(q, k, v, None, plan, get_kernel(kernel), scale, None, sinks)
+
+
+def check_sinks(sinks: torch.Tensor | None, q: torch.Tensor, ring_impl: str = "usp") -> None:
+    """``sinks`` must be None or a floating [Hq] tensor (global query-head order) on q's
+    device, and the ring engine must take them; raises ValueError before any collective."""
+    if sinks is None:
+        return
+    hq = q.shape[2] if q.dim() == 4 else None
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point() or (
+            tuple(sinks.shape) != (hq,)):
+        got = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(f"sinks must be a floating tensor [Hq] = [{hq}] (one logit per query "
+                         f"head, every rank the same), got {got}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks are on {sinks.device} but q is on {q.device}; move them")
+    if ring_impl != "usp":
+        raise ValueError(f"ring_impl={ring_impl!r} cannot apply sinks (its ring returns no "
+                         f"LSE to fold them into); use ring_impl='usp'")
 
 
 def check_inputs(q, k, v, mesh: SPMesh, layout: SequenceLayout) -> None:
@@ -93,6 +114,7 @@ def usp_attention(
     segment_ids: torch.Tensor | None = None,
     window: int | None = None,
     a2a_chunks: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention over the whole sequence held across the SP group.
 
@@ -121,45 +143,65 @@ def usp_attention(
     group; 1 with ``ring_impl="ring_flash_attn"``. The mesh also says whether the messages
     travel in fragments (``SPMesh.fragment_bytes_for``).
 
+    ``sinks`` [Hq] (gpt-oss's; global head order, the same on every rank): head h's softmax
+    runs over the visible keys and one more logit ``sinks[h]`` that carries no value, folded
+    in once after the LSE merge of every block (``ring.add_sinks``); no byte more travels.
+    Each rank's ``sinks.grad`` is its share (its heads over its rows): the sum over the SP
+    group is the gradient. Not with ``ring_impl="ring_flash_attn"``.
+
     Every query sees at least its own key, so no output row is undefined. Blocks a mask
     leaves empty are skipped. The ``torch`` and ``reference`` kernels take both masks,
     ``flash_attn`` takes ``window`` only; ``ring_impl="ring_flash_attn"`` takes neither.
     """
     stages = _check_call(q, k, v, mesh, layout, causal, kernel, ring_impl, segment_ids,
-                         window, a2a_chunks)
+                         window, a2a_chunks, sinks)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if mesh.sp_size > 1:  # once per signature: every SP rank must make the same call
-        kname = kernel if isinstance(kernel, str) else type(kernel).__name__
-        mesh.agree_once("usp_attention(q, k shapes, dtype, seq_len, balance, causal, kernel, "
-                        "ring_impl, scale, window, segment_ids given, a2a_chunks)",
-                        (tuple(q.shape), tuple(k.shape), str(q.dtype), layout.seq_len,
-                         layout.balance, causal, kname, ring_impl, scale, window,
-                         segment_ids is not None, stages))
+    _agree(mesh, layout, q, k, kernel, causal, ring_impl, scale, window,
+           segment_ids is not None, stages, sinks is not None)
     kern = get_kernel(kernel)
     ids = None if segment_ids is None else gather_segment_ids(segment_ids, layout)  # [B, L]
     axis, comm = _exchanges(mesh, ring_impl)
     if layout.balance == "per_document":  # each row its own segments: a ring pass per row
-        return _per_row(q, k, v, axis, comm, layout, causal, window, ids, kern, scale, stages)
+        return _per_row(q, k, v, axis, comm, layout, causal, window, ids, kern, scale, stages,
+                        sinks)
     plan = RingPlan(mesh.ring_rank, mesh.ring, layout.segment_len, causal, layout.balance,
                     window, ids)
     ring = (comm, plan, kern, scale, mesh.comm)  # ring_forward's arguments after q, k, v
     if axis is not None and stages > 1:
-        return PipelinedAttention.apply(q, k, v, axis, stages, ring)  # [B, L/P, Hq, d]
+        return PipelinedAttention.apply(q, k, v, axis, stages, ring, sinks)  # [B, L/P, Hq, d]
     if axis is not None:
         # [B, L/P, H, d] -> [B, L/r, H/u, d]: all tokens of the ring segment, some heads
         q, k, v = SeqToHead.apply(q, k, v, axis)
+        sinks = _my_sinks(sinks, axis)
     if ring_impl == "ring_flash_attn":
-        from .ring_flash import ring_flash_attn
-
         out = ring_flash_attn(q, k, v, mesh, layout.balance, causal, scale)
     else:
-        out = RingAttention.apply(q, k, v, *ring)  # [B, L/r, H/u, d]
+        out = RingAttention.apply(q, k, v, *ring, sinks)  # [B, L/r, H/u, d]
     if axis is not None:
         out = HeadToSeq.apply(out, axis)  # [B, L/r, H/u, d] -> [B, L/P, H, d]
     return out
 
 
-def _per_row(q, k, v, axis, comm, layout, causal, window, ids, kern, scale, stages):
+def _my_sinks(sinks: torch.Tensor | None, axis: _Axis) -> torch.Tensor | None:
+    """[Hq] -> [q_j]: the sinks of the query heads this ulysses rank computes (after
+    ``SeqToHead`` set the call's split); autograd puts its gradient back at those heads."""
+    if sinks is None:
+        return None
+    a, b = axis.split.q_ranges[axis.rank]
+    return sinks[a:b]
+
+
+def _agree(mesh: SPMesh, layout: SequenceLayout, q, k, kernel, *rest) -> None:
+    """Once per signature (a collective the first time): every SP rank makes the same call."""
+    if mesh.sp_size > 1:
+        kname = kernel if isinstance(kernel, str) else type(kernel).__name__
+        mesh.agree_once("usp_attention(q, k shapes, dtype, seq_len, balance, kernel, causal, "
+                        "ring_impl, scale, window, segment_ids given, a2a_chunks, sinks given)",
+                        (tuple(q.shape), tuple(k.shape), str(q.dtype), layout.seq_len,
+                         layout.balance, kname) + rest)
+
+
+def _per_row(q, k, v, axis, comm, layout, causal, window, ids, kern, scale, stages, sinks):
     """``usp_attention`` under a ``DocumentLayout``: one ring pass for the whole batch when
     every row has the same documents, else one per row (B passes of 1/B of the bytes)."""
     mesh = layout.mesh
@@ -168,12 +210,14 @@ def _per_row(q, k, v, axis, comm, layout, causal, window, ids, kern, scale, stag
                          f"all-to-alls are not pipelined: pass a2a_chunks=1 (got {stages})")
     if axis is not None:
         q, k, v = SeqToHead.apply(q, k, v, axis)  # [B, L/P, H, d] -> [B, L/r, H/u, d]
+        sinks = _my_sinks(sinks, axis)
     same = all(docs == layout.rows[0] for docs in layout.rows)
     rows = [slice(0, q.shape[0])] if same else [slice(b, b + 1) for b in range(q.shape[0])]
     outs = []
     for b in rows:
         plan = row_plan(layout, b, causal, window, None if ids is None else ids[b])
-        outs.append(RingAttention.apply(q[b], k[b], v[b], comm, plan, kern, scale, mesh.comm))
+        outs.append(RingAttention.apply(q[b], k[b], v[b], comm, plan, kern, scale, mesh.comm,
+                                        sinks))
     out = torch.cat(outs) if len(outs) > 1 else outs[0]  # [B, L/r, H/u, d]
     return out if axis is None else HeadToSeq.apply(out, axis)  # -> [B, L/P, H, d]
 
@@ -198,10 +242,11 @@ def row_plan(layout, rows: slice, causal: bool, window: int | None,
 
 
 def _check_call(q, k, v, mesh: SPMesh, layout: SequenceLayout, causal: bool, kernel,
-                ring_impl: str, segment_ids, window, a2a_chunks) -> int:
+                ring_impl: str, segment_ids, window, a2a_chunks, sinks) -> int:
     """Every rule for one ``usp_attention`` call, before any collective; returns its
     pipeline stages (``attention_stages``)."""
     check_inputs(q, k, v, mesh, layout)
+    check_sinks(sinks, q, ring_impl)
     if layout.balance == "per_document" and (ring_impl != "usp" or q.shape[0] != layout.batch):
         raise ValueError(f"a per_document layout of {layout.batch} rows needs ring_impl='usp' "
                          f"and q of {layout.batch} rows, got {ring_impl!r} and "

@@ -12,7 +12,7 @@ import torch
 
 from .dims.heads import head_split
 from .dims.stages import HeadChunk, head_chunks
-from .ring import ring_backward, ring_forward
+from .ring import ring_backward, ring_forward, sinks_grad
 from .ulysses import _Axis, _by_seq_chunk
 
 
@@ -24,20 +24,25 @@ def _width(r: tuple[int, int]) -> int:
     return r[1] - r[0]
 
 
+def _stage(sinks: torch.Tensor | None, chunk: HeadChunk) -> torch.Tensor | None:
+    return None if sinks is None else sinks[chunk.q[0] : chunk.q[1]]  # [Hq] -> stage heads
+
+
 class PipelinedAttention(torch.autograd.Function):
     """q [B, L/P, Hq, d], k/v [B, L/P, Hkv, d] -> out [B, L/P, Hq, d]: SeqToHead, ring,
     HeadToSeq over the heads of ``usp.dims.stages.head_chunks`` stages, each all-to-all posted
     asynchronously so that it travels while another stage's ring pass computes.
 
-    apply(q, k, v, axis, chunks, ring) with ``ring`` = ``ring_forward``'s arguments after
-    q, k, v. A KV head that serves several stages of a rank travels with the first and its
-    gradients with the last, so the bytes equal the unpipelined call's; each all-to-all is
-    ``chunks`` messages. Backward: the output grads of stage t+1 travel while stage t's ring
+    apply(q, k, v, axis, chunks, ring, sinks) with ``ring`` = ``ring_forward``'s arguments
+    after q, k, v and ``sinks`` [Hq] or None (each stage folds in those of its heads). A KV
+    head that serves several stages of a rank travels with the first and its gradients with
+    the last, so the bytes equal the unpipelined call's; each all-to-all is ``chunks``
+    messages. Backward: the output grads of stage t+1 travel while stage t's ring
     backward runs, and stage t's dq/dk/dv travel home while stage t+1 computes.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, axis: _Axis, chunks: int, ring):
+    def forward(ctx, q, k, v, axis: _Axis, chunks: int, ring, sinks=None):
         u, me = axis.size, axis.rank
         b, n, hq, d = q.shape
         split = head_split(q.shape[2], k.shape[2], u)
@@ -67,8 +72,8 @@ class PipelinedAttention(torch.autograd.Function):
             if kb > ka:  # [B, L/r, 1, d] x heads -> [B, L/r, kv heads of the stage, d]
                 kn, vn = torch.cat(have_k[ka:kb], dim=2), torch.cat(have_v[ka:kb], dim=2)
             ks, vs = kn, vn  # an empty stage keeps the empty blocks it received
-            if qs.shape[2]:
-                out, lse = ring_forward(qs, ks, vs, *ring)  # [B, L/r, h, d], [B, h, L/r]
+            if qs.shape[2]:  # [B, L/r, h, d], [B, h, L/r]
+                out, lse = ring_forward(qs, ks, vs, *ring, sinks=_stage(sinks, mine[t]))
             else:  # a stage without heads on this ulysses coordinate (and its ring)
                 out, lse = qs, qs.new_empty(b, 0, qs.shape[1], dtype=torch.float32)
             saved += [qs, ks, vs, out, lse]
@@ -79,7 +84,7 @@ class PipelinedAttention(torch.autograd.Function):
         for t, flight in enumerate(back):
             for j, block in enumerate(flight.wait()[0]):  # [B, L/P, h_j, d] from rank j
                 _heads(out, stages[j][t].q).copy_(block)
-        ctx.save_for_backward(*saved)
+        ctx.save_for_backward(*saved, sinks)
         ctx.stages, ctx.me, ctx.axis, ctx.ring, ctx.k0 = stages, me, axis, ring, k0
         ctx.kv_shape, ctx.kv_dtype = k.shape, k.dtype
         return out
@@ -89,7 +94,8 @@ class PipelinedAttention(torch.autograd.Function):
         stages, axis, ring, k0 = ctx.stages, ctx.axis, ctx.ring, ctx.k0
         u, chunks, mine = axis.size, len(ctx.stages[0]), ctx.stages[ctx.me]
         b, n, hq, d = grad.shape
-        saved = ctx.saved_tensors
+        *saved, sinks = ctx.saved_tensors
+        dsinks = None if sinks is None else torch.zeros_like(sinks)
 
         def post_grad(t):  # to rank j: the output grads of my tokens for its stage-t heads
             return axis.start([[_heads(grad, stages[j][t].q) for j in range(u)]],
@@ -109,6 +115,9 @@ class PipelinedAttention(torch.autograd.Function):
             dq = torch.zeros_like(qs)
             if qs.shape[2]:
                 dq, dk, dv = ring_backward(dout.contiguous(), qs, ks, vs, out, lse, *ring)
+                if sinks is not None:  # this stage's heads, over this rank's rows
+                    a, z = mine[t].q
+                    dsinks[a:z] += sinks_grad(dout, out, lse, sinks[a:z])
                 dkv[0, :, :, ka:kb] += dk
                 dkv[1, :, :, ka:kb] += dv
             la, lb = (h - k0 for h in mine[t].kv_last)
@@ -127,4 +136,4 @@ class PipelinedAttention(torch.autograd.Function):
                 _heads(dq, stages[j][t].q).copy_(gq[j])
                 _heads(dk, stages[j][t].kv_last).add_(gk[j])
                 _heads(dv, stages[j][t].kv_last).add_(gv[j])
-        return dq, dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype), None, None, None
+        return dq, dk.to(ctx.kv_dtype), dv.to(ctx.kv_dtype), None, None, None, dsinks

@@ -200,6 +200,26 @@ def merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_l
     lse.copy_(new_lse)
 
 
+def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
+    """Fold attention sinks into a merged result, in place: one more logit ``sinks[h]``
+    per query row of head h that carries no value, ``softmax([scores, sink])`` with the
+    sink column dropped. out [B, S, H, d] and lse [B, H, S] fp32, as ``merge`` takes them,
+    hold every block already; sinks [H]. It is ``merge`` of a block whose out is 0 and
+    whose LSE is the sink: out * sigmoid(lse - sink), lse = logaddexp(lse, sink)."""
+    sink = sinks.float()[None, :, None].expand(lse.shape)  # [H] -> [B, H, S]
+    merge(out, lse, out.new_zeros(()), sink)
+
+
+def sinks_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+               sinks: torch.Tensor) -> torch.Tensor:
+    """d loss / d sinks [H] (sinks' dtype) of the rows of one rank: dout, out [B, S, H, d]
+    and lse [B, H, S] after ``add_sinks``. The sink's probability is exp(sink - lse), and
+    softmax's backward gives it -p * rowsum(dout * out) (the sink carries no value)."""
+    p = torch.exp(sinks.float()[None, :, None] - lse)  # [B, H, S]
+    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)  # [B, S, H] -> [B, H, S]
+    return -(p * delta).sum((0, 2)).to(sinks.dtype)
+
+
 def _forward(kernel: Kernel, q, k, v, p: Piece, scale):
     if p.mask is None:  # a mask-free call keeps the plain Kernel signature
         return kernel.forward(q[:, p.qs], k[:, p.ks], v[:, p.ks], p.causal, scale)
@@ -222,11 +242,13 @@ def _count(stats: CommStats | None, phase: str, step: int, pieces) -> None:
 
 
 def ring_forward(q, k, v, comm: RingComm | None, plan: RingPlan, kernel: Kernel, scale: float,
-                 stats: CommStats | None = None):
+                 stats: CommStats | None = None, sinks: torch.Tensor | None = None):
     """q [B, S, Hq, d], k/v [B, S, Hkv, d] -> out [B, S, Hq, d] (q.dtype), lse [B, Hq, S] fp32.
 
     ``plan``: this ring rank's calls (its rank, the ring size, causal order, balance and
-    masks); ``comm``: the ring transport (None when the plan makes no hop).
+    masks); ``comm``: the ring transport (None when the plan makes no hop). ``sinks`` [Hq]:
+    attention sinks, folded in once after every block is merged (``add_sinks``); the out
+    and lse returned include them, so ``ring_backward`` on them gives exact dq, dk, dv.
     """
     s = q.shape[1]
     diag = plan.diagonal()
@@ -252,6 +274,8 @@ def ring_forward(q, k, v, comm: RingComm | None, plan: RingPlan, kernel: Kernel,
         _count(stats, "forward", step, pieces)
         for p in pieces:
             merge(out[:, p.qs], lse[:, :, p.qs], *_forward(kernel, q, kv[0], kv[1], p, scale))
+    if sinks is not None:  # once, on the merge of every block
+        add_sinks(out, lse, sinks)
     return out.to(q.dtype), lse
 
 
@@ -311,18 +335,22 @@ def ring_backward(dout, q, k, v, out, lse, comm: RingComm | None, plan: RingPlan
 class RingAttention(torch.autograd.Function):
     """Autograd wrapper: forward saves (q, k, v, out, lse) and backward runs the dK/dV ring.
 
-    apply(q, k, v, comm, plan, kernel, scale[, stats]), as ``ring_forward``.
+    apply(q, k, v, comm, plan, kernel, scale[, stats[, sinks]]), as ``ring_forward``; the
+    gradient of ``sinks`` [Hq] is this rank's share (``sinks_grad`` over its rows).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, comm, plan, kernel, scale, stats=None):
-        out, lse = ring_forward(q, k, v, comm, plan, kernel, scale, stats)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, comm, plan, kernel, scale, stats=None, sinks=None):
+        out, lse = ring_forward(q, k, v, comm, plan, kernel, scale, stats, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.args = (comm, plan, kernel, scale, stats)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, *ctx.args)
-        return (dq, dk, dv) + (None,) * (len(ctx.needs_input_grad) - 3)
+        grads = [dq, dk, dv] + [None] * (len(ctx.needs_input_grad) - 3)
+        if sinks is not None and ctx.needs_input_grad[8]:
+            grads[8] = sinks_grad(dout, out, lse, sinks)
+        return tuple(grads)

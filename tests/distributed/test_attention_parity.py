@@ -85,6 +85,11 @@ MASK_REFUSALS = [  # (usp_attention keywords on a [1, 8, 8, 8] q, message)
     (dict(window=4, ring_impl="ring_flash_attn"),
      r"ring_impl='ring_flash_attn' cannot apply window.*ring_impl='usp'"),
 ]
+SINK_REFUSALS = [
+    (dict(sinks=torch.zeros(4)), r"sinks must be a floating tensor \[Hq\] = \[8\]"),
+    (dict(sinks=torch.zeros(8), ring_impl="ring_flash_attn"),
+     r"ring_impl='ring_flash_attn' cannot apply sinks.*ring_impl='usp'"),
+]
 
 
 def _shape_errors_worker():
@@ -107,7 +112,7 @@ def _shape_errors_worker():
         q4 = torch.randn(1, 4, 8, 8)
         usp_attention(q4, q4, q4, mesh=mesh, layout=lay)
     q8 = torch.randn(1, 8, 8, 8)
-    for kw, msg in MASK_REFUSALS:
+    for kw, msg in MASK_REFUSALS + SINK_REFUSALS:
         with pytest.raises(ValueError, match=msg):
             usp_attention(q8, q8, q8, mesh=mesh, layout=lay, **kw)
     dist.barrier()

@@ -17,6 +17,10 @@ With ``a2a_chunks = c > 1`` (``usp_attention``'s pipelined all-to-alls) the ulys
 are the same, in c times as many messages; the ring runs once per stage
 (``usp.dims.stages.head_chunks``), so a KV head that serves several stages of a rank (fewer
 KV heads on the rank than stages) travels the ring once per stage it serves.
+
+Attention sinks (``usp_attention(sinks=...)``) add no byte: every rank holds the [Hq] logits
+already and folds them in after the ring's last merge; each rank keeps its share of their
+gradient, which the training step's gradient reduction sums with every other parameter's.
 """
 
 from __future__ import annotations
