@@ -2,12 +2,13 @@
 model, packed documents, sliding windows, and the checkpoint export round trip.
 
 One spawn of 4 gloo ranks loops over (ulysses, ring, dp) in {(1,1,4), (2,1,2), (2,2,1),
-(4,1,1), (1,4,1)} and Llama (GQA), Qwen2 (GQA, sliding window on layer 1 only) and Mistral
-(GQA, sliding window on every layer): gathered logits within 1e-4 of the unpatched model
-on the whole batch in one process, every parameter gradient (summed over dp x sp) within
-1e-3 of its largest entry, and the summed loss shares equal to HF's own loss. Packed rows
-(documents marked by position_ids resets) equal each document run alone. The same spawn
-writes a usp checkpoint (usp.models.checkpoint) that ``test_export_round_trip`` exports.
+(4,1,1), (1,4,1)} and Llama (GQA), Qwen2 (GQA, sliding window on layer 1 only), Mistral
+(GQA, sliding window on every layer) and, at (2,1,2) and (2,2,1), gpt-oss (attention sinks
+passed as s_aux, a window on layer 0, experts): gathered logits within 1e-4 (gpt-oss 1e-5)
+of the unpatched model on the whole batch in one process, every parameter gradient (summed
+over dp x sp) within 1e-3 of its largest entry (the sinks' within 1e-5), and the summed
+loss shares equal to HF's own loss. Packed rows (documents marked by position_ids resets)
+equal each document run alone. The same spawn writes a usp checkpoint (usp.models.checkpoint) that ``test_export_round_trip`` exports.
 """
 
 import copy
@@ -83,7 +84,7 @@ def _case(mesh: SPMesh, balance: str, kind: str, packed: bool, seed: int):
 
     where = f"{kind} (u={mesh.ulysses}, r={mesh.ring}, dp={mesh.dp}, {balance}, packed={packed})"
     err = (layout.gather(out.logits.detach(), dim=1) - ref_logits[rows]).abs().max().item()
-    assert err <= 1e-4, f"{where}: logits differ by {err:.2e}"
+    assert err <= (1e-5 if kind == "gpt_oss" else 1e-4), f"{where}: logits differ by {err:.2e}"
     dp_sp = mesh.group("dp_sp")
     total = loss.detach().clone()
     dist.all_reduce(total, group=dp_sp)
@@ -92,7 +93,8 @@ def _case(mesh: SPMesh, balance: str, kind: str, packed: bool, seed: int):
         g = p.grad.clone()
         dist.all_reduce(g, group=dp_sp)  # each rank holds its tokens' share
         rel = ((g - rp.grad).abs().max() / rp.grad.abs().max()).item()
-        assert rel <= 1e-3, f"{where}: grad of {name} off by {rel:.2e} (relative)"
+        bound = 1e-5 if name.endswith(".sinks") else 1e-3  # each rank's share, summed
+        assert rel <= bound, f"{where}: grad of {name} off by {rel:.2e} (relative)"
     return model
 
 
@@ -114,7 +116,8 @@ def _worker(run_dir: str) -> None:
     seed = 0
     for u, r, balance in LAYOUTS:
         with SPMesh.build(ulysses=u, ring=r) as mesh:
-            for kind in ("llama", "qwen2", "mistral"):
+            sinks = ("gpt_oss",) if (u, r) in ((2, 1), (2, 2)) else ()
+            for kind in ("llama", "qwen2", "mistral") + sinks:
                 seed += 1
                 model = _case(mesh, balance, kind, packed=False, seed=seed)
             if (u, r) in ((2, 2), (1, 4)):

@@ -38,7 +38,8 @@ TINY = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_
             sliding_window=8, attention_dropout=0.0, use_cache=False)
 
 
-def _passed_keywords(folder: str) -> set[str]:
+@functools.cache
+def _passed_keywords(folder: str) -> frozenset[str]:
     """Keywords of the ``attention_interface(...)`` calls in the modeling files of
     transformers' model folder ``folder``."""
     found = set()
@@ -47,7 +48,7 @@ def _passed_keywords(folder: str) -> set[str]:
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                     and node.func.id == "attention_interface"):
                 found |= {k.arg for k in node.keywords if k.arg is not None}
-    return found
+    return frozenset(found)
 
 
 @functools.cache
@@ -142,39 +143,60 @@ def _outcome(model_type: str, extra: set[str]) -> str:
     return "exact"
 
 
+@functools.cache
+def _sink_decoders() -> list[str]:
+    """Causal LM model types whose attention passes ``s_aux`` (per-head sinks)."""
+    return [t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            if "s_aux" in _passed_keywords(model_type_to_module_name(t))]
+
+
+@functools.cache
+def _outcomes() -> dict[str, str]:
+    """``_outcome`` of every decoder the scans find: a keyword outside the list, or sinks
+    (``s_aux``, which usp honours). Call it with ``get_rank`` patched (the tests do)."""
+    types = sorted(set(_outside()) | set(_sink_decoders()))
+    return {t: _outcome(t, _outside().get(t, set())) for t in types}
+
+
 def test_the_scan_finds_the_decoders_that_pass_sinks():
     found = _outside()
-    assert "s_aux" in found["gpt_oss"] and "qwen3" not in found
+    assert "gpt_oss" in _sink_decoders() and "s_aux" in SIGNATURE and "qwen3" not in found
     assert not any(k in LISTED for keys in found.values() for k in keys)
 
 
 def test_every_decoder_with_a_keyword_outside_the_list_is_refused_or_exact(monkeypatch):
     # a one-rank mesh without a process group: this process is rank 0 of it
     monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
-    outcomes = {t: _outcome(t, extra) for t, extra in sorted(_outside().items())}
-    assert outcomes["gpt_oss"] == "refused"
+    outcomes = _outcomes()
     built = [t for t, said in outcomes.items() if said != "refused by the function"]
     assert len(built) >= len(outcomes) // 2, outcomes  # most run as models
     # the harness itself: decoders that pass only listed keywords come out exact
     assert _outcome("qwen3", set()) == "exact" and _outcome("gemma3_text", set()) == "exact"
 
 
-def test_gpt_oss_is_refused_naming_its_sinks(monkeypatch):
+def test_every_decoder_that_passes_sinks_is_exact_or_refused(monkeypatch):
+    # s_aux is honoured (usp_attention's sinks): gpt-oss computes through usp what it
+    # computes unpatched, on one rank here and on several in test_hf_ranks
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+    outcomes = {t: _outcomes()[t] for t in _sink_decoders()}
+    assert outcomes["gpt_oss"] == "exact", outcomes
+
+
+def test_gpt_oss_sinks_reach_usp_and_per_token_sinks_are_refused(monkeypatch):
     monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
     from transformers import GptOssConfig, GptOssForCausalLM
 
     model = GptOssForCausalLM(GptOssConfig(**{k: v for k, v in TINY.items()
                                               if k not in ("moe_intermediate_size",)}))
     mesh = _mesh(2)
-    with pytest.raises(ValueError, match="sinks"):
-        usp.models.hf.patch(model, mesh, SequenceLayout(mesh, seq_len=L))
-    # the attention function alone refuses the sinks the module passes (s_aux)
     attn = usp.models.hf.UspAttention(mesh, SequenceLayout(mesh, seq_len=L), (None, 8))
     q = torch.randn(1, 4, L // 2, 16)
     module = model.model.layers[0].self_attn
-    with pytest.raises(ValueError, match="s_aux=.*sinks"):
-        attn(module, q, q, q, None, s_aux=module.sinks)
-    attn_ok = [k for k in ("s_aux", "output_attentions", "past_key_values")]
+    with pytest.raises(ValueError, match="sinks=.*per token.*s_aux="):  # inkling2's
+        attn(module, q, q, q, None, sinks=torch.zeros(1, 4, L // 2, 1))
+    with pytest.raises(ValueError, match=r"sinks must be a floating tensor \[Hq\] = \[4\]"):
+        attn(module, q, q, q, None, s_aux=module.sinks[:2])  # before any collective
+    attn_ok = [k for k in ("sinks", "output_attentions", "past_key_values")]
     for key in attn_ok:  # unset: accepted (no collective reached: a 1-rank mesh)
         one = _mesh(1)
         out, _ = usp.models.hf.UspAttention(one, SequenceLayout(one, seq_len=L // 2), (None,))(

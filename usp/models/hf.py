@@ -5,7 +5,9 @@ in transformers' ``AttentionInterface`` (and a mask function that builds no mask
 ``AttentionMaskInterface``) and switches the model to it. Each decoder layer then hands
 its q/k/v ([B, H, L/P, d], RoPE already applied from ``position_ids``) to
 ``usp_attention``, which computes exact attention over the whole sequence held across the
-SP group. Usage, on every rank::
+SP group; gpt-oss's attention sinks (``s_aux``, one logit per query head) go to it as
+``sinks``, and each rank's gradient of them is its share, summed with the other
+parameters' over ``dp_sp``. Usage, on every rank::
 
     import usp.models.hf
     usp.models.hf.patch(model, mesh, layout)
@@ -25,7 +27,7 @@ What usp cannot honour is refused with a ValueError before any collective: atten
 dropout in training, logit softcapping, attention weights, a KV cache when P > 1, padding
 masks (use ``segment_ids``), ``labels`` when P > 1 (the model would shift them on its
 shard; use ``causal_lm_loss``), RoPE whose frequencies depend on the longest position in
-the batch (``dynamic``, ``longrope``) when P > 1, attention sinks (gpt-oss), a model that
+the batch (``dynamic``, ``longrope``) when P > 1, sinks computed per token, a model that
 does not declare ``_supports_flash_attn`` (its code may need a mask tensor), and
 ``position_ids`` that restart inside a row without ``segment_ids`` (transformers would mask
 there as between packed documents).
@@ -56,8 +58,7 @@ from ..data.packing import IGNORE_INDEX, document_positions, packed_rows
 from ..layout import SequenceLayout
 from ..mesh import SPMesh
 from ..dims.heads import check_heads
-from .hf_keywords import (NEUTRAL_KEYWORDS, SINK_NAMES, SINKS, UNSET_KEYWORDS, check_keywords,
-                          check_positions)
+from .hf_keywords import NEUTRAL_KEYWORDS, UNSET_KEYWORDS, check_keywords, check_positions
 from .tiling import loss_share
 
 __all__ = ["NEUTRAL_KEYWORDS", "UNSET_KEYWORDS", "UspAttention", "causal_lm_loss",
@@ -92,8 +93,9 @@ def layer_windows(config) -> tuple[int | None, ...]:
 class UspAttention:
     """The attention function ``patch`` registers: HF's signature, usp's computation.
 
-    Called by each attention module with q [B, Hq, L/P, d], k/v [B, Hkv, L/P, d]; returns
-    (out [B, L/P, Hq, d], None) as transformers' attention functions do.
+    Called by each attention module with q [B, Hq, L/P, d], k/v [B, Hkv, L/P, d] (and
+    gpt-oss's ``s_aux`` [Hq], the sinks); returns (out [B, L/P, Hq, d], None) as
+    transformers' attention functions do.
     """
 
     mesh: SPMesh
@@ -115,7 +117,7 @@ class UspAttention:
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None,
                  dropout=0.0, sliding_window=None, softcap=None, segment_ids=None,
-                 is_causal=None, **kwargs):
+                 is_causal=None, s_aux=None, **kwargs):
         if attention_mask is not None:
             raise ValueError("usp attention takes no attention_mask (got a prepared "
                              f"{tuple(attention_mask.shape)} mask); pass segment_ids from "
@@ -133,7 +135,7 @@ class UspAttention:
         out = usp_attention(q, k, v, mesh=self.mesh, layout=self.layout, causal=causal,
                             kernel=self.kernel, scale=scaling, ring_impl=self.ring_impl,
                             segment_ids=segment_ids, a2a_chunks=self.a2a_chunks,
-                            window=self.window(module, sliding_window))
+                            window=self.window(module, sliding_window), sinks=s_aux)
         return out, None  # [B, L/P, Hq, d]: the layer reshapes it to [B, L/P, Hq*d]
 
 
@@ -177,10 +179,6 @@ def _check_config(model, mesh: SPMesh, layout: SequenceLayout) -> tuple[int | No
                          "usp attention, like flash attention, takes none, so it cannot patch "
                          "it (a model of your own that computes attention from q, k, v alone "
                          "may set the flag)")
-    sinks = next((name for name, _ in model.named_parameters()
-                  if name.rsplit(".", 1)[-1] in SINK_NAMES), None)
-    if sinks is not None:
-        raise ValueError(f"{type(model).__name__} has {sinks}: {SINKS}")
     hq = cfg.num_attention_heads
     check_heads(hq, getattr(cfg, "num_key_value_heads", None) or hq, mesh.ulysses)
     return layer_windows(cfg)

@@ -22,21 +22,20 @@ NEUTRAL_KEYWORDS = {
     "return_dict": "the form of the model's output",
     "num_items_in_batch": "the loss' normaliser",
 }
-SINKS = ("attention sinks (a learned logit per head that takes a share of every "
-         "softmax, as gpt-oss has) are not in usp attention yet; use an unpatched model")
+TOKEN_SINKS = ("sinks computed per token (a [B, H, L, 1] logit); usp attention takes one "
+               "logit per query head, passed as s_aux= (gpt-oss's sinks); use an unpatched "
+               "model")
 VARLEN = ("flash-attention's packed-sequence boundaries; usp takes document boundaries as "
           "segment_ids (usp.models.hf.shard_batch(layout, ..., position_ids=...))")
 # keywords usp honours only while unset (None or False): what each would ask for
 UNSET_KEYWORDS = {
-    "s_aux": SINKS, "sinks": SINKS,
+    "sinks": TOKEN_SINKS,
     "output_attentions": "the attention weights, which usp attention never forms",
     "past_key_values": "a KV cache, which usp attention does not keep",
     "past_key_value": "a KV cache, which usp attention does not keep",
     "cu_seq_lens_q": VARLEN, "cu_seq_lens_k": VARLEN,
     "max_length_q": VARLEN, "max_length_k": VARLEN,
 }
-# the names transformers gives attention sinks, as a keyword and as a module's parameter
-SINK_NAMES = tuple(k for k, why in UNSET_KEYWORDS.items() if why is SINKS)
 
 
 def check_keywords(module, kwargs: dict) -> None:
