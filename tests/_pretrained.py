@@ -1,7 +1,8 @@
 """Tiny Hugging Face checkpoints written by transformers' own classes and ``save_pretrained``
 (``unit/test_pretrained.py``, ``distributed/test_pretrained_ranks.py``): a Llama with Llama 3.1
 ``llama3`` scaling and its own head_dim, a Qwen2 with (non-zero) q/k/v biases, tied
-embeddings and windowed layers after the first, a Mistral with a window on every layer."""
+embeddings and windowed layers after the first, a Mistral with a window on every layer, a
+Qwen3 with q/k norms, a head_dim of its own (24, not 64 / 4) and a window on its last layer."""
 
 from pathlib import Path
 
@@ -19,6 +20,7 @@ FAMILY_CONFIG = {
     "qwen2": dict(use_sliding_window=True, sliding_window=6, max_window_layers=1,
                   tie_word_embeddings=True),  # layer 0 full, layers 1 and 2 a window of 6
     "mistral": dict(sliding_window=5),
+    "qwen3": dict(head_dim=24, use_sliding_window=True, sliding_window=6, max_window_layers=2),
 }
 KINDS = tuple(FAMILIES)  # the families the built-in model serves
 

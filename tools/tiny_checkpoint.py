@@ -1,7 +1,7 @@
 """A small local checkpoint to try the pretrained journey on (docs/extend.md): a transformers
-decoder of the family ``--arch`` (``usp.models.families``: llama, qwen2, mistral) written by its
-own class's ``save_pretrained``, with a byte-level BPE tokenizer beside it, trained on the text
-files under ``--src``.
+decoder of the family ``--arch`` (``usp.models.families``: llama, qwen2, mistral, qwen3)
+written by its own class's ``save_pretrained``, with a byte-level BPE tokenizer beside it,
+trained on the text files under ``--src``.
 
     python -m tools.tiny_checkpoint --arch qwen2 --out ckpt/tiny_qwen2
     usp-prepare --src SRC --glob '*.py' --out data/tiny --tokenizer ckpt/tiny_qwen2 ...

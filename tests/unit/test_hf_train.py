@@ -29,6 +29,10 @@ def test_model_config_maps_to_the_transformers_config():
     assert type(q).__name__ == "Qwen2Config"
     assert q.layer_types == ["sliding_attention", "full_attention"] * 2
     assert (q.sliding_window, q.rope_parameters["rope_theta"], q.rms_norm_eps) == (256, 5e5, 1e-6)
+    q3 = hf_config(ModelConfig(hf="qwen3", head_dim=24, sliding_window=256, n_layers=3,
+                               layer_types=["full_attention"] * 2 + ["sliding_attention"]))
+    assert (type(q3).__name__, q3.head_dim, q3.attention_bias, q3.layer_types[1:]) == (
+        "Qwen3Config", 24, False, ["full_attention", "sliding_attention"])
     m = hf_config(ModelConfig(hf="mistral", sliding_window=100, tie_embeddings=False))
     assert (type(m).__name__, m.sliding_window, m.tie_word_embeddings) == ("MistralConfig", 100,
                                                                            False)

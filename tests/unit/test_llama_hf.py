@@ -1,7 +1,7 @@
 """The built-in model as its family's transformers model (``usp.models.families``), in one
 process: after a few optimizer steps the mapped model gives the same logits and loss, with tied
-or untied embeddings, windows on every layer or some (Mistral, Qwen2 with zero q/k/v biases), and
-per-document RoPE equals each document alone. Exports of real runs:
+or untied embeddings, windows on every layer or some (Mistral, Qwen2 with zero q/k/v biases),
+q/k norms (Qwen3), and per-document RoPE equals each document alone. Exports of real runs:
 ``distributed/test_export_ranks.py``."""
 
 import functools
@@ -65,6 +65,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     (dict(sliding_window=8), "MistralForCausalLM"),  # every layer windowed
     (dict(sliding_window=8, full_attention_every=3), "MistralForCausalLM"),  # 2 layers < 3
     (dict(sliding_window=8, full_attention_every=2, tie_embeddings=False), "Qwen2ForCausalLM"),
+    (dict(qk_norm=True, sliding_window=8, full_attention_every=2), "Qwen3ForCausalLM"),
 ])
 def test_builtin_model_maps_to_the_architecture_that_computes_it(kw, arch):
     model = _trained(replace(MODEL, **kw))
@@ -136,7 +137,7 @@ WINDOWS = {"none": dict(),  # every layer full
            "every": dict(sliding_window=8),
            "some": dict(sliding_window=8, full_attention_every=2)}  # layer 1 full
 # the window settings each family cannot hold (a family without an entry fails by name)
-REFUSED = {"llama": {"every", "some"}, "qwen2": set(), "mistral": {"some"}}
+REFUSED = {"llama": {"every", "some"}, "qwen2": set(), "mistral": {"some"}, "qwen3": set()}
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -148,7 +149,8 @@ def test_a_run_from_a_checkpoint_exports_as_its_architecture(arch, windows, tmp_
     layers only, are refused with the setting named."""
     from transformers import AutoModelForCausalLM
 
-    kw = dict(arch=arch, qkv_bias=arch == "qwen2", **WINDOWS[windows])
+    kw = dict(arch=arch, qkv_bias=FAMILIES[arch].biases, qk_norm=FAMILIES[arch].qk_norm,
+              **WINDOWS[windows])
     if windows in REFUSED[arch]:
         with pytest.raises(ValueError, match=f"model.arch={arch}"):
             check_model(replace(MODEL, **kw))
@@ -189,3 +191,14 @@ def test_a_built_in_model_with_biases_exports_as_qwen2_at_any_windows(windows, t
 def test_biases_on_a_run_from_a_checkpoint_without_them_are_refused(arch):
     with pytest.raises(ValueError, match=f"model.arch={arch} has no q/k/v biases"):
         check_model(replace(MODEL, arch=arch, qkv_bias=True))
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(arch="llama", qk_norm=True), r"model.arch=llama has no q/k norms \(model.qk_norm=true\)"),
+    (dict(arch="qwen3"), r"model.arch=qwen3 normalises q and k per head \(model.qk_norm=false\)"),
+    (dict(arch="qwen3", qk_norm=True, qkv_bias=True), "model.arch=qwen3 has no q/k/v biases"),
+    (dict(qk_norm=True, qkv_bias=True), "no family holds both"),
+])
+def test_q_k_norms_only_on_the_family_that_has_them(kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        check_model(replace(MODEL, **kw))

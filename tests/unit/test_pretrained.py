@@ -107,13 +107,34 @@ def test_bad_checkpoints_are_refused_with_the_fix(ckpts, tmp_path):
     bad.write_bytes((ckpts["llama"] / "model.safetensors").read_bytes()[:1000])
     with pytest.raises(ValueError, match=r"model.safetensors is damaged"):
         check_checkpoint(pretrained_config(tmp_path))
-    (tmp_path / "config.json").write_text('{"model_type": "qwen3", "vocab_size": 10}')
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe", "vocab_size": 10}')
     with pytest.raises(ValueError) as err:
         pretrained_config(tmp_path)
     said = str(err.value)  # the path once, and no pointer to model.hf, which refuses it too
-    assert said.startswith(f"model.pretrained={tmp_path} is a 'qwen3' model; usp maps "
+    assert said.startswith(f"model.pretrained={tmp_path} is a 'qwen3_moe' model; usp maps "
                            + ", ".join(FAMILIES)) and said.count("model.pretrained=") == 1
     assert "usp-train cannot train it" in said and "usp.models.hf.patch" in said
+
+
+def test_what_a_qwen3_checkpoint_holds_is_read_and_its_o_proj_bias_refused(ckpts, tmp_path):
+    """A Qwen3's q/k norms are read as model.qk_norm and load (one [head_dim] weight each per
+    layer, none on the other families); its attention_bias (on o_proj too) is refused by name."""
+    import json
+    import shutil
+
+    mc = pretrained_config(ckpts["qwen3"])
+    assert (mc.qk_norm, mc.qkv_bias, mc.head_dim) == (True, False, 24)
+    assert (mc.sliding_window, mc.layer_types[2]) == (6, "sliding_attention")
+    state = load_state(mc)
+    assert state["layers.1.attention.k_norm.weight"].shape == (24,)
+    assert replace(mc, pretrained=None).num_params() == sum(t.numel() for t in state.values())
+    assert not pretrained_config(ckpts["llama"]).qk_norm
+    shutil.copytree(ckpts["qwen3"], tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "attention_bias": True}))
+    with pytest.raises(ValueError, match=r"attention_bias=true: the built-in model has no "
+                                         r"o_proj bias.*model.hf=qwen3"):
+        pretrained_config(tmp_path / "ckpt")
 
 
 def test_a_config_missing_a_shape_key_is_refused_naming_it(ckpts, tmp_path):

@@ -49,6 +49,7 @@ class ModelConfig:
     norm_eps: float = _fixed(1e-5)
     tie_embeddings: bool = _fixed(True)
     qkv_bias: bool = _fixed(False)  # biases on the q, k and v projections (Qwen2)
+    qk_norm: bool = _fixed(False)  # RMSNorm of each q and k head before RoPE (Qwen3)
     sliding_window: Optional[int] = _fixed(None)  # tokens a query sees (itself included); None: all
     full_attention_every: int = _fixed(0)  # 0: every layer windowed; k: layers k-1, 2k-1, ... full
     # per layer, transformers' names (full_attention | sliding_attention; Qwen2's layer_types):
@@ -56,7 +57,7 @@ class ModelConfig:
     layer_types: Optional[List[str]] = _fixed(None)
     rope: str = "global"  # global: positions in the packed row | per_document: from each doc start
     # None: the built-in model (usp.models.decoder) | a family (usp.models.families): its
-    # transformers class (llama, qwen2, mistral)
+    # transformers class (llama, qwen2, mistral, qwen3)
     hf: Optional[str] = None
     pretrained: Optional[str] = None  # a local model directory (save_pretrained) to start from
     # the family (usp.models.families) the weights come from and export to; None: export
@@ -133,6 +134,8 @@ class ModelConfig:
         per_layer = self.layer_matmul_params() + 2 * self.dim  # + the two RMSNorm weights
         if self.qkv_bias:
             per_layer += (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+        if self.qk_norm:  # one weight of head_dim for every q head, one for every k head
+            per_layer += 2 * self.head_dim
         emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         return self.n_layers * per_layer + emb + self.dim
 

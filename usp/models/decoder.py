@@ -1,7 +1,8 @@
 """A Llama-style GQA decoder whose attention is a pluggable function.
 
-RMSNorm, RoPE, SwiGLU, q/k/v biases only with ``cfg.qkv_bias`` (Qwen2), tied or untied
-embeddings, ``cfg.head_dim`` wide heads. Attention is whatever
+RMSNorm, RoPE, SwiGLU, q/k/v biases only with ``cfg.qkv_bias`` (Qwen2), an RMSNorm of each
+q and k head before RoPE only with ``cfg.qk_norm`` (Qwen3), tied or untied embeddings,
+``cfg.head_dim`` wide heads. Attention is whatever
 ``attn_fn(q, k, v, **masks) -> out`` the caller passes (q [B, n, Hq, hd], k/v [B, n, Hkv,
 hd], out [B, n, Hq, hd]; ``masks``: ``segment_ids`` [B, n] when documents are packed and
 ``window`` on sliding-window layers, passed only when set), e.g.
@@ -64,6 +65,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        # one weight [hd] shared by all heads of q, one by all of k (Qwen3's q_norm, k_norm)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.attn_fn = attn_fn
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -72,6 +76,9 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, n, self.n_heads, self.head_dim)  # [B, n, D] -> [B, n, Hq, hd]
         k = self.wk(x).view(b, n, self.n_kv_heads, self.head_dim)  # -> [B, n, Hkv, hd]
         v = self.wv(x).view(b, n, self.n_kv_heads, self.head_dim)  # -> [B, n, Hkv, hd]
+        if self.q_norm is not None:  # over hd, head by head: here every head of this rank's
+            # tokens is whole, before attn_fn moves heads between ranks (Ulysses)
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         masks = {}
         if segment_ids is not None:

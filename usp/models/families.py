@@ -11,10 +11,11 @@ from dataclasses import replace
 
 from ..config import ModelConfig
 from ..config.checks import one_of
-from . import llama, mistral, qwen2
+from . import llama, mistral, qwen2, qwen3
 from .family import Family, windows
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, qwen2.FAMILY, mistral.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, qwen2.FAMILY, mistral.FAMILY,
+                                                   qwen3.FAMILY)}
 
 
 def family(name: str | None, key: str = "model.hf") -> Family:
@@ -31,8 +32,8 @@ def check_model(mc: ModelConfig) -> None:
         family(mc.arch, "model.arch")
     if mc.hf is not None:
         family(mc.hf).check_hf(mc)
-    if mc.arch is not None:
-        builtin_family(mc)  # its windows
+    else:
+        builtin_family(mc)  # its windows, biases and q/k norms
 
 
 def checkpoint_family(model_type: str | None, where: str = "the checkpoint") -> Family:
@@ -49,17 +50,34 @@ def checkpoint_family(model_type: str | None, where: str = "the checkpoint") -> 
 
 def builtin_family(mc: ModelConfig) -> Family:
     """The family the built-in model of ``mc`` computes: ``model.arch`` (a run from a
-    checkpoint), else the one its windows export as (``Family.exports``), or with q/k/v
-    biases that family lacks the one that holds biases at any windows (``Family.biases``)."""
+    checkpoint), else with q/k norms the family that has them (``Family.qk_norm``), else the
+    one its windows export as (``Family.exports``), or with q/k/v biases that family lacks
+    the one that holds biases at any windows (``Family.biases``)."""
     if mc.arch is not None:
         arch = family(mc.arch, "model.arch")
+        _check_qk_norm(mc, arch)
         arch.check_arch(mc)
         return arch
+    if mc.qk_norm:
+        normed = next(f for f in FAMILIES.values() if f.qk_norm)
+        if mc.qkv_bias and not normed.biases:
+            raise ValueError(f"model.qk_norm=true with model.qkv_bias=true: no family holds "
+                             f"both ({normed.name} has q/k norms and no biases); set one false")
+        return normed
     pattern = windows(mc)
     chosen = next(f for f in FAMILIES.values() if f.exports == pattern)
     if mc.qkv_bias and not chosen.biases:
         return next(f for f in FAMILIES.values() if f.biases)
     return chosen
+
+
+def _check_qk_norm(mc: ModelConfig, arch: Family) -> None:
+    """A run from a checkpoint of ``arch`` has q/k norms if and only if the family has."""
+    if mc.qk_norm != arch.qk_norm:
+        has = "normalises q and k per head" if arch.qk_norm else "has no q/k norms"
+        raise ValueError(f"model.arch={arch.name} {has} (model.qk_norm="
+                         f"{str(mc.qk_norm).lower()}); set model.qk_norm="
+                         f"{str(arch.qk_norm).lower()}")
 
 
 def hf_equivalent(mc: ModelConfig) -> ModelConfig:

@@ -7,9 +7,10 @@ from a checkpoint and writes for ``model.hf`` and the export, what it refuses, a
 state-dict adapter both ways (built-in parameter <-> transformers name; the load inverts the
 export's map).
 
-Shared here: the fields every such transformers config holds alike (``common_fields``) and the
-names of the shared decoder's weights in transformers' Llama layout (``decoder_names``), which
-Llama, Qwen2 and Mistral all use. Both sides rotate with "rotate half" RoPE
+Shared here: the fields every such transformers config holds alike (``common_fields``), the
+windows of those that window layer by layer (``read_layer_windows``, ``write_layer_windows``:
+Qwen2, Qwen3) and the names of the shared decoder's weights in transformers' Llama layout
+(``decoder_names``), which every family uses (Qwen3 adds its q/k norms). Both sides rotate with "rotate half" RoPE
 (``usp.models.rope.apply_rope`` is transformers' ``rotate_half``), so every tensor moves over
 unchanged, q and k included (no permutation, unlike Meta's original checkpoints).
 """
@@ -61,7 +62,32 @@ def common_fields(hc) -> dict:
                 head_dim=getattr(hc, "head_dim", None) or hc.hidden_size // heads,
                 rope_theta=float(theta), rope_scaling=check_rope_scaling(rope),
                 norm_eps=float(hc.rms_norm_eps), tie_embeddings=bool(hc.tie_word_embeddings),
-                qkv_bias=False, sliding_window=None, full_attention_every=0, layer_types=None)
+                qkv_bias=False, qk_norm=False, sliding_window=None, full_attention_every=0,
+                layer_types=None)
+
+
+def read_layer_windows(hc) -> dict:
+    """The windows of a transformers config ``hc`` that windows layer by layer (Qwen2's and
+    Qwen3's ``layer_types``, which transformers derives from ``use_sliding_window`` /
+    ``max_window_layers``) as ``ModelConfig`` fields: none when every layer is full, the
+    window, and when some layers are full which ones (``layer_types``)."""
+    window = getattr(hc, "sliding_window", None) if getattr(hc, "use_sliding_window", True) \
+        else None
+    types = list(getattr(hc, "layer_types", None) or ["full_attention"] * hc.num_hidden_layers)
+    if window is None or "sliding_attention" not in types:
+        return {}  # every layer full
+    if "full_attention" not in types:
+        return {"sliding_window": window}
+    return {"sliding_window": window, "layer_types": types}  # some layers windowed: say which
+
+
+def write_layer_windows(mc: ModelConfig) -> dict:
+    """The keywords of a transformers config that windows layer by layer for ``mc``'s
+    windows: each layer marked in ``layer_types`` (``mc.layer_window``)."""
+    return dict(use_sliding_window=mc.sliding_window is not None,
+                sliding_window=mc.sliding_window,
+                layer_types=["full_attention" if mc.layer_window(i) is None
+                             else "sliding_attention" for i in range(mc.n_layers)])
 
 
 def decoder_names(mc: ModelConfig) -> dict[str, str]:
@@ -106,6 +132,9 @@ class Family:
     # holds q/k/v biases at any windows: a built-in model with qkv_bias exports as it when the
     # family of its windows has none (Llama's attention_bias would add an o_proj bias too)
     biases: bool = False
+    # normalises q and k per head (model.qk_norm), always: a built-in model with qk_norm exports
+    # as it at any windows, and a run from its checkpoint keeps the norms (the others have none)
+    qk_norm: bool = False
     check_hf: Callable = _holds_any  # ModelConfig -> ValueError for a model.hf it cannot build
     check_arch: Callable = _holds_any  # ... for a model.arch (a checkpoint's) it cannot hold
     model: type = Transformer  # the built-in model class that computes it

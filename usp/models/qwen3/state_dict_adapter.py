@@ -1,0 +1,19 @@
+"""Qwen3's weights are the shared decoder's (``usp.models.family.decoder_names``) plus each
+layer's q and k norm, a [head_dim] weight each."""
+
+from __future__ import annotations
+
+from ..family import decoder_names
+
+# built-in parameter (inside a block) -> transformers name (inside model.layers.i)
+QK_NORMS = {"attention.q_norm.weight": "self_attn.q_norm.weight",
+            "attention.k_norm.weight": "self_attn.k_norm.weight"}
+
+
+def names(mc) -> dict[str, str]:
+    """Every parameter of the built-in model of ``mc`` (``qk_norm``) -> its name in a
+    ``Qwen3ForCausalLM``."""
+    out = decoder_names(mc)
+    for i in range(mc.n_layers):
+        out.update({f"layers.{i}.{k}": f"model.layers.{i}.{v}" for k, v in QK_NORMS.items()})
+    return out
