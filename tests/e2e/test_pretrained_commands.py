@@ -1,8 +1,10 @@
 """usp-train model=pretrained model.pretrained=DIR at (ulysses, ring) = (2, 2), for tiny
-Llama (llama3 scaling), Qwen2 (biases, windowed layers) and Mistral (a window) checkpoints
-saved by transformers: step 0's val_loss is transformers' mean loss on the same windows
-(with the checkpoint's RoPE, a raised rope_theta, YaRN), a few steps train, and bad
-checkpoints are refused before any rank starts, printed once, with nothing written."""
+Llama (llama3 scaling), Qwen2 (biases, windowed layers), Mistral (a window) and Qwen3 (q/k
+norms, its own head_dim; the LM head in chunks and the MLP in tiles) checkpoints saved by
+transformers: step 0's val_loss is transformers' mean loss on the same windows (with the
+checkpoint's RoPE, a raised rope_theta, YaRN), a few steps train (the Qwen3 the same at (1,1)
+and (4,1)), and bad checkpoints are refused before any rank starts, printed once, with
+nothing written."""
 
 import json
 from pathlib import Path
@@ -23,6 +25,13 @@ RUNS = {kind: (kind, [], None) for kind in KINDS}
 RUNS["llama_yarn"] = ("llama", ["model.rope_theta=2000000", f"model.rope_scaling={YARN}"],
                       {"rope_theta": 2e6, "rope_type": "yarn", "factor": 4.0,
                        "original_max_position_embeddings": 8})
+TILED = ["model.loss_chunk=4", "model.mlp_tiles=2"]  # 2 chunks and tiles of a (2,2) shard
+RUNS["qwen3"] = ("qwen3", TILED, None)
+LAYOUTS = {"qwen3_1x1": (1, 1), "qwen3_4x1": (4, 1)}  # (2,2): RUNS["qwen3"]
+for name, (u, r) in LAYOUTS.items():
+    RUNS[name] = ("qwen3", [*TILED, f"parallel.ulysses_degree={u}", f"parallel.ring_degree={r}",
+                            "parallel.ranks_per_node=null",
+                            f"trainer.nprocs={u * r}"], None)  # dp 1: the same batches
 
 
 def _args(root: Path, name: str, ckpt: Path, extra=()) -> list[str]:
@@ -74,6 +83,22 @@ def test_step_0_val_loss_is_transformers_and_the_run_trains(runs, name):
         assert "rope_theta 500000 -> 2000000" in r.stdout
 
 
+def _losses(root: Path, name: str) -> list[float]:
+    recs = [json.loads(x) for x in (root / name / "metrics.jsonl").read_text().splitlines()]
+    return [x["loss"] for x in recs if "loss" in x]
+
+
+def test_qwen3_trains_the_same_at_1x1_2x2_and_4x1(runs):
+    """The q/k norms under Ulysses (heads split over 4 ranks at (4,1)) and the ring, the
+    chunked LM head and the tiled MLP change no loss: each step's within 1e-5."""
+    root, _, res = runs
+    assert all(res[name].returncode == 0 for name in ("qwen3", *LAYOUTS))
+    want = _losses(root, "qwen3")
+    assert len(want) == 2
+    for name in LAYOUTS:
+        assert _losses(root, name) == pytest.approx(want, rel=1e-5), name
+
+
 def _usp_logits(run_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
     """usp's logits [B, L, V] of the run's final checkpoint (the built-in model, one process)."""
     import functools
@@ -95,11 +120,12 @@ def _usp_logits(run_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
         return model.eval()(tokens, torch.arange(tokens.shape[1]))
 
 
-@pytest.mark.parametrize("name", ["qwen2", "llama_yarn"])
+@pytest.mark.parametrize("name", ["qwen2", "llama_yarn", "qwen3"])
 def test_the_export_is_the_checkpoints_architecture_with_the_new_rope(runs, name, tmp_path):
-    """usp-export writes the architecture the run came from (a Qwen2 keeps its biases), the
-    run's rope_theta / rope_parameters, max_position_embeddings = the trained (or YaRN's
-    scaled) length and the data's tokenizer; transformers reproduces usp's logits."""
+    """usp-export writes the architecture the run came from (a Qwen2 keeps its biases, a Qwen3
+    its q/k norms and head_dim), the run's rope_theta / rope_parameters,
+    max_position_embeddings = the trained (or YaRN's scaled) length and the data's tokenizer;
+    transformers reproduces usp's logits."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from usp.models.export import main
@@ -113,6 +139,8 @@ def test_the_export_is_the_checkpoints_architecture_with_the_new_rope(runs, name
         assert hc.rope_parameters == rope and hc.max_position_embeddings == 32  # 4 x 8
     else:
         assert hc.max_position_embeddings == L and hc.layer_types[0] == "full_attention"
+    if kind == "qwen3":
+        assert (hc.head_dim, hc.layer_types[2]) == (24, "sliding_attention")
     assert AutoTokenizer.from_pretrained(tmp_path / "out") is not None
     tokens = torch.randint(0, 90, (2, L), generator=torch.Generator().manual_seed(3))
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
