@@ -3,12 +3,13 @@ model, packed documents, sliding windows, and the checkpoint export round trip.
 
 One spawn of 4 gloo ranks loops over (ulysses, ring, dp) in {(1,1,4), (2,1,2), (2,2,1),
 (4,1,1), (1,4,1)} and Llama (GQA), Qwen2 (GQA, sliding window on layer 1 only), Mistral
-(GQA, sliding window on every layer) and, at (2,1,2) and (2,2,1), gpt-oss (attention sinks
-passed as s_aux, a window on layer 0, experts): gathered logits within 1e-4 (gpt-oss 1e-5)
-of the unpatched model on the whole batch in one process, every parameter gradient (summed
-over dp x sp) within 1e-3 of its largest entry (the sinks' within 1e-5), and the summed
-loss shares equal to HF's own loss. Packed rows (documents marked by position_ids resets)
-equal each document run alone. The same spawn writes a usp checkpoint (usp.models.checkpoint) that ``test_export_round_trip`` exports.
+(GQA, sliding window on every layer), at (2,1,2) and (2,2,1) gpt-oss (attention sinks
+passed as s_aux, a window on layer 0, experts) and at (2,2,1) and (4,1,1) Qwen3 (q/k norms,
+head_dim 24): gathered logits within 1e-4 (gpt-oss 1e-5) of the unpatched model on the whole
+batch in one process, every parameter gradient (summed over dp x sp) within 1e-3 of its
+largest entry (the sinks' within 1e-5), and the summed loss shares equal to HF's own loss.
+Packed rows (documents marked by position_ids resets) equal each document run alone. The same
+spawn writes a usp checkpoint (usp.models.checkpoint) that ``test_export_round_trip`` exports.
 """
 
 import copy
@@ -120,6 +121,9 @@ def _worker(run_dir: str) -> None:
             for kind in ("llama", "qwen2", "mistral") + sinks:
                 seed += 1
                 model = _case(mesh, balance, kind, packed=False, seed=seed)
+            if (u, r) in ((2, 2), (4, 1)):  # q/k norms on whole heads, then heads split
+                seed += 1
+                _case(mesh, balance, "qwen3", packed=False, seed=seed)
             if (u, r) in ((2, 2), (1, 4)):
                 for kind in ("llama", "mistral"):
                     seed += 1
