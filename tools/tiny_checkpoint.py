@@ -20,8 +20,9 @@ from pathlib import Path
 
 from usp.models.families import FAMILIES
 
+# head_dim stated: Qwen3Config's default (128) is not hidden_size / num_attention_heads
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=512)
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
 
 
 def texts(src: Path, glob: str, max_bytes: int) -> list[str]:

@@ -9,7 +9,7 @@ from usp.models.pretrained import check_checkpoint, pretrained_config
 pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "qwen3"])
 def test_the_tiny_checkpoint_is_a_pretrained_directory(arch, tmp_path):
     from transformers import AutoTokenizer
 
@@ -21,6 +21,7 @@ def test_the_tiny_checkpoint_is_a_pretrained_directory(arch, tmp_path):
     check_checkpoint(mc)  # every tensor there, of the built-in model's shape
     tok = AutoTokenizer.from_pretrained(tmp_path / "ckpt")
     assert mc.arch == arch and mc.vocab_size == len(tok) <= 300
+    assert mc.head_dim == mc.dim // mc.n_heads  # stated: Qwen3Config's default is 128
     assert tok.decode(tok("def main():").input_ids) == "def main():"
     with pytest.raises(SystemExit, match="not empty"):
         main(["--arch", arch, "--out", str(tmp_path / "ckpt"), "--src", str(src)])
