@@ -40,15 +40,28 @@ def test_local_ranks_take_omp_num_threads_when_the_environment_sets_it(monkeypat
     """A local spawn gives each rank ``threads``, else ``OMP_NUM_THREADS``, else the CPUs
     shared evenly: before, a one-rank run on two cores took two threads whatever
     ``OMP_NUM_THREADS`` said."""
-    from usp.launch.local import _threads_per_rank
+    from usp.launch.local import threads_per_rank
 
     monkeypatch.setattr("os.cpu_count", lambda: 8)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert [_threads_per_rank("cpu", n, None) for n in (1, 2, 4, 16)] == [8, 4, 2, 1]
+    assert [threads_per_rank("cpu", n, None) for n in (1, 2, 4, 16)] == [8, 4, 2, 1]
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    assert [_threads_per_rank("cpu", n, None) for n in (1, 4)] == [1, 1]
-    assert _threads_per_rank("cpu", 1, 3) == 3  # an explicit count still wins
+    assert [threads_per_rank("cpu", n, None) for n in (1, 4)] == [1, 1]
+    assert threads_per_rank("cpu", 1, 3) == 3  # an explicit count still wins
     for bad in ("0", "two", "-1"):
         monkeypatch.setenv("OMP_NUM_THREADS", bad)
         with pytest.raises(ValueError, match=f"OMP_NUM_THREADS='{bad}' is not a positive integer"):
-            _threads_per_rank("cpu", 1, None)
+            threads_per_rank("cpu", 1, None)
+
+
+def test_a_bad_omp_num_threads_is_refused_before_the_local_job_is_decided(monkeypatch):
+    """``prepare`` refuses it before the plan is decided, so that a refused command keeps
+    no run directory (it was refused only when the ranks started, the directory kept)."""
+    from usp.config.trainer import TrainerConfig
+    from usp.launch.job import prepare
+
+    decided = []
+    monkeypatch.setenv("OMP_NUM_THREADS", "two")
+    with pytest.raises(ValueError, match="OMP_NUM_THREADS='two' is not a positive integer"):
+        prepare(lambda *a: decided.append(a), TrainerConfig(device="cpu", nprocs=2))
+    assert decided == []

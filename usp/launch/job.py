@@ -31,7 +31,7 @@ import torch.distributed as dist
 from .. import slurm
 from ..config.trainer import TrainerConfig
 from .device import choose_device
-from .local import run_local
+from .local import run_local, threads_per_rank
 from .rendezvous import decide_together, init_from_env, rendezvous_store
 from .scheduler import launcher_env
 
@@ -78,6 +78,7 @@ def prepare(decide: Decide, tc: TrainerConfig, check: Callable[[tuple], None] | 
     if info is None:
         _, device = choose_device(tc.device, tc.nprocs, torch.cuda.is_available(),
                                   torch.cuda.device_count())  # the run's device, decided once
+        threads_per_rank(device, tc.nprocs, None)  # a bad OMP_NUM_THREADS, before any decision
         return Job(*decide(tc.nprocs, device, None, _say))
     said = []  # rank 0's planner table, said once every task agreed
 

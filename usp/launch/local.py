@@ -57,7 +57,7 @@ def _worker(rank, world, port, threads, device_type, fn, args, timeout_s=600.0, 
         dist.destroy_process_group()
 
 
-def _threads_per_rank(device_type: str, nprocs: int, threads: int | None) -> int:
+def threads_per_rank(device_type: str, nprocs: int, threads: int | None) -> int:
     """Check ``device_type``; torch intra-op threads per rank: ``threads``, else
     ``OMP_NUM_THREADS`` where the environment sets it (as torchrun honours it), else the CPUs
     shared evenly."""
@@ -87,7 +87,7 @@ def spawn_local(fn, world_size: int, *args, threads: int | None = None,
     signal forwarding: that is ``run_local``. The ranks are forked from a server that
     imported torch and usp once (``starter``), with this process's environment and streams.
     """
-    threads = _threads_per_rank(device_type, world_size, threads)
+    threads = threads_per_rank(device_type, world_size, threads)
     method = start_method()
     mp.start_processes(
         _worker,
@@ -256,7 +256,7 @@ def run_local(fn, nprocs: int, *args, max_restarts: int = 0, device_type: str = 
     Returns 0 or the ranks' exit code; raises ``RuntimeError`` naming the last failure
     after ``max_restarts`` restarts. ``fn`` must be importable (module level).
     """
-    threads = _threads_per_rank(device_type, nprocs, threads)
+    threads = threads_per_rank(device_type, nprocs, threads)
     if max_restarts < 0 or timeout_s <= 0:
         raise ValueError(f"need max_restarts >= 0 and timeout_s > 0, got {max_restarts} and "
                          f"{timeout_s}; e.g. trainer.max_restarts=0 trainer.timeout_s=600")
