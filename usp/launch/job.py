@@ -38,6 +38,8 @@ from .scheduler import launcher_env
 # sysexits.h EX_TEMPFAIL, "temporary failure, the user is invited to retry": the run stopped
 # on a preemption signal after writing a checkpoint; requeue it with trainer.resume=true.
 PREEMPTED_EXIT_CODE = 75
+# what a preempted Slurm job says when trainer.requeue=false (launched or local alike)
+NOT_REQUEUED = "trainer.requeue=false: not requeued; submit it again to resume"
 
 # decide(world, device, info, say) -> (the worker's arguments, the device type the ranks use);
 # info: the torchrun/Slurm task (``launcher_env``), None for a local launch
@@ -139,7 +141,7 @@ def _requeue(info: dict, requeue: bool) -> tuple[bool, str]:
     if info["kind"] != "slurm":
         return False, "not a Slurm job: not requeued; run it again to resume"
     if not requeue:
-        return False, "trainer.requeue=false: not requeued; submit it again to resume"
+        return False, NOT_REQUEUED
     dist.barrier()  # every rank ignores SIGTERM before rank 0 asks Slurm to end the step
     outcome = [slurm.requeue(os.environ) if info["rank"] == 0 else None]
     if info["rank"] == 0:
@@ -159,7 +161,7 @@ def _local_exit(code: int, requeue: bool) -> None:
         if requeue:
             requeued, line = slurm.requeue(os.environ)
         else:
-            line = "trainer.requeue=false: not requeued; submit it again to resume"
+            line = NOT_REQUEUED
         print(f"usp: {line}", flush=True)
     if under_submitit() and not requeued:
         raise JobError(f"usp-train: {line}")
