@@ -202,3 +202,17 @@ def test_biases_on_a_run_from_a_checkpoint_without_them_are_refused(arch):
 def test_q_k_norms_only_on_the_family_that_has_them(kw, needle):
     with pytest.raises(ValueError, match=needle):
         check_model(replace(MODEL, **kw))
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(hf="llama", qkv_bias=True), r"model.hf=llama has no q/k/v biases \(model.qkv_bias=true\)"),
+    (dict(hf="mistral", qk_norm=True), r"model.hf=mistral has no q/k norms \(model.qk_norm=true\)"),
+    (dict(hf="qwen2", qk_norm=True), r"model.hf=qwen2 has no q/k norms"),
+    (dict(hf="qwen3", qkv_bias=True), r"model.hf=qwen3 has no q/k/v biases"),
+])
+def test_model_hf_refuses_biases_or_norms_its_class_has_not(kw, needle):
+    """The transformers class decides them: asked of one without, they are refused, not
+    dropped (before, model.hf=llama model.qkv_bias=true built a Llama without biases)."""
+    with pytest.raises(ValueError, match=needle):
+        check_model(replace(MODEL, **kw))
+    check_model(replace(MODEL, hf=kw["hf"]))  # the class's own shape is accepted

@@ -31,7 +31,9 @@ def check_model(mc: ModelConfig) -> None:
     if mc.arch is not None:
         family(mc.arch, "model.arch")
     if mc.hf is not None:
-        family(mc.hf).check_hf(mc)
+        hf = family(mc.hf)
+        _check_hf_shape(mc, hf)
+        hf.check_hf(mc)
     else:
         builtin_family(mc)  # its windows, biases and q/k norms
 
@@ -69,6 +71,17 @@ def builtin_family(mc: ModelConfig) -> Family:
     if mc.qkv_bias and not chosen.biases:
         return next(f for f in FAMILIES.values() if f.biases)
     return chosen
+
+
+def _check_hf_shape(mc: ModelConfig, hf: Family) -> None:
+    """``model.hf``: the transformers class decides its biases and q/k norms, so a
+    ``qkv_bias`` or ``qk_norm`` asked of a class that has none is refused, not dropped."""
+    for key, asked, has in (("qkv_bias", mc.qkv_bias, hf.biases),
+                            ("qk_norm", mc.qk_norm, hf.qk_norm)):
+        if asked and not has:
+            what = "q/k/v biases" if key == "qkv_bias" else "q/k norms"
+            raise ValueError(f"model.hf={hf.name} has no {what} (model.{key}=true): set "
+                             f"model.{key}=false, or a model.hf whose class has them")
 
 
 def _check_qk_norm(mc: ModelConfig, arch: Family) -> None:
