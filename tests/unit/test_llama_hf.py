@@ -216,3 +216,11 @@ def test_model_hf_refuses_biases_or_norms_its_class_has_not(kw, needle):
     with pytest.raises(ValueError, match=needle):
         check_model(replace(MODEL, **kw))
     check_model(replace(MODEL, hf=kw["hf"]))  # the class's own shape is accepted
+
+
+def test_model_hf_of_another_architecture_than_its_checkpoints_is_pointed_at_it():
+    """Biases read from a checkpoint (a Qwen2's) under model.hf=llama: the fix named is the
+    checkpoint's architecture, not a key the checkpoint fixes."""
+    with pytest.raises(ValueError, match=r"model.hf=llama has no q/k/v biases .*checkpoint's "
+                                         r"architecture"):
+        check_model(replace(MODEL, hf="llama", qkv_bias=True, pretrained="/ckpt/qwen2"))

@@ -80,8 +80,10 @@ def _check_hf_shape(mc: ModelConfig, hf: Family) -> None:
                             ("qk_norm", mc.qk_norm, hf.qk_norm)):
         if asked and not has:
             what = "q/k/v biases" if key == "qkv_bias" else "q/k norms"
-            raise ValueError(f"model.hf={hf.name} has no {what} (model.{key}=true): set "
-                             f"model.{key}=false, or a model.hf whose class has them")
+            fix = ("set model.hf to the checkpoint's architecture (its config.json's model_type)"
+                   if mc.pretrained is not None else
+                   f"set model.{key}=false, or a model.hf whose class has them")
+            raise ValueError(f"model.hf={hf.name} has no {what} (model.{key}=true): {fix}")
 
 
 def _check_qk_norm(mc: ModelConfig, arch: Family) -> None:
