@@ -2,13 +2,16 @@
 (``unit/test_pretrained.py``, ``distributed/test_pretrained_ranks.py``): a Llama with Llama 3.1
 ``llama3`` scaling and its own head_dim, a Qwen2 with (non-zero) q/k/v biases, tied
 embeddings and windowed layers after the first, a Mistral with a window on every layer, a
-Qwen3 with q/k norms, a head_dim of its own (24, not 64 / 4) and a window on its last layer."""
+Qwen3 with q/k norms, a head_dim of its own (24, not 64 / 4) and a window on its last layer;
+for ``model.hf`` only, a Qwen3-MoE (4 experts, top 2, layer 1 dense), a Gemma 3 text model
+(a window on its local layers 0 and 2, an attention scale of its own) and a gpt-oss (sinks,
+a band on layers 0 and 2, YaRN, 4 experts with biases, top 2)."""
 
 from pathlib import Path
 
 import torch
 
-from usp.models.families import FAMILIES
+from usp.models.families import BUILTIN, FAMILIES
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
@@ -21,8 +24,17 @@ FAMILY_CONFIG = {
                   tie_word_embeddings=True),  # layer 0 full, layers 1 and 2 a window of 6
     "mistral": dict(sliding_window=5),
     "qwen3": dict(head_dim=24, use_sliding_window=True, sliding_window=6, max_window_layers=2),
+    "qwen3_moe": dict(head_dim=24, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=48, mlp_only_layers=[1]),
+    "gemma3_text": dict(head_dim=16, sliding_window=6, query_pre_attn_scalar=20,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    "gpt_oss": dict(head_dim=16, sliding_window=6, num_local_experts=4, num_experts_per_tok=2,
+                    rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0,
+                                         beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                         original_max_position_embeddings=64)),
 }
-KINDS = tuple(FAMILIES)  # the families the built-in model serves
+KINDS = tuple(BUILTIN)  # the families the built-in model serves
+HF_ONLY = tuple(k for k in FAMILIES if k not in BUILTIN)  # transformers' class only (model.hf)
 
 
 def hf_model(kind: str, seed: int = 0):
@@ -36,6 +48,8 @@ def hf_model(kind: str, seed: int = 0):
         for name, p in model.named_parameters():
             if name.endswith(("bias", "norm.weight")):  # away from 0 / 1: a dropped one shows
                 p.normal_(0.3, 0.2)
+            if name.endswith(".sinks"):  # of the order of the scores, so that they matter
+                p.normal_(0.0, 2.0)
     return model.eval()
 
 

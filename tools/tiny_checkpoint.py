@@ -18,7 +18,7 @@ import argparse
 import sysconfig
 from pathlib import Path
 
-from usp.models.families import FAMILIES
+from usp.models.families import BUILTIN
 
 # head_dim stated: Qwen3Config's default (128) is not hidden_size / num_attention_heads
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -53,7 +53,7 @@ def write_checkpoint(out: Path, arch: str, docs: list[str], vocab: int, seed: in
         vocab_size=vocab, special_tokens=["<|endoftext|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
-    config_class = getattr(transformers, FAMILIES[arch].config_class)
+    config_class = getattr(transformers, BUILTIN[arch].config_class)
     config = config_class(**SHAPE, vocab_size=len(tok), eos_token_id=tok.eos_token_id,
                           bos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)
@@ -64,7 +64,7 @@ def write_checkpoint(out: Path, arch: str, docs: list[str], vocab: int, seed: in
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arch", choices=sorted(FAMILIES), default="llama")
+    ap.add_argument("--arch", choices=sorted(BUILTIN), default="llama")
     ap.add_argument("--out", type=Path, required=True, help="directory to write (new)")
     ap.add_argument("--src", type=Path, default=Path(sysconfig.get_paths()["stdlib"]),
                     help="folder of text for the tokenizer (default: Python's stdlib)")

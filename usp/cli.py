@@ -233,9 +233,11 @@ def _plan_main(dcfg) -> None:
 
 
 def _plan(cfg: PlanConfig) -> None:
+    from .models.families import check_priced
     from .planner.phase_report import phases_report
     from .planner.report import plan_report
 
+    check_priced(cfg.model, "usp-plan")
     text, drawing = phases_report(cfg) if cfg.trainer.phases else plan_report(cfg)
     print(text)
     if cfg.png:

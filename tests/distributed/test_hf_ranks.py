@@ -3,7 +3,7 @@ model, packed documents, sliding windows, and the checkpoint export round trip.
 
 One spawn of 4 gloo ranks loops over (ulysses, ring, dp) in {(1,1,4), (2,1,2), (2,2,1),
 (4,1,1), (1,4,1)} and Llama (GQA), Qwen2 (GQA, sliding window on layer 1 only), Mistral
-(GQA, sliding window on every layer), at (2,1,2) and (2,2,1) gpt-oss (attention sinks
+(GQA, sliding window on every layer), at (2,1,2), (2,2,1) and (4,1,1) gpt-oss (attention sinks
 passed as s_aux, a window on layer 0, experts) and at (2,2,1) and (4,1,1) Qwen3 (q/k norms,
 head_dim 24): gathered logits within 1e-4 (gpt-oss 1e-5) of the unpatched model on the whole
 batch in one process, every parameter gradient (summed over dp x sp) within 1e-3 of its
@@ -117,7 +117,7 @@ def _worker(run_dir: str) -> None:
     seed = 0
     for u, r, balance in LAYOUTS:
         with SPMesh.build(ulysses=u, ring=r) as mesh:
-            sinks = ("gpt_oss",) if (u, r) in ((2, 1), (2, 2)) else ()
+            sinks = ("gpt_oss",) if (u, r) in ((2, 1), (2, 2), (4, 1)) else ()
             for kind in ("llama", "qwen2", "mistral") + sinks:
                 seed += 1
                 model = _case(mesh, balance, kind, packed=False, seed=seed)

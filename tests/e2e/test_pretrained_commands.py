@@ -1,10 +1,11 @@
 """usp-train model=pretrained model.pretrained=DIR at (ulysses, ring) = (2, 2), for tiny
 Llama (llama3 scaling), Qwen2 (biases, windowed layers), Mistral (a window) and Qwen3 (q/k
 norms, its own head_dim; the LM head in chunks and the MLP in tiles) checkpoints saved by
-transformers: step 0's val_loss is transformers' mean loss on the same windows (with the
-checkpoint's RoPE, a raised rope_theta, YaRN), a few steps train (the Qwen3 the same at (1,1)
-and (4,1)), and bad checkpoints are refused before any rank starts, printed once, with
-nothing written."""
+transformers, and through ``model.hf`` Qwen3-MoE, Gemma 3 text and gpt-oss (sinks, YaRN,
+experts) ones: step 0's val_loss is transformers' mean loss on the same windows (with the
+checkpoint's RoPE, a raised rope_theta, YaRN), a few steps train (the Qwen3 and the gpt-oss the
+same at (1,1) and (4,1)), and bad checkpoints are refused before any rank starts, printed
+once, with nothing written."""
 
 import json
 from pathlib import Path
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 
 from _cli import run_commands
 from _export_runs import corpus
-from _pretrained import KINDS, hf_logits, save_checkpoint
+from _pretrained import HF_ONLY, KINDS, hf_logits, save_checkpoint
 
 L = 32
 YARN = "{rope_type:yarn,factor:4,original_max_position_embeddings:8}"
@@ -27,11 +28,15 @@ RUNS["llama_yarn"] = ("llama", ["model.rope_theta=2000000", f"model.rope_scaling
                        "original_max_position_embeddings": 8})
 TILED = ["model.loss_chunk=4", "model.mlp_tiles=2"]  # 2 chunks and tiles of a (2,2) shard
 RUNS["qwen3"] = ("qwen3", TILED, None)
-LAYOUTS = {"qwen3_1x1": (1, 1), "qwen3_4x1": (4, 1)}  # (2,2): RUNS["qwen3"]
+RUNS.update({kind: (kind, [f"model.hf={kind}"], None) for kind in HF_ONLY})
+# the same run at other layouts, dp 1 (the same batches): the first of each is at (2,2)
+LAYOUTS = {"qwen3_1x1": (1, 1), "qwen3_4x1": (4, 1), "gpt_oss_1x1": (1, 1),
+           "gpt_oss_4x1": (4, 1)}
 for name, (u, r) in LAYOUTS.items():
-    RUNS[name] = ("qwen3", [*TILED, f"parallel.ulysses_degree={u}", f"parallel.ring_degree={r}",
-                            "parallel.ranks_per_node=null",
-                            f"trainer.nprocs={u * r}"], None)  # dp 1: the same batches
+    kind = name.rsplit("_", 1)[0]
+    RUNS[name] = (kind, [*RUNS[kind][1], f"parallel.ulysses_degree={u}",
+                         f"parallel.ring_degree={r}", "parallel.ranks_per_node=null",
+                         f"trainer.nprocs={u * r}"], None)
 
 
 def _args(root: Path, name: str, ckpt: Path, extra=()) -> list[str]:
@@ -46,7 +51,7 @@ def _args(root: Path, name: str, ckpt: Path, extra=()) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pretrained")
-    ckpts = {k: save_checkpoint(k, root / "ckpt" / k) for k in KINDS}
+    ckpts = {k: save_checkpoint(k, root / "ckpt" / k) for k in KINDS + HF_ONLY}
     corpus(root / "corpus", 4096)
     corpus(Path(f"{root / 'corpus'}.val"), 1024)
     calls = [("train_main", _args(root, name, ckpts[k], extra))
@@ -54,14 +59,14 @@ def runs(tmp_path_factory):
     return root, ckpts, dict(zip(RUNS, run_commands(calls, root, timeout=900)))
 
 
-def _hf_val_loss(root: Path, ckpt: Path, rope) -> float:
+def _hf_val_loss(root: Path, ckpt: Path, rope, hf: str | None) -> float:
     """transformers' mean loss per target on the validation split's first 4 windows."""
     from usp.config import MemmapData
     from usp.data.dataset import build_validation
     from usp.models.pretrained import pretrained_config
 
     data = MemmapData(path=str(root / "corpus"), seq_len=L, batch_per_dp_rank=2)
-    (_, _, val), = build_validation(data, pretrained_config(ckpt), 4)
+    (_, _, val), = build_validation(data, pretrained_config(ckpt, hf=hf), 4)
     b = val.model_windows(np.arange(4), torch.arange(L))
     logits = hf_logits(ckpt, b.tokens, rope)
     return F.cross_entropy(logits.flatten(0, 1), b.labels.flatten(), ignore_index=-100).item()
@@ -75,7 +80,7 @@ def test_step_0_val_loss_is_transformers_and_the_run_trains(runs, name):
     recs = [json.loads(x) for x in (root / name / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in recs] == [0, 1, 2]
     kind, _, rope = RUNS[name]
-    want = _hf_val_loss(root, ckpts[kind], rope)
+    want = _hf_val_loss(root, ckpts[kind], rope, kind if kind in HF_ONLY else None)
     assert recs[0]["val_loss"] == pytest.approx(want, rel=1e-4)
     assert "step=0 val_loss=" in r.stdout
     assert all(np.isfinite(x["loss"]) for x in recs[1:])
@@ -88,14 +93,17 @@ def _losses(root: Path, name: str) -> list[float]:
     return [x["loss"] for x in recs if "loss" in x]
 
 
-def test_qwen3_trains_the_same_at_1x1_2x2_and_4x1(runs):
-    """The q/k norms under Ulysses (heads split over 4 ranks at (4,1)) and the ring, the
-    chunked LM head and the tiled MLP change no loss: each step's within 1e-5."""
+@pytest.mark.parametrize("kind", ["qwen3", "gpt_oss"])
+def test_qwen3_and_gpt_oss_train_the_same_at_1x1_2x2_and_4x1(runs, kind):
+    """The q/k norms, gpt-oss's sinks (each rank's share of their gradient, summed) and
+    experts under Ulysses (heads split over 4 ranks at (4,1)) and the ring, the chunked LM head
+    and the tiled MLP change no loss: each step's within 1e-5."""
     root, _, res = runs
-    assert all(res[name].returncode == 0 for name in ("qwen3", *LAYOUTS))
-    want = _losses(root, "qwen3")
+    others = [name for name in LAYOUTS if name.startswith(kind + "_")]
+    assert len(others) == 2 and all(res[name].returncode == 0 for name in (kind, *others))
+    want = _losses(root, kind)
     assert len(want) == 2
-    for name in LAYOUTS:
+    for name in others:
         assert _losses(root, name) == pytest.approx(want, rel=1e-5), name
 
 

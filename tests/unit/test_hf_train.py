@@ -157,3 +157,27 @@ def test_large_hf_recipe_passes_preflight_and_plans(recipe, tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"world {world} " in out and "seq_len 131072" in out
     assert f"choice: dp 1 x ring {r} x ulysses {u}" in out
+
+
+def test_a_mixture_of_experts_is_not_priced_as_a_dense_model(tmp_path, capsys):
+    """model.hf=gpt_oss (experts): usp-plan and parallel degrees left to the planner are
+    refused (it would price a dense MLP, not the experts' weights); stated degrees resolve.
+    A Gemma 3 text checkpoint (dense) plans."""
+    from _pretrained import save_checkpoint
+
+    for kind in ("gpt_oss", "gemma3_text"):
+        save_checkpoint(kind, tmp_path / kind)
+    args = ["model=pretrained", f"model.pretrained={tmp_path / 'gpt_oss'}", "model.hf=gpt_oss",
+            "data.seq_len=128"]
+    with pytest.raises(ValueError, match="usp-plan prices a dense decoder; model.hf=gpt_oss "
+                                         "is a mixture of experts"):
+        cli._plan(_compose("plan", args))
+    cfg = _compose("train", [*args, "parallel.ulysses_degree=auto", "parallel.ring_degree=auto"])
+    with pytest.raises(ValueError, match="parallel.ulysses_degree/ring_degree=auto prices a "
+                                         "dense decoder; model.hf=gpt_oss"):
+        resolve_run(cfg, 4, "cpu")
+    cfg = _compose("train", [*args, "parallel.ulysses_degree=2", "parallel.ring_degree=2"])
+    assert (resolve_run(cfg, 4, "cpu").ulysses, resolve_run(cfg, 4, "cpu").ring) == (2, 2)
+    cli._plan(_compose("plan", ["model=pretrained", "model.hf=gemma3_text", "data.seq_len=128",
+                                f"model.pretrained={tmp_path / 'gemma3_text'}"]))
+    assert "choice: dp" in capsys.readouterr().out

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from usp.attention import local_attention
 from usp.models.decoder import Transformer
-from usp.models.families import FAMILIES, check_model, hf_equivalent, hf_names, zero_filled
+from usp.models.families import BUILTIN, check_model, hf_equivalent, hf_names, zero_filled
 from usp.models.hf_model import hf_config
 
 from _export_runs import MODEL
@@ -140,7 +140,7 @@ WINDOWS = {"none": dict(),  # every layer full
 REFUSED = {"llama": {"every", "some"}, "qwen2": set(), "mistral": {"some"}, "qwen3": set()}
 
 
-@pytest.mark.parametrize("arch", FAMILIES)
+@pytest.mark.parametrize("arch", BUILTIN)
 @pytest.mark.parametrize("windows", WINDOWS)
 def test_a_run_from_a_checkpoint_exports_as_its_architecture(arch, windows, tmp_path):
     """``model.arch`` (a run from a checkpoint) is the exported architecture at every window
@@ -149,7 +149,7 @@ def test_a_run_from_a_checkpoint_exports_as_its_architecture(arch, windows, tmp_
     layers only, are refused with the setting named."""
     from transformers import AutoModelForCausalLM
 
-    kw = dict(arch=arch, qkv_bias=FAMILIES[arch].biases, qk_norm=FAMILIES[arch].qk_norm,
+    kw = dict(arch=arch, qkv_bias=BUILTIN[arch].biases, qk_norm=BUILTIN[arch].qk_norm,
               **WINDOWS[windows])
     if windows in REFUSED[arch]:
         with pytest.raises(ValueError, match=f"model.arch={arch}"):

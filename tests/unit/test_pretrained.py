@@ -9,11 +9,11 @@ import torch
 
 from usp.attention import local_attention
 from usp.config import ModelConfig
-from usp.models.families import FAMILIES
+from usp.models.families import BUILTIN
 from usp.models.decoder import Transformer
 from usp.models.pretrained import check_checkpoint, fill_model, load_state, pretrained_config
 
-from _pretrained import KINDS, hf_logits, save_checkpoint
+from _pretrained import HF_ONLY, KINDS, hf_logits, save_checkpoint
 
 TOKENS = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
 
@@ -107,13 +107,56 @@ def test_bad_checkpoints_are_refused_with_the_fix(ckpts, tmp_path):
     bad.write_bytes((ckpts["llama"] / "model.safetensors").read_bytes()[:1000])
     with pytest.raises(ValueError, match=r"model.safetensors is damaged"):
         check_checkpoint(pretrained_config(tmp_path))
-    (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe", "vocab_size": 10}')
+    (tmp_path / "config.json").write_text('{"model_type": "olmo3", "vocab_size": 10}')
     with pytest.raises(ValueError) as err:
         pretrained_config(tmp_path)
     said = str(err.value)  # the path once, and no pointer to model.hf, which refuses it too
-    assert said.startswith(f"model.pretrained={tmp_path} is a 'qwen3_moe' model; usp maps "
-                           + ", ".join(FAMILIES)) and said.count("model.pretrained=") == 1
+    assert said.startswith(f"model.pretrained={tmp_path} is a 'olmo3' model; usp maps "
+                           + ", ".join(BUILTIN)) and said.count("model.pretrained=") == 1
+    assert ", ".join(HF_ONLY) + " as transformers' classes" in said
     assert "usp-train cannot train it" in said and "usp.models.hf.patch" in said
+
+
+@pytest.mark.parametrize("kind", HF_ONLY)
+def test_a_family_only_transformers_computes_is_model_hf_from_its_checkpoint(kind, tmp_path):
+    """A Qwen3-MoE, Gemma 3 text or gpt-oss checkpoint: the built-in model refuses it naming
+    model.hf=<its type>; with model.hf its shape is read (gpt-oss: biases, a band on layers 0
+    and 2, YaRN; Gemma 3: RoPE as its full layers have it; the MoEs' ffn_dim: the experts a
+    token runs); model.hf without a checkpoint, a router loss usp would drop and a Gemma 3
+    with bidirectional attention are refused by name."""
+    import json
+
+    from usp.models.families import check_model
+
+    ckpt = save_checkpoint(kind, tmp_path / kind)
+    with pytest.raises(ValueError, match=f"is a '{kind}' model, which the built-in model does "
+                                         f"not compute .*; add model.hf={kind} "):
+        pretrained_config(ckpt)
+    mc = pretrained_config(ckpt, hf=kind)
+    assert (mc.hf, mc.arch, mc.dim, mc.n_layers, mc.n_heads, mc.n_kv_heads) == (kind, None, 64, 3,
+                                                                               4, 2)
+    want = {"qwen3_moe": dict(qk_norm=True, qkv_bias=False, ffn_dim=2 * 48, head_dim=24,
+                              sliding_window=None, rope_theta=10000.0, rope_scaling=None),
+            "gemma3_text": dict(qk_norm=True, qkv_bias=False, ffn_dim=128, head_dim=16,
+                                sliding_window=6, rope_theta=1e6, rope_scaling=None,
+                                layer_types=["sliding_attention", "full_attention",
+                                             "sliding_attention"]),
+            "gpt_oss": dict(qk_norm=False, qkv_bias=True, ffn_dim=2 * 128, head_dim=16,
+                            sliding_window=6, rope_theta=150000.0,
+                            layer_types=["sliding_attention", "full_attention",
+                                         "sliding_attention"])}[kind]
+    assert {k: getattr(mc, k) for k in want} == want
+    if kind == "gpt_oss":
+        assert mc.rope_scaling["rope_type"] == "yarn" and mc.rope_scaling["factor"] == 4.0
+    with pytest.raises(ValueError, match=f"model.hf={kind} trains from a checkpoint: .*set "
+                                         "model=pretrained model.pretrained=DIR"):
+        check_model(replace(mc, pretrained=None))
+    config = json.loads((ckpt / "config.json").read_text())
+    bad = {"qwen3_moe": {"output_router_logits": True}, "gpt_oss": {"output_router_logits": True},
+           "gemma3_text": {"use_bidirectional_attention": True}}[kind]
+    (ckpt / "config.json").write_text(json.dumps({**config, **bad}))
+    with pytest.raises(ValueError, match=f"{next(iter(bad))}=true"):
+        pretrained_config(ckpt, hf=kind)
 
 
 def test_what_a_qwen3_checkpoint_holds_is_read_and_its_o_proj_bias_refused(ckpts, tmp_path):

@@ -11,11 +11,14 @@ from dataclasses import replace
 
 from ..config import ModelConfig
 from ..config.checks import one_of
-from . import llama, mistral, qwen2, qwen3
+from . import gemma3_text, gpt_oss, llama, mistral, qwen2, qwen3, qwen3_moe
 from .family import Family, windows
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (llama.FAMILY, qwen2.FAMILY, mistral.FAMILY,
-                                                   qwen3.FAMILY)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    llama.FAMILY, qwen2.FAMILY, mistral.FAMILY, qwen3.FAMILY,  # the built-in model computes
+    qwen3_moe.FAMILY, gemma3_text.FAMILY, gpt_oss.FAMILY)}  # transformers' class, model.hf
+# the families the built-in model computes (model=pretrained without model.hf, model.arch)
+BUILTIN: dict[str, Family] = {name: f for name, f in FAMILIES.items() if f.builtin}
 
 
 def family(name: str | None, key: str = "model.hf") -> Family:
@@ -38,16 +41,40 @@ def check_model(mc: ModelConfig) -> None:
         builtin_family(mc)  # its windows, biases and q/k norms
 
 
+def check_priced(mc: ModelConfig, what: str) -> None:
+    """Refuse (ValueError) ``what`` (the planner's pricing) for a mixture of experts
+    (``Family.experts``): the planner prices a dense MLP of ``ffn_dim``, not the experts'
+    weights or their routing."""
+    if mc.hf is not None and family(mc.hf).experts:
+        raise ValueError(f"{what} prices a dense decoder; model.hf={mc.hf} is a mixture of "
+                         "experts, whose expert weights and routing the planner does not "
+                         "count yet: set parallel.ulysses_degree and parallel.ring_degree "
+                         "yourself")
+
+
 def checkpoint_family(model_type: str | None, where: str = "the checkpoint") -> Family:
     """The family of a checkpoint whose config says ``model_type``; ValueError naming
     ``where`` and the families otherwise."""
     if model_type not in FAMILIES:
-        raise ValueError(f"{where} is a {model_type!r} model; usp maps {', '.join(FAMILIES)} "
-                         "checkpoints onto its built-in model, and model.hf trains those "
-                         "transformers classes too: usp-train cannot train it. "
-                         "The library path patches any decoder transformers ships, or refuses "
-                         "it by name (usp.models.hf.patch, docs/huggingface.md)")
+        hf_only = [n for n in FAMILIES if n not in BUILTIN]
+        raise ValueError(f"{where} is a {model_type!r} model; usp maps {', '.join(BUILTIN)} "
+                         f"checkpoints onto its built-in model, and model.hf trains those and "
+                         f"{', '.join(hf_only)} as transformers' classes: usp-train cannot "
+                         "train it. The library path patches any decoder transformers ships, "
+                         "or refuses it by name (usp.models.hf.patch, docs/huggingface.md)")
     return FAMILIES[model_type]
+
+
+def builtin_checkpoint(model_type: str | None, where: str = "the checkpoint") -> Family:
+    """The family of a checkpoint the built-in model starts from (``model=pretrained``
+    without ``model.hf``): ``checkpoint_family``, and ValueError naming ``model.hf`` for a
+    family only transformers' class computes."""
+    fam = checkpoint_family(model_type, where)
+    if not fam.builtin:
+        raise ValueError(f"{where} is a {fam.name!r} model, which the built-in model does not "
+                         f"compute (it computes {', '.join(BUILTIN)}); add model.hf={fam.name} "
+                         "to train transformers' class through usp's attention")
+    return fam
 
 
 def builtin_family(mc: ModelConfig) -> Family:
@@ -56,20 +83,20 @@ def builtin_family(mc: ModelConfig) -> Family:
     one its windows export as (``Family.exports``), or with q/k/v biases that family lacks
     the one that holds biases at any windows (``Family.biases``)."""
     if mc.arch is not None:
-        arch = family(mc.arch, "model.arch")
+        arch = builtin_checkpoint(family(mc.arch, "model.arch").name, f"model.arch={mc.arch}")
         _check_qk_norm(mc, arch)
         arch.check_arch(mc)
         return arch
     if mc.qk_norm:
-        normed = next(f for f in FAMILIES.values() if f.qk_norm)
+        normed = next(f for f in BUILTIN.values() if f.qk_norm)
         if mc.qkv_bias and not normed.biases:
             raise ValueError(f"model.qk_norm=true with model.qkv_bias=true: no family holds "
                              f"both ({normed.name} has q/k norms and no biases); set one false")
         return normed
     pattern = windows(mc)
-    chosen = next(f for f in FAMILIES.values() if f.exports == pattern)
+    chosen = next(f for f in BUILTIN.values() if f.exports == pattern)
     if mc.qkv_bias and not chosen.biases:
-        return next(f for f in FAMILIES.values() if f.biases)
+        return next(f for f in BUILTIN.values() if f.biases)
     return chosen
 
 
@@ -131,4 +158,4 @@ def builtin_model(mc: ModelConfig, attn_fn, **options):
 
 def is_builtin(model) -> bool:
     """``model`` is a built-in model of some family (FSDP keeps the class as a base)."""
-    return isinstance(model, tuple({f.model for f in FAMILIES.values()}))
+    return isinstance(model, tuple({f.model for f in BUILTIN.values()}))

@@ -48,13 +48,23 @@ def windows(mc: ModelConfig) -> str:
 
 
 def common_fields(hc) -> dict:
-    """The ``ModelConfig`` fields every family reads alike from a transformers config ``hc``:
-    the shape and RoPE, no biases, no windows (a family sets its own)."""
+    """The ``ModelConfig`` fields every family the built-in model computes reads alike from a
+    transformers config ``hc`` (``shape_fields``); an MLP other than SwiGLU is refused."""
     act = getattr(hc, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act={act!r}: the built-in model's MLP is SwiGLU (silu)")
+    return shape_fields(hc)
+
+
+def shape_fields(hc) -> dict:
+    """The ``ModelConfig`` fields of a transformers config ``hc``: the shape and RoPE, no
+    biases, no windows (a family sets its own). RoPE given per layer type (Gemma 3's
+    ``rope_parameters`` keyed ``full_attention`` / ``sliding_attention``) is read as its
+    full-attention layers' (the base and scaling that set the context)."""
     heads = hc.num_attention_heads
     rope = dict(getattr(hc, "rope_parameters", None) or {})
+    if isinstance(rope.get("full_attention"), dict):
+        rope = dict(rope["full_attention"])
     theta = rope.pop("rope_theta", None) or getattr(hc, "rope_theta", 10000.0)
     return dict(vocab_size=hc.vocab_size, dim=hc.hidden_size, n_layers=hc.num_hidden_layers,
                 n_heads=heads, n_kv_heads=getattr(hc, "num_key_value_heads", None) or heads,
@@ -114,6 +124,32 @@ def refuse_biases(mc: ModelConfig, name: str) -> None:
                          "model.qkv_bias=false, or start from a Qwen2 checkpoint for biases")
 
 
+def refuse_router_loss(hc) -> None:
+    """A mixture of experts whose config asks transformers for the router's auxiliary loss
+    (``output_router_logits``): usp's loss of a ``model.hf`` run is the LM loss alone."""
+    if getattr(hc, "output_router_logits", False):
+        raise ValueError(f"output_router_logits=true asks transformers to add the router's "
+                         f"auxiliary loss (router_aux_loss_coef="
+                         f"{getattr(hc, 'router_aux_loss_coef', None)}) to the loss, but a "
+                         "model.hf run's loss is usp's LM loss alone, so it would be dropped; "
+                         "set output_router_logits=false in config.json (transformers' default)")
+
+
+def active_ffn(hc, width: int) -> int:
+    """The MLP width a token runs through in a mixture of experts of ``width`` per expert:
+    its ``num_experts_per_tok`` experts side by side (what its FLOPs count; ``ffn_dim``)."""
+    return width * hc.num_experts_per_tok
+
+
+def from_checkpoint(mc: ModelConfig, name: str, what: str) -> None:
+    """``model.hf`` of a family the built-in model does not compute, without a checkpoint:
+    its config holds what no model option states (``what``)."""
+    if mc.pretrained is None:
+        raise ValueError(f"model.hf={name} trains from a checkpoint: its {what} are not model "
+                         f"options; set model=pretrained model.pretrained=DIR (a {name} "
+                         "directory written by save_pretrained)")
+
+
 def _no_zeros(mc: ModelConfig) -> list[str]:
     return []
 
@@ -126,7 +162,9 @@ class Family:
     name: str  # transformers' model_type: what model.hf and model.arch say
     config_class: str  # the transformers config class written for it
     read: Callable  # a transformers config -> ModelConfig fields (shape, RoPE, windows)
-    write: Callable  # ModelConfig -> this family's own transformers config keywords (windows)
+    # ModelConfig -> this family's own transformers config keywords (windows); None: its
+    # config comes from a checkpoint only (a family the built-in model does not compute)
+    write: Callable | None
     # the windows (WINDOWS) of a built-in model without model.arch that export as this family
     exports: str | None = None
     # holds q/k/v biases at any windows: a built-in model with qkv_bias exports as it when the
@@ -137,10 +175,20 @@ class Family:
     qk_norm: bool = False
     check_hf: Callable = _holds_any  # ModelConfig -> ValueError for a model.hf it cannot build
     check_arch: Callable = _holds_any  # ... for a model.arch (a checkpoint's) it cannot hold
-    model: type = Transformer  # the built-in model class that computes it
+    # the built-in model class that computes it; None: transformers' class computes it, through
+    # usp's attention (model.hf and a checkpoint of it only; the built-in model refuses it)
+    model: type | None = Transformer
     names: Callable = decoder_names  # ModelConfig -> {built-in parameter: transformers name}
     # ModelConfig -> the transformers weights the built-in model lacks that are exact at zero
     zero_filled: Callable = _no_zeros
+    # a mixture of experts: ffn_dim is the experts a token runs, and what the planner prices
+    # as a dense MLP is not its memory (the experts' weights)
+    experts: bool = False
+
+    @property
+    def builtin(self) -> bool:
+        """The built-in model computes this family (``model=pretrained`` without ``model.hf``)."""
+        return self.model is not None
 
     def checkpoint_names(self, mc: ModelConfig) -> dict[str, str]:
         """Every tensor of a checkpoint -> the built-in parameter it loads into (the inverse

@@ -28,6 +28,9 @@ def hf_config(mc: ModelConfig, max_positions: int | None = None):
     import transformers
 
     fam = family(mc.hf)
+    if fam.write is None:
+        raise ValueError(f"model.hf={mc.hf}: its transformers config is its checkpoint's "
+                         "(model.pretrained); usp writes none from the model options")
     kw = dict(vocab_size=mc.vocab_size, hidden_size=mc.dim, intermediate_size=mc.ffn_dim,
               num_hidden_layers=mc.n_layers, num_attention_heads=mc.n_heads,
               num_key_value_heads=mc.n_kv_heads, head_dim=mc.head_dim, rms_norm_eps=mc.norm_eps,
@@ -53,6 +56,18 @@ def check_pretrained(mc: ModelConfig) -> None:
     if have.model_type != mc.hf:
         raise ValueError(f"model.pretrained={path} is a {have.model_type} model but "
                          f"model.hf={mc.hf}; set model.hf={have.model_type}")
+    if family(mc.hf).write is None:  # its config is the checkpoint's: the options read it
+        diff = [f"{k}: {v!r} there, {getattr(mc, k)!r} from model.{k}"
+                for k, v in family(mc.hf).read(have).items() if getattr(mc, k) != v]
+    else:
+        diff = _diff(mc, have)
+    if diff:
+        raise ValueError(f"model.pretrained={path} differs from the model config: "
+                         f"{'; '.join(diff)}; set the model options to the directory's shape")
+
+
+def _diff(mc: ModelConfig, have) -> list[str]:
+    """What the transformers config ``have`` holds unlike the one usp writes for ``mc``."""
     want = hf_config(mc)
     diff = [f"{key}: {getattr(have, key, None)} there, {getattr(want, key, None)} from "
             f"model.{field}" for key, field in _FIELD.items()
@@ -63,9 +78,7 @@ def check_pretrained(mc: ModelConfig) -> None:
     theta = (have.rope_parameters or {}).get("rope_theta")
     if theta != mc.rope_theta:
         diff.append(f"rope_theta: {theta} there, {mc.rope_theta} from model.rope_theta")
-    if diff:
-        raise ValueError(f"model.pretrained={path} differs from the model config: "
-                         f"{'; '.join(diff)}; set the model options to the directory's shape")
+    return diff
 
 
 def build_model(mc: ModelConfig, seed: int):

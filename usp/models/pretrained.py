@@ -25,7 +25,8 @@ import torch
 
 from ..config import ModelConfig
 from ..config.model import CHECKPOINT_FIELDS, CHECKPOINT_SHAPE
-from .families import FAMILIES, builtin_model, check_model, checkpoint_family, family
+from .families import (FAMILIES, builtin_checkpoint, builtin_model, check_model,
+                       checkpoint_family, family)
 
 AUTO = "auto"
 INDEX = "model.safetensors.index.json"
@@ -71,7 +72,9 @@ def checkpoint_fields(path: str | Path, hf: str | None = None) -> dict:
     reads (``Family.read``)."""
     path = Path(path)
     hc = hf_checkpoint_config(path)
-    mapped = checkpoint_family(hc.model_type, f"model.pretrained={path}")  # names the path
+    where = f"model.pretrained={path}"  # named in the refusal
+    mapped = checkpoint_family(hc.model_type, where) if hf is not None else \
+        builtin_checkpoint(hc.model_type, where)
     try:
         out = mapped.read(hc)
     except ValueError as e:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 from ..config import RunConfig
+from ..models.families import check_priced
 from ..dims.balance import choose_balance, sequence_balance
 from ..planner import detect_topology
 from ..planner.cost import choose_a2a_chunks
@@ -67,6 +68,7 @@ def decide_degrees(cfg: RunConfig, world: int, env=None, topology=None,
     r = config_degree(pc.ring_degree, "ring_degree")
     table = ""
     if u is None or r is None:
+        check_priced(cfg.model, "parallel.ulysses_degree/ring_degree=auto")
         spec, report = (topology() if topology else
                         detected_cluster(cfg, world, pc.ranks_per_node, env))
         p = plan_run(cfg, spec, world, forward_only, balance=balance)
