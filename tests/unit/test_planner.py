@@ -630,3 +630,37 @@ def test_a_forward_pass_ignores_the_training_batch_in_tokens():
     spec = load_cluster("h100_ib").replace(nodes=1)
     assert {c.dp for c in plan_run(cfg, spec, 8).candidates} <= {1}  # 3 sequences: dp 1 only
     assert {c.dp for c in plan_run(cfg, spec, 8, forward_only=True).candidates} == {1, 2, 4, 8}
+
+
+def test_local_layers_cost_their_band_and_the_table_says_so(h100, capsys):
+    """Gemma 3's mix (5 local : 1 global, a 1,024-token window) at 128K: each local layer's
+    attention is priced at its band (L*w - w^2/2 of L^2/2), the full layers as before; the
+    contiguous ring of a local layer makes one hop, the zigzag one every hop; usp-plan prints
+    the mix. A window as long as the sequence is a full layer."""
+    from dataclasses import replace
+
+    import usp.cli as cli
+    from hydra import compose, initialize_config_dir
+    from usp.planner.traffic import band_share
+
+    L, w = 131072, 1024
+    assert band_share(8, 2) == (8 * 2 - 2) / 32 and band_share(L, L) == band_share(L, None) == 1
+    full = replace(LLAMA3_8B, n_layers=6)
+    mixed = replace(full, sliding_window=w, layer_types=["sliding_attention"] * 5
+                    + ["full_attention"])
+    whole = replace(full, sliding_window=L, full_attention_every=0)
+    for balance in ("zigzag", "contiguous"):
+        kw = dict(seq_len=L, dp=1, ring=4, ulysses=2, balance=balance)
+        f, m = estimate(full, h100, **kw), estimate(mixed, h100, **kw)
+        assert estimate(whole, h100, **kw) == f
+        assert m.attn_s == pytest.approx(f.attn_s * (1 + 5 * band_share(L, w)) / 6, rel=1e-9)
+        hops = 3 if balance == "zigzag" else 1  # of the ring's 3 for a local layer
+        assert m.ring_bytes == pytest.approx(f.ring_bytes * (1 + 5 * hops / 3) / 6, rel=1e-9)
+        assert m.step_s < f.step_s
+    with initialize_config_dir(config_dir=cli.CONFIG_DIR, version_base="1.3"):
+        cfg = cli.to_config(compose("plan", overrides=[
+            "model=llama3_8b", "cluster=h100_ib", "model.n_layers=6", f"model.sliding_window={w}",
+            "model.full_attention_every=6", f"data.seq_len={L}"]))
+    cli._plan(cfg)
+    assert (f"layers: 1 full + 5 local (window {w}: attention {band_share(L, w):.3g} of a full "
+            "layer's); the step time prices each kind") in capsys.readouterr().out

@@ -45,7 +45,8 @@ from ..config.cluster import ClusterSpec
 from .cluster import GroupSpan, group_span
 from .memory import CheckpointPolicy, memory_split
 from .schedule import FLASH_BWD, a2a_pass, ring_pass
-from .traffic import attention_bytes, ring_kv_heads
+from .traffic import (band_share, layer_mean_bytes, layer_windows, ring_kv_heads,
+                      windowed_ring_hops)
 
 FP32 = 4  # bytes: LSE, merge accumulators, dK/dV in flight, logits for the loss
 
@@ -152,7 +153,8 @@ def attention_cost(cluster: ClusterSpec, seq_len: int, hq: int, hkv: int, head_d
                    causal: bool = True, balance: str = "zigzag",
                    placement: str = "ulysses_inner", n_fwd: int = 1,
                    overlap: float | None = None, causal_tile: float = 0.0,
-                   a2a_chunks: int = 1, a2a_overlap: float | None = None) -> AttentionCost:
+                   a2a_chunks: int = 1, a2a_overlap: float | None = None,
+                   window: int | None = None) -> AttentionCost:
     """The attention part of ``estimate``: ``[1, L, hq|hkv, head_dim]`` over ``ulysses x
     ring`` ranks (``dp`` replicas placed by ``placement``).
 
@@ -169,12 +171,7 @@ def attention_cost(cluster: ClusterSpec, seq_len: int, hq: int, hkv: int, head_d
     overlap = cluster.overlap if overlap is None else overlap
     if a2a_overlap is None:
         a2a_overlap = overlap if cluster.a2a_overlap is None else cluster.a2a_overlap
-    if (balance not in BALANCES or n_fwd < 1 or not 0 <= overlap <= 1
-            or causal_tile < 0):
-        raise ValueError(f"attention_cost needs balance in {BALANCES}, "
-                         f"n_fwd >= 1, overlap in "
-                         f"[0, 1] and causal_tile >= 0; got balance={balance!r}, "
-                         f"n_fwd={n_fwd}, overlap={overlap}, causal_tile={causal_tile}")
+    _check_cost_args(balance, n_fwd, overlap, causal_tile)
     L, r, u, hd = seq_len, ring, ulysses, head_dim
     kv = check_heads(hq, hkv, u)
     c = check_a2a_chunks(a2a_chunks, hq, hkv, u) if u > 1 else 1
@@ -198,7 +195,8 @@ def attention_cost(cluster: ClusterSpec, seq_len: int, hq: int, hkv: int, head_d
     first = full / 2 * (1 + causal_tile / blk) if causal else full  # the diagonal block
     # slowest rank's block; per_document (usp.dims.balance) priced as perfectly balanced
     later = full / 2 if causal and balance in ("zigzag", "per_document") else full
-    attn_fwd = first + (r - 1) * later
+    attn_fwd = (first + (r - 1) * later) * band_share(L, window, causal)
+    hops = windowed_ring_hops(L, r, balance, causal, window)
     ring_kv = max(ring_kv_heads(hq, hkv, u, j, c) for j in range(u)) / c  # per stage
     kv_bytes = 2 * blk * ring_kv * hd * dtype_bytes  # one stage's K/V block in flight
     q_elems, kv_elems = blk * hq_u * hd / c, blk * ring_kv * hd  # one stage
@@ -206,15 +204,15 @@ def attention_cost(cluster: ClusterSpec, seq_len: int, hq: int, hkv: int, head_d
     merge_b = 3 * FP32 * (q_elems + 2 * kv_elems) / cluster.hbm_bw  # dQ, dK, dV
     comm = exposed = merge = tail = 0.0
     ring_link = "-"
-    if r > 1:
+    if hops:
         rs = group_span(dp, r, u, cluster.ranks_per_node, "ring", placement)
         ring_link = "inter" if rs.crosses else "intra"
         bw, lat = ring_step_link(cluster, rs)
         send_kv = lat + kv_bytes / bw
         send_acc = lat + kv_bytes * FP32 / dtype_bytes / bw  # fp32 dK/dV accumulator
         comm, exposed, tail = (c * x for x in ring_pass(
-            r, n_fwd, send_kv, send_acc, first / c, later / c, merge_f, merge_b, overlap))
-        merge = c * (r - 1) * (n_fwd * merge_f + merge_b)
+            hops + 1, n_fwd, send_kv, send_acc, first / c, later / c, merge_f, merge_b, overlap))
+        merge = c * hops * (n_fwd * merge_f + merge_b)
     a2a_s = a2a_comm = 0.0
     if u > 1:  # fwd (x recompute) and the bwd mirror: output grads in, dq/dk/dv out
         stage = attn_fwd / c  # one stage's forward kernel time
@@ -225,6 +223,15 @@ def attention_cost(cluster: ClusterSpec, seq_len: int, hq: int, hkv: int, head_d
                          ring_comm_s=comm, ring_exposed_s=exposed, ring_tail_s=tail,
                          a2a_comm_s=a2a_comm, a2a_chunks=c, a2a_link=a2a_link,
                          ring_link=ring_link)
+
+
+def _check_cost_args(balance: str, n_fwd: int, overlap: float, causal_tile: float) -> None:
+    if (balance not in BALANCES or n_fwd < 1 or not 0 <= overlap <= 1
+            or causal_tile < 0):
+        raise ValueError(f"attention_cost needs balance in {BALANCES}, "
+                         f"n_fwd >= 1, overlap in "
+                         f"[0, 1] and causal_tile >= 0; got balance={balance!r}, "
+                         f"n_fwd={n_fwd}, overlap={overlap}, causal_tile={causal_tile}")
 
 
 def best_a2a_chunks(cluster: ClusterSpec, seq_len: int, hq: int, hkv: int, head_dim: int,
@@ -301,17 +308,24 @@ def estimate(model: ModelConfig, cluster: ClusterSpec, seq_len: int, dp: int, ri
     lin_s = (2 * n_fwd + 4) * layer_matmul_params(model) * T / rate
     head_s = 6 * D * model.vocab_size * T / rate  # LM head fwd+bwd, once per sequence
 
-    # ---- attention: ulysses all-to-alls and the ring pass, per layer per sequence ---------
-    att = attention_cost(cluster, L, hq, hkv, hd, u, r, dp=dp, dtype_bytes=dtype_bytes,
-                         causal=causal, balance=balance, placement=placement, n_fwd=n_fwd,
-                         a2a_chunks=a2a_chunks)
-    sent_f, sent_b = attention_bytes(1, L, hq, hkv, hd, u, r, dtype_bytes,  # one sequence
-                                     a2a_chunks=att.a2a_chunks)
+    # ---- attention: ulysses all-to-alls and the ring pass, each layer per sequence -------
+    # layer by layer: a local layer (a window shorter than L) costs its band, not L
+    atts = [(n, attention_cost(cluster, L, hq, hkv, hd, u, r, dp=dp, dtype_bytes=dtype_bytes,
+                               causal=causal, balance=balance, placement=placement,
+                               n_fwd=n_fwd, a2a_chunks=a2a_chunks, window=w))
+            for n, w in layer_windows(model, L)]
+    att = atts[0][1]  # the links and stages, alike on every layer
+
+    def layers(part: str) -> float:  # seconds of ``part`` over all layers, one sequence
+        return sum(n * getattr(a, part) for n, a in atts)
+
+    sent = layer_mean_bytes(model, L, u, r, dtype_bytes, balance, causal, att.a2a_chunks)
 
     # ---- one step ------------------------------------------------------------------------
     nl = model.n_layers
-    per_seq = nl * (lin_s + att.compute_s + att.a2a_s + att.ring_exposed_s + att.merge_s) + head_s
-    compute_s = seqs * (nl * (lin_s + att.compute_s) + head_s)
+    per_seq = (nl * lin_s + layers("compute_s") + layers("a2a_s") + layers("ring_exposed_s")
+               + layers("merge_s") + head_s)
+    compute_s = seqs * (nl * lin_s + layers("compute_s") + head_s)
 
     grad_s = grad_sync_s(model, cluster, world, seqs, dtype_bytes, fsdp)  # over dp x sp ranks
     grad_exposed = max(grad_s / nl, grad_s - compute_s) if grad_s else 0.0
@@ -327,17 +341,17 @@ def estimate(model: ModelConfig, cluster: ClusterSpec, seq_len: int, dp: int, ri
         ulysses=u,
         kv_per_rank=kv,
         compute_s=compute_s,
-        attn_s=seqs * nl * att.compute_s,
-        a2a_s=seqs * nl * att.a2a_s,
-        ring_comm_s=seqs * nl * att.ring_comm_s,
-        ring_exposed_s=seqs * nl * att.ring_exposed_s,
-        ring_tail_s=seqs * nl * att.ring_tail_s,
-        merge_s=seqs * nl * att.merge_s,
+        attn_s=seqs * layers("compute_s"),
+        a2a_s=seqs * layers("a2a_s"),
+        ring_comm_s=seqs * layers("ring_comm_s"),
+        ring_exposed_s=seqs * layers("ring_exposed_s"),
+        ring_tail_s=seqs * layers("ring_tail_s"),
+        merge_s=seqs * layers("merge_s"),
         grad_s=grad_s,
         grad_exposed_s=grad_exposed,
         step_s=step_s,
-        a2a_bytes=sent_f["ulysses"] + sent_b["ulysses"],
-        ring_bytes=sent_f["ring"] + sent_b["ring"],
+        a2a_bytes=sent["ulysses"],
+        ring_bytes=sent["ring"],
         mem_bytes=mem.total,
         mem_state_bytes=mem.state,
         mem_act_bytes=mem.activations + mem.attention + mem.mlp + mem.logits,

@@ -11,6 +11,7 @@ from .memory import CheckpointPolicy, size
 from .options import BatchSpec, Search, StepPolicy
 from .plan import plan
 from .ranking import Plan
+from .traffic import band_share, layer_windows
 
 
 def config_degree(value, name: str) -> int | None:
@@ -93,10 +94,23 @@ def plan_report(cfg: PlanConfig) -> tuple[str, str]:
     best = p.best
     drawing = draw_mesh(best.dp, best.ring, best.ulysses, spec.ranks_per_node,
                         cfg.parallel.placement)
-    text = "\n".join([p.format_table(), f"balance: {balance} ({why})",
+    text = "\n".join([p.format_table(), *layers_text(cfg.model, cfg.data.seq_len),
+                      f"balance: {balance} ({why})",
                       f"choice: dp {best.dp} x ring {best.ring} x ulysses {best.ulysses}",
                       global_batch_text(cfg, p), p.memory_text(), str(drawing)])
     return text, drawing
+
+
+def layers_text(model, seq_len: int) -> list[str]:
+    """A line on how the layers were priced when some are local (a window shorter than the
+    sequence): each kind's count and its attention's share of a full layer's; none else."""
+    kinds = layer_windows(model, seq_len)
+    if all(w is None for _, w in kinds):
+        return []
+    parts = [f"{n} full" if w is None else
+             f"{n} local (window {w}: attention {band_share(seq_len, w):.3g} of a full layer's)"
+             for n, w in kinds]
+    return [f"layers: {' + '.join(parts)}; the step time prices each kind"]
 
 
 def global_batch_text(cfg: RunConfig, p: Plan) -> str:

@@ -92,6 +92,29 @@ def windowed_ring_hops(seq_len: int, ring: int, balance: str, causal: bool,
     return min(r - 1, -(-(window - 1) // seg))
 
 
+def band_share(seq_len: int, window: int | None, causal: bool = True) -> float:
+    """The share of a full layer's attention work (the causal triangle, or the square) that a
+    layer whose queries see only ``window`` tokens does: its band, L*w - w^2/2 of L^2/2
+    (not causal: 2*L*w - w^2 of L^2, about). 1 without a window or when it spans L."""
+    L = seq_len
+    if window is None or window >= L:
+        return 1.0
+    band = L * window - window * window / 2
+    return band / (L * L / 2) if causal else min(1.0, 2 * band / (L * L))
+
+
+def layer_windows(model, seq_len: int) -> list[tuple[int, int | None]]:
+    """(layers, window) for each window the layers of ``model`` have (None: full attention;
+    a window of ``seq_len`` or more counts as full), full layers first: what the planner
+    prices layer by layer (a local layer's attention costs its band, ``band_share``)."""
+    counts: dict[int | None, int] = {}
+    for i in range(model.n_layers):
+        w = model.layer_window(i)
+        key = None if w is None or w >= seq_len else w
+        counts[key] = counts.get(key, 0) + 1
+    return sorted(((n, w) for w, n in counts.items()), key=lambda x: (x[1] is not None, x[1] or 0))
+
+
 def masked_attention_bytes(batch: int, seq_len: int, hq: int, hkv: int, head_dim: int,
                            ulysses: int, ring: int, elem_bytes: int, *, balance: str,
                            causal: bool, window: int | None = None, segment_ids: bool = False,
@@ -110,3 +133,18 @@ def masked_attention_bytes(batch: int, seq_len: int, hq: int, hkv: int, head_dim
     fwd["sp"] = batch * (seq_len // p) * 8 * (p - 1) if segment_ids else 0
     bwd["sp"] = 0
     return fwd, bwd
+
+
+def layer_mean_bytes(model, seq_len: int, ulysses: int, ring: int, elem_bytes: int,
+                     balance: str, causal: bool, a2a_chunks: int = 1) -> dict:
+    """{"ulysses", "ring"}: the bytes one rank sends for one sequence in one layer, forward
+    and backward, the mean over ``model``'s layers (a local layer's ring makes
+    ``windowed_ring_hops`` hops; ``layer_windows``)."""
+    out = {"ulysses": 0.0, "ring": 0.0}
+    for n, w in layer_windows(model, seq_len):
+        f, b = masked_attention_bytes(1, seq_len, model.n_heads, model.n_kv_heads,
+                                      model.head_dim, ulysses, ring, elem_bytes, balance=balance,
+                                      causal=causal, window=w, a2a_chunks=a2a_chunks)
+        for link in out:
+            out[link] += n * (f[link] + b[link]) / model.n_layers
+    return out
