@@ -1,18 +1,26 @@
 """The mixture-of-experts blocks (``usp.models.moe``) against transformers 5.x: Qwen3-MoE's
 sparse block and gpt-oss's MLP, weights copied by ``HF_RENAMES``, output and every gradient
 equal in fp64 and close in fp32; gpt-oss's clamp active; dropless when every token picks the
-same expert."""
+same expert. The load-balancing statistics (``usp.models.moe_loss``): transformers'
+``load_balancing_loss_func`` on the router logits of a 2-layer model run with
+``output_router_logits=True``, and the same loss pooled from two halves of the batch, as two
+sequence-parallel ranks hold it, with each half's share carrying the whole loss's gradient."""
 
 import pytest
 import torch
-from transformers import GptOssConfig, Qwen3MoeConfig
+from transformers import (GptOssConfig, GptOssForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+from transformers.models.qwen3_moe.modeling_qwen3_moe import (Qwen3MoeSparseMoeBlock,
+                                                               load_balancing_loss_func)
 
 from usp.models.moe import GptOssMoeBlock, Qwen3MoeBlock
+from usp.models.moe_loss import balance_loss, balance_loss_share, pool
 
 D, E, K, F_ = 32, 8, 2, 16
 REL = {torch.float64: 1e-12, torch.float32: 1e-6}  # max |ours - theirs| / max |theirs|
+SMALL = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+             vocab_size=64, max_position_embeddings=4096, use_cache=False)
 
 
 def qwen_config(norm_topk_prob=True, **kw):
@@ -118,3 +126,74 @@ def test_dropless_when_every_token_picks_the_same_expert(family):
     assert stats.counts[3] == 24 and stats.counts.sum() == 24 * K
     check_block(ours, theirs, x, torch.float64)
 
+
+# --- the load-balancing loss ---------------------------------------------------------------
+
+def model_of(family, seed=0):
+    """A 2-layer transformers model whose MoE layers route unevenly, and its batch."""
+    torch.manual_seed(seed)
+    if family == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(qwen_config(**SMALL, output_router_logits=True))
+    else:
+        model = GptOssForCausalLM(oss_config(**SMALL, output_router_logits=True,
+                                             sliding_window=4))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            router = layer.mlp.gate if family == "qwen3_moe" else layer.mlp.router
+            router.weight.normal_(0.0, 1.0)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(3))
+    return model, ids
+
+
+def layer_inputs_and_loss(model, ids):
+    """Each MoE block's input [B, L, D] and the model's aux loss from one forward (its own
+    family's ``load_balancing_loss_func``, the same as Qwen3-MoE's on its router logits)."""
+    seen = []
+    hooks = [layer.mlp.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach()))
+             for layer in model.model.layers]
+    with torch.no_grad():
+        out = model(ids, output_router_logits=True)
+    for h in hooks:
+        h.remove()
+    assert len(out.router_logits) == 2
+    theirs = load_balancing_loss_func(out.router_logits, E, K)
+    assert torch.equal(out.aux_loss, theirs)
+    return seen, out.aux_loss
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_balance_loss_equals_transformers_whole_and_from_two_halves(family):
+    model, ids = model_of(family)
+    inputs, theirs = layer_inputs_and_loss(model, ids)
+    blocks = [ours_of(layer.mlp, family) for layer in model.model.layers]
+    whole = [blk(h)[1] for blk, h in zip(blocks, inputs)]
+    loss = balance_loss(whole, E)
+    assert abs(loss.item() - theirs.item()) <= 1e-6 * theirs.item()
+    assert loss.item() > 1.02 * K  # uneven: an even routing gives exactly k
+    # two sequence-parallel ranks: the first and the second half of each sequence
+    halves = [[blk(h[:, part])[1] for blk, h in zip(blocks, inputs)]
+              for part in (slice(0, 6), slice(6, 12))]
+    pooled = pool(s for rank in halves for s in rank)
+    assert torch.equal(pooled.counts, pool(whole).counts) and pooled.tokens == 2 * 24
+    assert abs(balance_loss(pooled, E).item() - theirs.item()) <= 1e-6 * theirs.item()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_each_ranks_share_carries_the_whole_losses_gradient(family):
+    model, ids = model_of(family)
+    inputs, theirs = layer_inputs_and_loss(model, ids)
+    blocks = [ours_of(layer.mlp, family) for layer in model.model.layers]
+    balance_loss([blk(h)[1] for blk, h in zip(blocks, inputs)], E).backward()
+    want = [blk.router.weight.grad.clone() for blk in blocks]
+    for blk in blocks:
+        blk.zero_grad()
+    ranks = [pool(blk(h[:, part])[1] for blk, h in zip(blocks, inputs))
+             for part in (slice(0, 6), slice(6, 12))]
+    everyone = pool(r.detach() for r in ranks)  # what an all-reduce of the integers gives
+    shares = [balance_loss_share(r, everyone, E) for r in ranks]
+    assert abs(sum(shares).item() - theirs.item()) <= 1e-6 * theirs.item()
+    for s in shares:
+        s.backward()
+    for blk, w in zip(blocks, want):
+        assert w.abs().max() > 0
+        assert rel(blk.router.weight.grad, w) <= 1e-5
