@@ -216,7 +216,10 @@ class GptOssMoeBlock(MoeBlock):
         self.experts = ClampedGLUExperts(dim, n_experts, ffn_dim, alpha, limit)
         with torch.no_grad():  # as transformers initialises them: expert biases zero
             for name, p in self.named_parameters():
-                p.zero_() if name.endswith("_proj_bias") else p.normal_(0.0, init_std)
+                if name.endswith("_proj_bias"):
+                    p.zero_()
+                else:
+                    p.normal_(0.0, init_std)
 
     def route(self, logits: torch.Tensor) -> Routing:
         return topk_then_softmax(logits, self.top_k)
