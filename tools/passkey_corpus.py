@@ -14,6 +14,16 @@ haystack) at a uniformly random depth: the needle at any character of the filler
 last. Prepared with ``usp-prepare --tokenizer bytes --no-eos`` and trained at
 ``data.seq_len`` = ``--chars``, each training window is one whole document.
 
+``--tokens PREFIX`` (with ``--exact``): write the documents as token files directly, byte
+tokens without EOS, one document a case, as ``usp-prepare --no-eos`` would (``PREFIX`` and,
+``--val-fraction`` of them, ``PREFIX.val``). ``--mask-first-key`` adds a loss mask
+(``PREFIX.loss``, ``usp.data.files``) that takes no loss on predicting the needle's first
+key: a random digit nothing before it tells, whose irreducible loss only adds noise to the
+digits' embeddings; the key's repetition in the needle and the answer still count.
+
+    python -m tools.passkey_corpus --tokens data/pk128 --docs 4000 --chars 128 --exact \
+        --digits 1 --seed 1 --mask-first-key
+
 Documents are seeded (``--seed``); their keys are drawn from another stream than
 ``usp-eval``'s (short keys still repeat: there are only 9 x 10^(digits-1) of them).
 """
@@ -26,8 +36,13 @@ from pathlib import Path
 
 import numpy as np
 
+from usp.data.files import TokenWriter
+from usp.data.tokenize import BYTE_VOCAB
 from usp.eval.passkey import (FILLER, NEEDLE, QUESTION, ByteTokenizer, filler_haystack,
                                  make_case)
+
+VAL_SUFFIX = ".val"  # the validation split's prefix, as usp-prepare names it
+BYTES = "bytes+eos"  # the byte tokenizer as usp-prepare records it
 
 
 def _key(rng, digits: int) -> str:
@@ -65,24 +80,80 @@ def exact_document(rng, chars: int, digits: int) -> str:
     return tok.decode(case.tokens)
 
 
+def first_key_mask(text: str) -> np.ndarray:
+    """0/1 a byte of ``text``: 0 on the needle's first key (the digits after its first "The
+    pass key is "), 1 elsewhere."""
+    head = NEEDLE.split("{key}")[0]
+    at = text.index(head) + len(head)
+    end = text.index(".", at)
+    mask = np.ones(len(text.encode()), dtype=np.uint8)
+    mask[at:end] = 0
+    return mask
+
+
+def write_tokens(prefix: Path, docs: list[str], val_fraction: float, mask: bool,
+                 rng) -> dict:
+    """``docs`` as byte-token files at ``prefix`` (train) and ``prefix.val`` (each document
+    there with probability ``val_fraction``), one document a case, no EOS; with ``mask`` the
+    first key's loss mask. The metadata of each split."""
+    val = rng.random(len(docs)) < val_fraction
+    if val.all() or not val.any():  # before anything is written
+        raise ValueError(f"{int(val.sum())} of {len(docs)} documents fell in the validation "
+                         f"split (--val-fraction {val_fraction}); each split needs one: change "
+                         "--docs or --val-fraction")
+    out = {}
+    for name, split, pick in (("train", prefix, ~val), ("validation", Path(f"{prefix}{VAL_SUFFIX}"),
+                                                        val)):
+        with TokenWriter(split, BYTE_VOCAB, BYTES, {"tool": "passkey_corpus"},
+                         loss_mask=mask) as w:
+            for text, keep in zip(docs, pick):
+                if keep:
+                    ids = np.frombuffer(text.encode(), dtype=np.uint8)
+                    w.write_document(ids, first_key_mask(text) if mask else None)
+            out[name] = w.close(split=name, eos_id=None, tokenizer_hash=BYTES)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="passkey_corpus", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True, help="folder to write passkey.jsonl into")
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", help="folder to write passkey.jsonl into")
+    where.add_argument("--tokens", help="token files to write instead (a prefix; --exact)")
     ap.add_argument("--docs", type=int, default=4000)
     ap.add_argument("--chars", type=int, default=240, help="about this many characters each")
     ap.add_argument("--exact", action="store_true",
                     help="exactly --chars characters each, as usp-eval's case of that length")
     ap.add_argument("--digits", type=int, default=5)
     ap.add_argument("--seed", type=int, default=12345)
+    ap.add_argument("--val-fraction", type=float, default=0.02,
+                    help="with --tokens: the share of documents in PREFIX.val")
+    ap.add_argument("--mask-first-key", action="store_true",
+                    help="with --tokens: no loss on predicting the needle's first key")
     args = ap.parse_args(argv)
     if args.docs < 1 or args.digits < 1 or args.chars < 1:
         ap.error("--docs, --digits and --chars must be >= 1")
+    if args.tokens and not args.exact:
+        ap.error("--tokens writes one case a document: give --exact")
+    if args.mask_first_key and not args.tokens:
+        ap.error("--mask-first-key is a loss mask of token files: give --tokens PREFIX")
     make = exact_document if args.exact else passkey_document
     rng = np.random.default_rng(args.seed)
     try:
         make(np.random.default_rng(args.seed), args.chars, args.digits)
     except ValueError as e:
         ap.error(str(e))
+    if args.tokens:
+        docs = [make(rng, args.chars, args.digits) for _ in range(args.docs)]
+        try:
+            metas = write_tokens(Path(args.tokens), docs, args.val_fraction,
+                                 args.mask_first_key, np.random.default_rng(args.seed + 1))
+        except ValueError as e:
+            ap.error(str(e))
+        print(f"passkey_corpus: {args.docs} documents of exactly {args.chars} characters, "
+              f"{args.digits}-digit keys -> {args.tokens} ({metas['train']['num_documents']}) "
+              f"and {args.tokens}{VAL_SUFFIX} ({metas['validation']['num_documents']})"
+              + (", no loss on the needle's first key" if args.mask_first_key else ""))
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "passkey.jsonl", "w") as f:

@@ -96,9 +96,12 @@ class MemmapData(_Batches):
     blend: Optional[List[BlendSource]] = None  # [{path, weight}, ...] instead of path
     seed: int = 1234
     packing: str = "none"  # documents: needs the {path}.docs boundaries usp-prepare writes
+    # auto: no loss on the tokens a file's loss mask ({path}.loss) leaves out; all: every one
+    loss_on: str = "auto"
 
     def __post_init__(self) -> None:
         self._check("memmap")
+        one_of("data.loss_on", self.loss_on, ("auto", "all"))
         if self.path and self.blend:
             raise ValueError(f"data.path={self.path} and data.blend ({len(self.blend)} sources) "
                              "are exclusive: a run reads one corpus or a blend; set "

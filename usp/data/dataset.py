@@ -163,6 +163,26 @@ def source_names(dc: MemmapData) -> list[str]:
     return [n if names.count(n) == 1 else f"{n}.{i}" for i, n in enumerate(names)]
 
 
+def loss_notes(dc: DataConfig) -> list[str]:
+    """What a run says once at its start of the loss masks it reads: for each source whose
+    token files carry one (``{path}.loss``) under ``data.loss_on=auto``, the share of tokens
+    its loss counts (from the metadata alone)."""
+    if not isinstance(dc, MemmapData) or dc.loss_on != "auto":
+        return []
+    from .files import data_paths, read_meta
+
+    out = []
+    for path, _ in dc.sources():
+        bin_path, json_path = data_paths(path)
+        meta = read_meta(json_path, bin_path.with_suffix("")) if json_path.is_file() else {}
+        if meta.get("loss_mask"):
+            share = int(meta.get("loss_tokens", 0)) / max(1, int(meta["num_tokens"]))
+            out.append(f"{path}: loss on {share:.1%} of the tokens, as its loss mask says "
+                       f"({bin_path.with_suffix('.loss').name}; data.loss_on=all counts every "
+                       "token)")
+    return out
+
+
 def build_validation(dc: DataConfig, mc: ModelConfig,
                      eval_windows: int | None) -> list[tuple[str, float, TrainingData]]:
     """(name, weight, split) of each source's validation split (``PREFIX.val.*``) with
@@ -183,7 +203,8 @@ def build_validation(dc: DataConfig, mc: ModelConfig,
     for name, (path, weight) in zip(source_names(dc), dc.sources()):
         prefix = validation_prefix(path)
         try:
-            ds = MemmapTokens(prefix, dc.seq_len, seed=dc.seed, documents=dc.packed)
+            ds = MemmapTokens(prefix, dc.seq_len, seed=dc.seed, documents=dc.packed,
+                              loss=dc.loss_on == "auto")
         except (FileNotFoundError, ValueError) as e:
             if eval_windows is None:
                 continue
@@ -225,7 +246,8 @@ def build_dataset(dc: DataConfig, mc: ModelConfig, phase: int = 0) -> TrainingDa
         from .memmap import MemmapTokens
 
         sources = [MemmapTokens(path, dc.seq_len, seed=dc.seed + i, documents=dc.packed,
-                                phase=phase) for i, (path, _) in enumerate(dc.sources())]
+                                phase=phase, loss=dc.loss_on == "auto")
+                   for i, (path, _) in enumerate(dc.sources())]
         check_vocab(dc, mc)
         if dc.blend:
             from .blend import Blend

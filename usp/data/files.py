@@ -6,8 +6,10 @@ atomically) and their metadata. No torch: ``usp-prepare`` and its workers import
 ``source``, and optionally ``max_token``, ``eos_id``, ``num_documents`` and what
 ``usp-prepare`` adds (``split``, ``val``, ``problems``, ``tokenizer_dir``). With
 ``num_documents``, ``{prefix}.docs`` holds the document start offsets (raw int64,
-increasing, the first 0). All files go to ``*.tmp`` first and are renamed when complete,
-the ``.json`` last.
+increasing, the first 0). With ``loss_mask`` (and ``loss_tokens``, how many are 1),
+``{prefix}.loss`` holds one byte per token: 1 where the token counts as a target of the
+loss, 0 where no loss is taken on predicting it (``usp.data.memmap``). All files go to
+``*.tmp`` first and are renamed when complete, the ``.json`` last.
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ def docs_path(path: str | os.PathLike) -> Path:
     return bin_path.with_suffix(".docs")
 
 
+def loss_path(path: str | os.PathLike) -> Path:
+    """The loss mask next to ``path``'s ``.bin``: ``data/x.loss`` (one byte per token)."""
+    return data_paths(path)[0].with_suffix(".loss")
+
+
 def tokenizer_dir(path: str | os.PathLike) -> Path:
     """The tokenizer files next to ``path``'s ``.bin`` (``usp-prepare`` copies a Hugging Face
     tokenizer there; byte-tokenized data has none): ``data/x.tokenizer``."""
@@ -56,24 +63,38 @@ class TokenWriter:
     ``write_document`` also records where a document starts (``{prefix}.docs``); plain
     ``write`` continues the current document; ``write_documents`` appends a block holding
     several. Memory does not grow with the file: tokens and document starts go to disk as
-    they come.
+    they come. ``loss_mask``: every write also gives ``loss``, one 0/1 a token (1: the token
+    is a target of the loss), written to ``{prefix}.loss``.
     """
 
-    def __init__(self, prefix: str | os.PathLike, vocab_size: int, tokenizer: str, source):
+    def __init__(self, prefix: str | os.PathLike, vocab_size: int, tokenizer: str, source,
+                 loss_mask: bool = False):
         self.bin_path, self.json_path = data_paths(prefix)
         self.bin_path.parent.mkdir(parents=True, exist_ok=True)
         self.dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
         self.meta = {"vocab_size": vocab_size, "tokenizer": tokenizer, "source": source}
         self.num_tokens, self.max_token, self.num_documents = 0, -1, 0
+        self.loss_tokens = 0
         self._tmp = _tmp(self.bin_path)
         self._f = open(self._tmp, "wb")
         self._docs = open(_tmp(docs_path(self.bin_path)), "wb")
+        self._loss = open(_tmp(loss_path(self.bin_path)), "wb") if loss_mask else None
 
-    def write(self, tokens) -> None:
-        """Append a 1-D array of token ids (each < vocab_size)."""
+    def write(self, tokens, loss=None) -> None:
+        """Append a 1-D array of token ids (each < vocab_size), with ``loss`` (0/1 each, as
+        many) when the writer keeps a loss mask."""
         arr = np.asarray(tokens)
+        if (loss is None) != (self._loss is None):
+            raise ValueError("a loss mask is given with every write of a writer made with "
+                             "loss_mask=True, and only then")
         if arr.size == 0:
             return
+        if loss is not None:
+            mask = np.asarray(loss, dtype=np.uint8)
+            if mask.shape != arr.shape or mask.max() > 1:
+                raise ValueError(f"loss {mask.shape} must be 0/1, one per token {arr.shape}")
+            self._loss.write(mask.tobytes())
+            self.loss_tokens += int(mask.sum())
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi >= self.meta["vocab_size"]:
             raise ValueError(
@@ -83,14 +104,15 @@ class TokenWriter:
         self.num_tokens += arr.size
         self.max_token = max(self.max_token, hi)
 
-    def write_document(self, tokens) -> None:
+    def write_document(self, tokens, loss=None) -> None:
         """Append a 1-D array of token ids that starts a new document."""
-        self.write_documents(tokens, [0])
+        self.write_documents(tokens, [0], loss)
 
-    def write_documents(self, tokens, starts) -> None:
-        """Append ``tokens`` [n], in which documents start at the offsets ``starts``
-        (increasing; tokens before the first start continue the current document; a start
-        at ``n`` or a repeated one, an empty document, is dropped)."""
+    def write_documents(self, tokens, starts, loss=None) -> None:
+        """Append ``tokens`` [n] (and their ``loss``, see ``write``), in which documents start
+        at the offsets ``starts`` (increasing; tokens before the first start continue the
+        current document; a start at ``n`` or a repeated one, an empty document, is
+        dropped)."""
         arr = np.asarray(tokens)
         if arr.size == 0:
             return
@@ -98,7 +120,7 @@ class TokenWriter:
         at = at[(at >= 0) & (at < arr.size)] + self.num_tokens  # offsets in the file
         if at.size and not self.num_documents and self.num_tokens and at[0] > 0:
             at = np.concatenate([[0], at])  # tokens written before: the first document
-        self.write(arr)
+        self.write(arr, loss)
         self._docs.write(at.astype(DOC_DTYPE).tobytes())
         self.num_documents += int(at.size)
 
@@ -112,21 +134,28 @@ class TokenWriter:
         """Complete every file under its ``.tmp`` name (the ``.bin`` fsynced, the metadata
         with ``extra`` keys) without touching ``prefix``; ``publish`` renames them. Lets a
         caller complete several writers before any of them replaces its files."""
-        for f in (self._f, self._docs):
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
+        for f in (self._f, self._docs, self._loss):
+            if f is not None:
+                f.flush()
+                os.fsync(f.fileno())
+                f.close()
         meta = {"dtype": self.dtype, "num_tokens": self.num_tokens, **self.meta}
         meta.update(max_token=self.max_token, **extra)
         if self.num_documents:
             meta["num_documents"] = self.num_documents
+        if self._loss is not None:
+            meta.update(loss_mask=True, loss_tokens=self.loss_tokens)
         _tmp(self.json_path).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         return meta
 
     def publish(self) -> None:
         """Rename the finished files into place, the ``.json`` last."""
-        docs = docs_path(self.bin_path)
+        docs, loss = docs_path(self.bin_path), loss_path(self.bin_path)
         os.replace(self._tmp, self.bin_path)
+        if self._loss is not None:
+            os.replace(_tmp(loss), loss)
+        else:
+            loss.unlink(missing_ok=True)  # an older file's mask would not match
         if self.num_documents:
             os.replace(_tmp(docs), docs)
         else:
@@ -136,9 +165,11 @@ class TokenWriter:
 
     def abort(self) -> None:
         """Remove every temporary file; nothing at ``prefix`` changes."""
-        self._f.close()
-        self._docs.close()
-        for path in (self._tmp, _tmp(docs_path(self.bin_path)), _tmp(self.json_path)):
+        for f in (self._f, self._docs, self._loss):
+            if f is not None:
+                f.close()
+        for path in (self._tmp, _tmp(docs_path(self.bin_path)), _tmp(loss_path(self.bin_path)),
+                     _tmp(self.json_path)):
             path.unlink(missing_ok=True)
 
     def __enter__(self) -> "TokenWriter":

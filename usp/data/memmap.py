@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .files import DOC_DTYPE, DTYPES, PREPARE_HINT, data_paths, docs_path, read_meta
+from .files import DOC_DTYPE, DTYPES, PREPARE_HINT, data_paths, docs_path, loss_path, read_meta
 from .indexing import step_indices
 from .order import WindowOrder
-from .packing import Batch, ignore_crossing
+from .packing import IGNORE_INDEX, Batch, ignore_crossing
 
 _SCAN_CHUNK = 1 << 24  # tokens per chunk when verifying ids
 
@@ -35,10 +35,13 @@ class MemmapTokens:
     ``documents``: load the document boundaries for ``packed_batch`` (ValueError when the
     file records none, or they do not fit the tokens). ``phase``: the length phase whose
     passes the windows are read in (``usp.data.order``; 0 for a run without phases).
+    ``loss``: when the files carry a loss mask (``{prefix}.loss``, ``usp.data.files``), a
+    label whose target token is masked out is -100 (``data.loss_on=auto``); False reads every
+    label (``data.loss_on=all``). ``self.loss`` is the mask in use, or None.
     """
 
     def __init__(self, path: str | os.PathLike, seq_len: int, seed: int = 0, verify: bool = True,
-                 documents: bool = False, phase: int = 0):
+                 documents: bool = False, phase: int = 0, loss: bool = True):
         self.bin_path, self.json_path = data_paths(path)
         prefix = self.bin_path.with_suffix("")
         if not self.bin_path.is_file():
@@ -71,6 +74,7 @@ class MemmapTokens:
             for lo in range(0, self.num_tokens, _SCAN_CHUNK):
                 self._check(self.tokens[lo : lo + _SCAN_CHUNK], lo)
         self.doc_starts = self._load_documents(prefix) if documents else None
+        self.loss = self._load_loss(prefix) if loss and self.meta.get("loss_mask") else None
         # non-overlapping windows, each read with the token after it; the remainder dropped
         self.num_windows = (self.num_tokens - 1) // seq_len
         self.order = WindowOrder(self.num_windows, seed, phase)  # a length phase's own passes
@@ -91,6 +95,23 @@ class MemmapTokens:
             raise ValueError(f"{docs}: document starts must increase from 0 and stay below "
                              f"num_tokens={self.num_tokens}; {fix}")
         return starts
+
+    def _load_loss(self, prefix: Path) -> np.ndarray:
+        """The loss mask [num_tokens] uint8 (read lazily from ``.loss``)."""
+        path = loss_path(self.bin_path)
+        if not path.is_file() or path.stat().st_size != self.num_tokens:
+            have = f"{path.stat().st_size} bytes" if path.is_file() else "no file"
+            raise ValueError(f"{self.json_path} says loss_mask but {path} has {have}, not one "
+                             f"byte for each of its {self.num_tokens} tokens: truncated or "
+                             "stale; write the files again, or read every label with "
+                             "data.loss_on=all")
+        return np.memmap(path, dtype=np.uint8, mode="r", shape=(self.num_tokens,))
+
+    def loss_share(self) -> float | None:
+        """The share of tokens the loss mask keeps as targets (None: no mask in use)."""
+        if self.loss is None:
+            return None
+        return int(self.meta.get("loss_tokens", int(self.loss.sum()))) / self.num_tokens
 
     def _check(self, ids: np.ndarray, offsets) -> None:
         # offsets: an int (ids is a contiguous run from there) or an array shaped like ids
@@ -205,4 +226,6 @@ class MemmapTokens:
         offsets = np.stack([idx, idx + 1])  # [2, B, n]: each token and the one after it
         ids = np.asarray(self.tokens[offsets]).astype(np.int64)  # reads only these entries
         self._check(ids, offsets)
+        if self.loss is not None:  # no loss where the target token is masked out
+            ids[1][np.asarray(self.loss[offsets[1]]) == 0] = IGNORE_INDEX
         return Batch(torch.from_numpy(ids[0]), torch.from_numpy(ids[1])), idx

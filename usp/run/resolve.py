@@ -8,6 +8,7 @@ from functools import cache, partial
 import torch.distributed as dist
 
 from ..config import RunConfig
+from ..data.dataset import loss_notes
 from ..models.pretrained import start_notes
 from ..planner.batch import grad_accum_steps
 from ..rules import check_ranks_per_node, check_seq_len
@@ -46,6 +47,8 @@ def resolve_run(cfg: RunConfig, world: int, device: str, env=None, *,
     check_ranks_per_node(world, ranks_per_node, "parallel.ranks_per_node")
     check_inputs(cfg, device, run_dir)
     for line in start_notes(cfg.model, cfg.data.seq_len):  # model.pretrained: rope changes
+        say(f"usp: {line}")
+    for line in loss_notes(cfg.data):  # token files with a loss mask
         say(f"usp: {line}")
     balance, why = decide_balance(cfg)
     say(f"usp: balance {balance} ({why})")
