@@ -46,10 +46,16 @@ class ModelConfig:
     # Typed Any, not a dict, so that model.rope_scaling={...} replaces it whole on the command
     # line (Hydra would merge into a dict node, key by key, and refuse the new keys)
     rope_scaling: Any = _read(None)
+    # RoPE base of the sliding-window layers (Gemma 3's sliding_attention rope_theta, plain
+    # RoPE); None: as every other layer (rope_theta, rope_scaling, which then set the full
+    # layers only)
+    local_rope_theta: Optional[float] = _read(None)
     norm_eps: float = _fixed(1e-5)
     tie_embeddings: bool = _fixed(True)
     qkv_bias: bool = _fixed(False)  # biases on the q, k and v projections (Qwen2)
     qk_norm: bool = _fixed(False)  # RMSNorm of each q and k head before RoPE (Qwen3)
+    # attention scores scaled by query_pre_attn_scalar ** -0.5 (Gemma 3); None: head_dim's
+    query_pre_attn_scalar: Optional[int] = _fixed(None)
     sliding_window: Optional[int] = _fixed(None)  # tokens a query sees (itself included); None: all
     full_attention_every: int = _fixed(0)  # 0: every layer windowed; k: layers k-1, 2k-1, ... full
     # per layer, transformers' names (full_attention | sliding_attention; Qwen2's layer_types):
@@ -80,7 +86,9 @@ class ModelConfig:
         at_least("model", 1, vocab_size=self.vocab_size, dim=self.dim, n_layers=self.n_layers,
                  n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, ffn_dim=self.ffn_dim,
                  mlp_tiles=self.mlp_tiles)
-        above("model", 0, rope_theta=self.rope_theta, norm_eps=self.norm_eps)
+        optional = {k: getattr(self, k) for k in ("local_rope_theta", "query_pre_attn_scalar")
+                    if getattr(self, k) is not None}  # None: as the other layers, head_dim
+        above("model", 0, rope_theta=self.rope_theta, norm_eps=self.norm_eps, **optional)
         if self.head_dim is None:
             if self.dim % self.n_heads != 0:
                 raise ValueError(f"model dim ({self.dim}) must be divisible by n_heads "
@@ -122,6 +130,19 @@ class ModelConfig:
         if self.sliding_window is None or (k and (layer + 1) % k == 0):
             return None
         return self.sliding_window
+
+    def layer_rope(self, layer: int) -> tuple[float, Optional[dict]]:
+        """The RoPE base and scaling of layer ``layer`` (0-based): its type's
+        (``type_rope``; windowed: sliding)."""
+        return self.type_rope(self.layer_window(layer) is not None)
+
+    def type_rope(self, sliding: bool) -> tuple[float, Optional[dict]]:
+        """The RoPE base and scaling of the sliding (windowed) or the full layers:
+        ``local_rope_theta`` with plain RoPE on the sliding ones when it is set, else
+        ``rope_theta`` and ``rope_scaling``."""
+        if sliding and self.local_rope_theta is not None:
+            return self.local_rope_theta, None
+        return self.rope_theta, self.rope_scaling
 
     def layer_matmul_params(self) -> int:
         """Weights one token multiplies through in a layer (q, k, v, o, gate, up, down)."""

@@ -40,7 +40,8 @@ AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class RMSNorm(nn.Module):
-    """x [..., D] -> x / rms(x) * weight, computed in fp32, returned in x.dtype."""
+    """x [..., D] -> x / rms(x) * gain, computed in fp32, returned in x.dtype; the gain is
+    ``weight`` (a family's norm may derive it otherwise: ``gain``)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -50,13 +51,21 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        return (xf * self.gain()).to(x.dtype)
+
+    def gain(self) -> torch.Tensor:
+        """The factor [D] fp32 each normalised channel is multiplied by."""
+        return self.weight.float()
 
 
 class Attention(nn.Module):
-    """GQA self-attention projections around ``attn_fn``: x [B, n, D] -> [B, n, D]."""
+    """GQA self-attention projections around ``attn_fn``: x [B, n, D] -> [B, n, D]. The
+    scores are scaled by ``cfg.query_pre_attn_scalar ** -0.5`` when it is set (passed to
+    ``attn_fn`` as ``scale``), else by ``attn_fn``'s default, ``head_dim ** -0.5``; the q/k
+    norms (``cfg.qk_norm``) are of class ``norm``."""
 
-    def __init__(self, cfg: ModelConfig, attn_fn: AttnFn, window: int | None = None):
+    def __init__(self, cfg: ModelConfig, attn_fn: AttnFn, window: int | None = None,
+                 norm: type[RMSNorm] = RMSNorm):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.window = window  # sliding window of this layer (None: full attention)
@@ -66,8 +75,10 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         # one weight [hd] shared by all heads of q, one by all of k (Qwen3's q_norm, k_norm)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.q_norm = norm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = norm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        scalar = cfg.query_pre_attn_scalar
+        self.scale = None if scalar is None else scalar ** -0.5
         self.attn_fn = attn_fn
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -80,32 +91,36 @@ class Attention(nn.Module):
             # tokens is whole, before attn_fn moves heads between ranks (Ulysses)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        masks = {}
+        options = {}  # only those set: every attn_fn takes none
         if segment_ids is not None:
-            masks["segment_ids"] = segment_ids
+            options["segment_ids"] = segment_ids
         if self.window is not None:
-            masks["window"] = self.window
-        out = self.attn_fn(q, k, v, **masks)  # [B, n, Hq, hd]
+            options["window"] = self.window
+        if self.scale is not None:
+            options["scale"] = self.scale
+        out = self.attn_fn(q, k, v, **options)  # [B, n, Hq, hd]
         return self.wo(out.reshape(b, n, self.n_heads * self.head_dim))  # -> [B, n, D]
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: x [B, n, D] -> w2(silu(w1 x) * w3 x) [B, n, D]; over ``tiles`` sequence tiles
-    recomputed in backward when ``tiles > 1`` (``usp.models.tiling.tiled``: one tile's [B, n/tiles,
-    F] intermediates at a time)."""
+    """Gated MLP: x [B, n, D] -> w2(act(w1 x) * w3 x) [B, n, D], SwiGLU with ``act`` silu
+    (GeGLU with a GELU); over ``tiles`` sequence tiles recomputed in backward when ``tiles >
+    1`` (``usp.models.tiling.tiled``: one tile's [B, n/tiles, F] intermediates at a time)."""
 
-    def __init__(self, dim: int, ffn_dim: int, tiles: int = 1):
+    def __init__(self, dim: int, ffn_dim: int, tiles: int = 1,
+                 act: Callable[[torch.Tensor], torch.Tensor] = F.silu):
         super().__init__()
         self.w1 = nn.Linear(dim, ffn_dim, bias=False)  # gate
         self.w3 = nn.Linear(dim, ffn_dim, bias=False)  # up
         self.w2 = nn.Linear(ffn_dim, dim, bias=False)  # down
         self.tiles = tiles
+        self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return tiled(self._swiglu, x, self.tiles)
+        return tiled(self._gated, x, self.tiles)
 
-    def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+    def _gated(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
 
 
 RECOMPUTE_PARTS = ("block", "attention", "mlp")
@@ -117,14 +132,18 @@ class Block(nn.Module):
     ``recompute`` (set by ``Transformer``): None, or the part whose activations backward
     recomputes (``block``; ``attention``: norm + qkv + attention + wo; ``mlp``: norm + w1/w3/w2).
     ``offload``: an ``ActivationOffload`` that parks the recomputed part's input on the host.
+    A family's block may change the parts (``_attention``, ``_mlp``), its norms (``norm``)
+    and the MLP's activation (``act``).
     """
 
-    def __init__(self, cfg: ModelConfig, attn_fn: AttnFn, window: int | None = None):
+    def __init__(self, cfg: ModelConfig, attn_fn: AttnFn, window: int | None = None,
+                 norm: type[RMSNorm] = RMSNorm,
+                 act: Callable[[torch.Tensor], torch.Tensor] = F.silu):
         super().__init__()
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg, attn_fn, window)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim, cfg.mlp_tiles)
+        self.attention_norm = norm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg, attn_fn, window, norm)
+        self.ffn_norm = norm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim, cfg.mlp_tiles, act)
         self.recompute: str | None = None
         self.offload: ActivationOffload | None = None
 
@@ -169,7 +188,13 @@ class Transformer(nn.Module):
     ``cfg.mlp_tiles`` tiles every MLP over the sequence, ``cfg.loss_chunk`` the LM head and
     loss (``usp.models.tiling``). The weights are initialised by ``init_weights(0)`` at
     construction; call ``init_weights(seed)`` again (before sharding) for another seed.
+    Each layer rotates by its own RoPE (``cfg.layer_rope``: the sliding layers' base may
+    differ). A family's model may change the blocks (``block``), the final norm (``norm``)
+    and the embedding (``embed``).
     """
+
+    block: type[Block] = Block
+    final_norm: type[RMSNorm] = RMSNorm
 
     def __init__(self, cfg: ModelConfig, attn_fn: AttnFn, checkpoint_activations: bool = False,
                  checkpoint_every: int = 1, checkpoint_part: str = "block",
@@ -185,12 +210,12 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.offload = offload
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg, attn_fn, cfg.layer_window(i))
+        self.layers = nn.ModuleList(self.block(cfg, attn_fn, cfg.layer_window(i))
                                     for i in range(cfg.n_layers))
         for i, block in enumerate(self.layers):
             if checkpoint_activations and i % checkpoint_every == 0:
                 block.recompute, block.offload = checkpoint_part, offload
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm = self.final_norm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.init_weights(0)
 
@@ -240,10 +265,8 @@ class Transformer(nn.Module):
                                  f"{tuple(tokens.shape)}: one per token")
         if self.offload is not None and torch.is_grad_enabled():
             self.offload.begin()
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta,
-                                self.cfg.rope_scaling)  # [*, n, hd/2]
-        h = self.tok_embeddings(tokens)  # [B, n] -> [B, n, D]
-        for layer in self.layers:
+        h = self.embed(tokens)  # [B, n] -> [B, n, D]
+        for layer, (cos, sin) in zip(self.layers, self._rope_tables(positions)):
             h = layer(h, cos, sin, segment_ids)
         h = self.norm(h)
         head = self.tok_embeddings.weight if self.output is None else self.output.weight  # [V, D]
@@ -253,6 +276,22 @@ class Transformer(nn.Module):
             return chunked_lm_loss(h, head, labels, self.cfg.loss_chunk)
         logits = F.linear(h, head)  # [B, n, D] -> [B, n, V]
         return logits if labels is None else lm_loss(logits, labels)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, n] long -> the first hidden states [B, n, D]."""
+        return self.tok_embeddings(tokens)
+
+    def _rope_tables(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (cos, sin) [*, n, hd/2] (``cfg.layer_rope``), each distinct RoPE
+        computed once (one table, or one per layer type)."""
+        tables, out = {}, []
+        for i in range(self.cfg.n_layers):
+            theta, scaling = self.cfg.layer_rope(i)
+            key = (theta, tuple(sorted((scaling or {}).items())))
+            if key not in tables:
+                tables[key] = rope_cos_sin(positions, self.cfg.head_dim, theta, scaling)
+            out.append(tables[key])
+        return out
 
     def num_params(self) -> int:
         """Parameters actually held (tied embeddings counted once)."""

@@ -12,13 +12,19 @@ from dataclasses import replace
 from ..config import ModelConfig
 from ..config.checks import one_of
 from . import gemma3_text, gpt_oss, llama, mistral, qwen2, qwen3, qwen3_moe
+from .decoder import Transformer
 from .family import Family, windows
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     llama.FAMILY, qwen2.FAMILY, mistral.FAMILY, qwen3.FAMILY,  # the built-in model computes
-    qwen3_moe.FAMILY, gemma3_text.FAMILY, gpt_oss.FAMILY)}  # transformers' class, model.hf
+    gemma3_text.FAMILY,  # ... on its own blocks
+    qwen3_moe.FAMILY, gpt_oss.FAMILY)}  # transformers' class, model.hf
 # the families the built-in model computes (model=pretrained without model.hf, model.arch)
 BUILTIN: dict[str, Family] = {name: f for name, f in FAMILIES.items() if f.builtin}
+# those of the shared decoder: a built-in model without model.arch is one of them
+SHARED: dict[str, Family] = {name: f for name, f in BUILTIN.items() if f.model is Transformer}
+# the ModelConfig fields only some families hold (Family.holds)
+HELD = tuple(dict.fromkeys(key for f in FAMILIES.values() for key in f.holds))
 
 
 def family(name: str | None, key: str = "model.hf") -> Family:
@@ -36,6 +42,7 @@ def check_model(mc: ModelConfig) -> None:
     if mc.hf is not None:
         hf = family(mc.hf)
         _check_hf_shape(mc, hf)
+        _check_holds(mc, hf, f"model.hf={hf.name}")
         hf.check_hf(mc)
     else:
         builtin_family(mc)  # its windows, biases and q/k norms
@@ -79,25 +86,46 @@ def builtin_checkpoint(model_type: str | None, where: str = "the checkpoint") ->
 
 def builtin_family(mc: ModelConfig) -> Family:
     """The family the built-in model of ``mc`` computes: ``model.arch`` (a run from a
-    checkpoint), else with q/k norms the family that has them (``Family.qk_norm``), else the
-    one its windows export as (``Family.exports``), or with q/k/v biases that family lacks
-    the one that holds biases at any windows (``Family.biases``)."""
+    checkpoint), else a family of the shared decoder (``SHARED``; ``_shared_family``).
+    A setting of ``HELD`` its family does not hold is refused."""
     if mc.arch is not None:
         arch = builtin_checkpoint(family(mc.arch, "model.arch").name, f"model.arch={mc.arch}")
         _check_qk_norm(mc, arch)
+        _check_holds(mc, arch, f"model.arch={arch.name}")
         arch.check_arch(mc)
         return arch
+    chosen = _shared_family(mc)
+    _check_holds(mc, chosen, f"a built-in model without model.arch (exported as {chosen.name})")
+    return chosen
+
+
+def _shared_family(mc: ModelConfig) -> Family:
+    """With q/k norms the family of the shared decoder that has them (``Family.qk_norm``),
+    else the one its windows export as (``Family.exports``), or with q/k/v biases that
+    family lacks the one that holds biases at any windows (``Family.biases``)."""
     if mc.qk_norm:
-        normed = next(f for f in BUILTIN.values() if f.qk_norm)
+        normed = next(f for f in SHARED.values() if f.qk_norm)
         if mc.qkv_bias and not normed.biases:
             raise ValueError(f"model.qk_norm=true with model.qkv_bias=true: no family holds "
                              f"both ({normed.name} has q/k norms and no biases); set one false")
         return normed
     pattern = windows(mc)
-    chosen = next(f for f in BUILTIN.values() if f.exports == pattern)
+    chosen = next(f for f in SHARED.values() if f.exports == pattern)
     if mc.qkv_bias and not chosen.biases:
-        return next(f for f in BUILTIN.values() if f.biases)
+        return next(f for f in SHARED.values() if f.biases)
     return chosen
+
+
+def _check_holds(mc: ModelConfig, fam: Family, what: str) -> None:
+    """Refuse a setting of ``HELD`` (``local_rope_theta``, ...) set on ``mc`` whose family
+    ``fam`` does not hold it (its transformers config has no place for it)."""
+    for key in HELD:
+        if getattr(mc, key) is not None and key not in fam.holds:
+            holders = [f.name for f in FAMILIES.values() if key in f.holds]
+            raise ValueError(f"model.{key}={getattr(mc, key)} but {what} has no such setting; "
+                             f"set model.{key}=null, or train a family that has it "
+                             f"({', '.join(holders)}: model.arch from its checkpoint, or "
+                             "model.hf)")
 
 
 def _check_hf_shape(mc: ModelConfig, hf: Family) -> None:

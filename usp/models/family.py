@@ -10,7 +10,8 @@ export's map).
 Shared here: the fields every such transformers config holds alike (``common_fields``), the
 windows of those that window layer by layer (``read_layer_windows``, ``write_layer_windows``:
 Qwen2, Qwen3) and the names of the shared decoder's weights in transformers' Llama layout
-(``decoder_names``), which every family uses (Qwen3 adds its q/k norms). Both sides rotate with "rotate half" RoPE
+(``decoder_names``), which every family uses (Qwen3 adds its q/k norms, Gemma 3 those and
+its post norms). Both sides rotate with "rotate half" RoPE
 (``usp.models.rope.apply_rope`` is transformers' ``rotate_half``), so every tensor moves over
 unchanged, q and k included (no permutation, unlike Meta's original checkpoints).
 """
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..config import ModelConfig
+from ..config.model import LAYER_TYPES
 from ..config.rope import check_rope_scaling
 from .decoder import Transformer
 
@@ -37,6 +39,8 @@ BLOCK_NAMES = {"attention.wq.weight": "self_attn.q_proj.weight",
 QKV_BIASES = {"attention.wq.bias": "self_attn.q_proj.bias",  # with qkv_bias
               "attention.wk.bias": "self_attn.k_proj.bias",
               "attention.wv.bias": "self_attn.v_proj.bias"}
+QK_NORMS = {"attention.q_norm.weight": "self_attn.q_norm.weight",  # with qk_norm
+            "attention.k_norm.weight": "self_attn.k_norm.weight"}
 # how the windows of a built-in model's layers fall: on none, on every layer, on some
 WINDOWS = ("none", "every", "some")
 
@@ -56,15 +60,31 @@ def common_fields(hc) -> dict:
     return shape_fields(hc)
 
 
+def type_rope(hc, layer_type: str = "full_attention") -> dict:
+    """The ``rope_parameters`` of a transformers config ``hc``'s layers of ``layer_type``
+    (a copy): the dict of that type when RoPE is given per layer type (Gemma 3's, keyed
+    ``full_attention`` / ``sliding_attention``), else the one dict of every layer."""
+    rope = dict(getattr(hc, "rope_parameters", None) or {})
+    if isinstance(rope.get(layer_type), dict):
+        return dict(rope[layer_type])
+    return {k: v for k, v in rope.items() if not isinstance(v, dict)}
+
+
+def local_rope_theta(hc) -> float | None:
+    """The RoPE base of a transformers config ``hc``'s sliding layers when it gives RoPE per
+    layer type (``model.local_rope_theta``), else None (every layer alike)."""
+    sliding = (getattr(hc, "rope_parameters", None) or {}).get("sliding_attention")
+    theta = sliding.get("rope_theta") if isinstance(sliding, dict) else None
+    return None if theta is None else float(theta)
+
+
 def shape_fields(hc) -> dict:
     """The ``ModelConfig`` fields of a transformers config ``hc``: the shape and RoPE, no
-    biases, no windows (a family sets its own). RoPE given per layer type (Gemma 3's
-    ``rope_parameters`` keyed ``full_attention`` / ``sliding_attention``) is read as its
-    full-attention layers' (the base and scaling that set the context)."""
+    biases, no windows, no attention scale of its own (a family sets its own). RoPE given
+    per layer type is read as its full-attention layers' (``type_rope``: the base and
+    scaling that set the context)."""
     heads = hc.num_attention_heads
-    rope = dict(getattr(hc, "rope_parameters", None) or {})
-    if isinstance(rope.get("full_attention"), dict):
-        rope = dict(rope["full_attention"])
+    rope = type_rope(hc)
     theta = rope.pop("rope_theta", None) or getattr(hc, "rope_theta", 10000.0)
     return dict(vocab_size=hc.vocab_size, dim=hc.hidden_size, n_layers=hc.num_hidden_layers,
                 n_heads=heads, n_kv_heads=getattr(hc, "num_key_value_heads", None) or heads,
@@ -73,17 +93,22 @@ def shape_fields(hc) -> dict:
                 rope_theta=float(theta), rope_scaling=check_rope_scaling(rope),
                 norm_eps=float(hc.rms_norm_eps), tie_embeddings=bool(hc.tie_word_embeddings),
                 qkv_bias=False, qk_norm=False, sliding_window=None, full_attention_every=0,
-                layer_types=None)
+                layer_types=None, local_rope_theta=None, query_pre_attn_scalar=None)
 
 
 def read_layer_windows(hc) -> dict:
     """The windows of a transformers config ``hc`` that windows layer by layer (Qwen2's and
     Qwen3's ``layer_types``, which transformers derives from ``use_sliding_window`` /
     ``max_window_layers``) as ``ModelConfig`` fields: none when every layer is full, the
-    window, and when some layers are full which ones (``layer_types``)."""
+    window, and when some layers are full which ones (``layer_types``). A layer type other
+    than full or sliding attention is refused, named."""
     window = getattr(hc, "sliding_window", None) if getattr(hc, "use_sliding_window", True) \
         else None
     types = list(getattr(hc, "layer_types", None) or ["full_attention"] * hc.num_hidden_layers)
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:  # transformers knows more kinds of layer (chunked_attention, ...)
+        raise ValueError(f"layer_types has {', '.join(unknown)}: usp computes "
+                         f"{' and '.join(LAYER_TYPES)} layers only")
     if window is None or "sliding_attention" not in types:
         return {}  # every layer full
     if "full_attention" not in types:
@@ -154,6 +179,10 @@ def _no_zeros(mc: ModelConfig) -> list[str]:
     return []
 
 
+def _computes_any(hc) -> None:
+    """No refusal: the built-in model computes whatever the family's config holds."""
+
+
 @dataclass(frozen=True)
 class Family:
     """One family: what ``usp.models.families`` lists, and what build, export, evaluation and
@@ -175,6 +204,12 @@ class Family:
     qk_norm: bool = False
     check_hf: Callable = _holds_any  # ModelConfig -> ValueError for a model.hf it cannot build
     check_arch: Callable = _holds_any  # ... for a model.arch (a checkpoint's) it cannot hold
+    # a checkpoint's transformers config -> ValueError for what transformers' class computes
+    # and the built-in model does not (model=pretrained without model.hf)
+    check_builtin: Callable = _computes_any
+    # the ModelConfig fields (None unless set) only some families hold: a model whose family
+    # does not list one refuses it set (usp.models.families.check_model)
+    holds: tuple[str, ...] = ()
     # the built-in model class that computes it; None: transformers' class computes it, through
     # usp's attention (model.hf and a checkpoint of it only; the built-in model refuses it)
     model: type | None = Transformer

@@ -10,13 +10,15 @@ import torch
 from ..config import ModelConfig
 from ..config.rope import rope_parameters
 from .families import family
+from .family import local_rope_theta, type_rope
 
 # transformers config key -> the ModelConfig field it comes from (for mismatch messages)
 _FIELD = {"vocab_size": "vocab_size", "hidden_size": "dim", "num_hidden_layers": "n_layers",
           "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
           "intermediate_size": "ffn_dim", "rms_norm_eps": "norm_eps",
           "tie_word_embeddings": "tie_embeddings", "sliding_window": "sliding_window",
-          "layer_types": "full_attention_every"}
+          "layer_types": "full_attention_every",
+          "query_pre_attn_scalar": "query_pre_attn_scalar"}
 
 
 def hf_config(mc: ModelConfig, max_positions: int | None = None):
@@ -75,10 +77,12 @@ def _diff(mc: ModelConfig, have) -> list[str]:
     head_dim = getattr(have, "head_dim", None) or have.hidden_size // have.num_attention_heads
     if head_dim != mc.head_dim:
         diff.append(f"head_dim: {head_dim} there, {mc.head_dim} from model.head_dim")
-    theta = (have.rope_parameters or {}).get("rope_theta")
-    if theta != mc.rope_theta:
-        diff.append(f"rope_theta: {theta} there, {mc.rope_theta} from model.rope_theta")
+    for key, theta in (("rope_theta", type_rope(have).get("rope_theta")),
+                       ("local_rope_theta", local_rope_theta(have))):
+        if theta != getattr(mc, key):
+            diff.append(f"{key}: {theta} there, {getattr(mc, key)} from model.{key}")
     return diff
+
 
 
 def build_model(mc: ModelConfig, seed: int):

@@ -7,7 +7,9 @@ safetensors) as the built-in model's shape, RoPE and weights.
   the user set must agree with it, or it is refused with both values.
 - ``model.rope_theta`` may differ from the checkpoint's (a raised base); ``model.rope_scaling``
   is ``auto`` (the checkpoint's own scaling, e.g. Llama 3.1's ``llama3``; without a checkpoint:
-  none), ``none`` / null (plain RoPE) or a dict (``usp/config/rope.py``).
+  none), ``none`` / null (plain RoPE) or a dict (``usp/config/rope.py``). A checkpoint with a
+  RoPE per layer type (Gemma 3) has them set its full layers and ``model.local_rope_theta``
+  (which may differ too) its sliding ones.
 - ``check_checkpoint`` refuses, before any process group, a directory without config.json or
   weights, an unmapped architecture, a damaged safetensors file (named), a shape that
   contradicts the checkpoint and a data vocabulary beyond its embedding.
@@ -69,7 +71,8 @@ def hf_checkpoint_config(path: str | Path):
 def checkpoint_fields(path: str | Path, hf: str | None = None) -> dict:
     """``ModelConfig`` fields of the checkpoint at ``path``: its shape, ``rope_theta`` and
     ``rope_scaling`` and, for the built-in model (``hf`` None), ``arch``: what its family
-    reads (``Family.read``)."""
+    reads (``Family.read``); for the built-in model, what its family's class computes and
+    the built-in model does not is refused (``Family.check_builtin``)."""
     path = Path(path)
     hc = hf_checkpoint_config(path)
     where = f"model.pretrained={path}"  # named in the refusal
@@ -77,6 +80,8 @@ def checkpoint_fields(path: str | Path, hf: str | None = None) -> dict:
         builtin_checkpoint(hc.model_type, where)
     try:
         out = mapped.read(hc)
+        if hf is None:
+            mapped.check_builtin(hc)
     except ValueError as e:
         raise ValueError(f"model.pretrained={path}: {e}") from None
     out["arch"] = None if hf is not None else hc.model_type
@@ -217,16 +222,25 @@ def check_checkpoint(mc: ModelConfig) -> None:
 
 def start_notes(mc: ModelConfig, seq_len: int) -> list[str]:
     """What a run from ``mc.pretrained`` says once at its start: a changed ``rope_theta``
-    ("rope_theta 500000 -> 8000000"), a changed scaling, and a warning when the scaling's
-    ``original_max_position_embeddings`` is at or above ``seq_len`` (nothing is extended)."""
+    ("rope_theta 500000 -> 8000000"), a changed scaling, a changed ``local_rope_theta``,
+    each naming the layers it changes when the checkpoint has a RoPE per layer type
+    ("rope_theta 1000000 -> 2000000 (full_attention layers)"), and a warning when the
+    scaling's ``original_max_position_embeddings`` is at or above ``seq_len`` (nothing is
+    extended)."""
     if mc.pretrained is None:
         return []
     have = checkpoint_fields(mc.pretrained, mc.hf)
     notes = [f"model.pretrained={mc.pretrained} ({have['arch'] or mc.hf})"]
+    per_type = have["local_rope_theta"] is not None  # sliding layers: their own base
+    full = " (full_attention layers)" if per_type else ""
     if have["rope_theta"] != mc.rope_theta:
-        notes.append(f"rope_theta {have['rope_theta']:.10g} -> {mc.rope_theta:.10g}")
+        notes.append(f"rope_theta {have['rope_theta']:.10g} -> {mc.rope_theta:.10g}{full}")
     if have["rope_scaling"] != mc.rope_scaling:
-        notes.append(f"rope_scaling {have['rope_scaling']} -> {mc.rope_scaling}")
+        notes.append(f"rope_scaling {have['rope_scaling']} -> {mc.rope_scaling}{full}")
+    if have["local_rope_theta"] != mc.local_rope_theta:  # null: as the full layers
+        old, new = (f"{x:.10g}" if x is not None else "null"
+                    for x in (have["local_rope_theta"], mc.local_rope_theta))
+        notes.append(f"local_rope_theta {old} -> {new} (sliding_attention layers)")
     old = (mc.rope_scaling or {}).get("original_max_position_embeddings")
     if old is not None and old >= seq_len:
         notes.append(f"warning: model.rope_scaling.original_max_position_embeddings={old} >= "

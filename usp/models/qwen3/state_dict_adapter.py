@@ -3,11 +3,7 @@ layer's q and k norm, a [head_dim] weight each."""
 
 from __future__ import annotations
 
-from ..family import decoder_names
-
-# built-in parameter (inside a block) -> transformers name (inside model.layers.i)
-QK_NORMS = {"attention.q_norm.weight": "self_attn.q_norm.weight",
-            "attention.k_norm.weight": "self_attn.k_norm.weight"}
+from ..family import QK_NORMS, decoder_names
 
 
 def names(mc) -> dict[str, str]:
