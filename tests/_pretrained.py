@@ -2,10 +2,11 @@
 (``unit/test_pretrained.py``, ``distributed/test_pretrained_ranks.py``): a Llama with Llama 3.1
 ``llama3`` scaling and its own head_dim, a Qwen2 with (non-zero) q/k/v biases, tied
 embeddings and windowed layers after the first, a Mistral with a window on every layer, a
-Qwen3 with q/k norms, a head_dim of its own (24, not 64 / 4) and a window on its last layer;
-for ``model.hf`` only, a Qwen3-MoE (4 experts, top 2, layer 1 dense), a Gemma 3 text model
-(a window on its local layers 0 and 2, an attention scale of its own) and a gpt-oss (sinks,
-a band on layers 0 and 2, YaRN, 4 experts with biases, top 2)."""
+Qwen3 with q/k norms, a head_dim of its own (24, not 64 / 4) and a window on its last layer, a
+Gemma 3 text model (a window on its local layers 0 and 2, an attention scale of its own, a
+RoPE per layer type: its own bases, linear x 8 on the full layer); for ``model.hf`` only, a
+Qwen3-MoE (4 experts, top 2, layer 1 dense) and a gpt-oss (sinks, a band on layers 0 and 2,
+YaRN, 4 experts with biases, top 2). Every norm weight is drawn away from its init."""
 
 from pathlib import Path
 
@@ -17,6 +18,10 @@ SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_att
              num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
 LLAMA3 = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
               high_freq_factor=4.0, original_max_position_embeddings=16)
+# a RoPE per layer type, both unlike transformers' defaults: the sliding layers' base, the
+# full ones' base and linear factor (Gemma 3 4B+)
+GEMMA_ROPE = {"sliding_attention": dict(rope_type="default", rope_theta=5000.0),
+              "full_attention": dict(rope_type="linear", rope_theta=200000.0, factor=8.0)}
 # each family's checkpoint (a family without one here fails its tests by name)
 FAMILY_CONFIG = {
     "llama": dict(head_dim=32, rope_parameters=LLAMA3),
@@ -27,7 +32,8 @@ FAMILY_CONFIG = {
     "qwen3_moe": dict(head_dim=24, num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=48, mlp_only_layers=[1]),
     "gemma3_text": dict(head_dim=16, sliding_window=6, query_pre_attn_scalar=20,
-                        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                        rope_parameters=GEMMA_ROPE),
     "gpt_oss": dict(head_dim=16, sliding_window=6, num_local_experts=4, num_experts_per_tok=2,
                     rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0,
                                          beta_fast=32.0, beta_slow=1.0, truncate=False,

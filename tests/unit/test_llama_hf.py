@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from usp.attention import local_attention
 from usp.models.decoder import Transformer
-from usp.models.families import BUILTIN, check_model, hf_equivalent, hf_names, zero_filled
+from usp.models.families import (BUILTIN, builtin_model, check_model, hf_equivalent, hf_names,
+                                 zero_filled)
 from usp.models.hf_model import hf_config
 
 from _export_runs import MODEL
@@ -23,9 +24,9 @@ L = 48
 
 
 def _trained(mc) -> Transformer:
-    """The built-in model after three AdamW steps on random tokens: every weight off its
-    init (the norms' too)."""
-    model = Transformer(mc, functools.partial(local_attention, causal=True))
+    """The built-in model (its family's class) after three AdamW steps on random tokens: every
+    weight off its init (the norms' too)."""
+    model = builtin_model(mc, functools.partial(local_attention, causal=True))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
@@ -137,7 +138,8 @@ WINDOWS = {"none": dict(),  # every layer full
            "every": dict(sliding_window=8),
            "some": dict(sliding_window=8, full_attention_every=2)}  # layer 1 full
 # the window settings each family cannot hold (a family without an entry fails by name)
-REFUSED = {"llama": {"every", "some"}, "qwen2": set(), "mistral": {"some"}, "qwen3": set()}
+REFUSED = {"llama": {"every", "some"}, "qwen2": set(), "mistral": {"some"}, "qwen3": set(),
+           "gemma3_text": set()}
 
 
 @pytest.mark.parametrize("arch", BUILTIN)

@@ -9,8 +9,7 @@ import torch
 
 from usp.attention import local_attention
 from usp.config import ModelConfig
-from usp.models.families import BUILTIN
-from usp.models.decoder import Transformer
+from usp.models.families import BUILTIN, builtin_model
 from usp.models.pretrained import check_checkpoint, fill_model, load_state, pretrained_config
 
 from _pretrained import HF_ONLY, KINDS, hf_logits, save_checkpoint
@@ -25,7 +24,7 @@ def ckpts(tmp_path_factory):
 
 
 def builtin_logits(mc: ModelConfig, tokens=TOKENS):
-    model = Transformer(mc, functools.partial(local_attention, causal=True))
+    model = builtin_model(mc, functools.partial(local_attention, causal=True))
     model.load_state_dict(load_state(mc))
     with torch.no_grad():
         return model.eval()(tokens, torch.arange(tokens.shape[1]))
@@ -38,8 +37,10 @@ def close(a, b, rel=1e-5):
 @pytest.mark.parametrize("kind", KINDS)
 def test_checkpoint_logits_equal_transformers(ckpts, kind):
     """The checkpoint's own shape and RoPE (Llama: llama3 scaling and head_dim 32; Qwen2: q/k/v
-    biases, tied, windowed layers 1-2; Mistral: a window of 5) give transformers' logits. Every
-    tensor moves over unchanged: a q/k permutation (Meta's original layout) would break this."""
+    biases, tied, windowed layers 1-2; Mistral: a window of 5; Gemma 3: its norms around each
+    part, GeGLU, scaled embeddings, attention scale and a RoPE per layer type) give
+    transformers' logits. Every tensor moves over unchanged: a q/k permutation (Meta's
+    original layout) would break this."""
     mc = pretrained_config(ckpts[kind])
     assert mc.arch == kind
     check_checkpoint(mc)
@@ -119,11 +120,10 @@ def test_bad_checkpoints_are_refused_with_the_fix(ckpts, tmp_path):
 
 @pytest.mark.parametrize("kind", HF_ONLY)
 def test_a_family_only_transformers_computes_is_model_hf_from_its_checkpoint(kind, tmp_path):
-    """A Qwen3-MoE, Gemma 3 text or gpt-oss checkpoint: the built-in model refuses it naming
+    """A Qwen3-MoE or gpt-oss checkpoint: the built-in model refuses it naming
     model.hf=<its type>; with model.hf its shape is read (gpt-oss: biases, a band on layers 0
-    and 2, YaRN; Gemma 3: RoPE as its full layers have it; the MoEs' ffn_dim: the experts a
-    token runs); model.hf without a checkpoint, a router loss usp would drop and a Gemma 3
-    with bidirectional attention are refused by name."""
+    and 2, YaRN; the MoEs' ffn_dim: the experts a token runs); model.hf without a checkpoint
+    and a router loss usp would drop are refused by name."""
     import json
 
     from usp.models.families import check_model
@@ -137,10 +137,6 @@ def test_a_family_only_transformers_computes_is_model_hf_from_its_checkpoint(kin
                                                                                4, 2)
     want = {"qwen3_moe": dict(qk_norm=True, qkv_bias=False, ffn_dim=2 * 48, head_dim=24,
                               sliding_window=None, rope_theta=10000.0, rope_scaling=None),
-            "gemma3_text": dict(qk_norm=True, qkv_bias=False, ffn_dim=128, head_dim=16,
-                                sliding_window=6, rope_theta=1e6, rope_scaling=None,
-                                layer_types=["sliding_attention", "full_attention",
-                                             "sliding_attention"]),
             "gpt_oss": dict(qk_norm=False, qkv_bias=True, ffn_dim=2 * 128, head_dim=16,
                             sliding_window=6, rope_theta=150000.0,
                             layer_types=["sliding_attention", "full_attention",
@@ -152,10 +148,8 @@ def test_a_family_only_transformers_computes_is_model_hf_from_its_checkpoint(kin
                                          "model=pretrained model.pretrained=DIR"):
         check_model(replace(mc, pretrained=None))
     config = json.loads((ckpt / "config.json").read_text())
-    bad = {"qwen3_moe": {"output_router_logits": True}, "gpt_oss": {"output_router_logits": True},
-           "gemma3_text": {"use_bidirectional_attention": True}}[kind]
-    (ckpt / "config.json").write_text(json.dumps({**config, **bad}))
-    with pytest.raises(ValueError, match=f"{next(iter(bad))}=true"):
+    (ckpt / "config.json").write_text(json.dumps({**config, "output_router_logits": True}))
+    with pytest.raises(ValueError, match="output_router_logits=true"):
         pretrained_config(ckpt, hf=kind)
 
 
