@@ -1,11 +1,12 @@
 """usp-train model=pretrained model.pretrained=DIR at (ulysses, ring) = (2, 2), for tiny
-Llama (llama3 scaling), Qwen2 (biases, windowed layers), Mistral (a window) and Qwen3 (q/k
-norms, its own head_dim; the LM head in chunks and the MLP in tiles) checkpoints saved by
-transformers, and through ``model.hf`` Qwen3-MoE, Gemma 3 text and gpt-oss (sinks, YaRN,
-experts) ones: step 0's val_loss is transformers' mean loss on the same windows (with the
-checkpoint's RoPE, a raised rope_theta, YaRN), a few steps train (the Qwen3 and the gpt-oss the
-same at (1,1) and (4,1)), and bad checkpoints are refused before any rank starts, printed
-once, with nothing written."""
+Llama (llama3 scaling), Qwen2 (biases, windowed layers), Mistral (a window), Qwen3 (q/k
+norms, its own head_dim) and Gemma 3 text (its own blocks, a RoPE per layer type, raised on
+both) checkpoints saved by transformers, the last two with the LM head in chunks and the MLP
+in tiles, and through ``model.hf`` Qwen3-MoE and gpt-oss (sinks, YaRN, experts) ones: step 0's
+val_loss is transformers' mean loss on the same windows (with the checkpoint's RoPE, a raised
+rope_theta, YaRN), a few steps train (the Qwen3 and the gpt-oss the same at (1,1) and (4,1)),
+and bad checkpoints are refused before any rank starts, printed once, with nothing
+written."""
 
 import json
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 
 from _cli import run_commands
 from _export_runs import corpus
-from _pretrained import HF_ONLY, KINDS, hf_logits, save_checkpoint
+from _pretrained import GEMMA_ROPE, HF_ONLY, KINDS, hf_logits, save_checkpoint
 
 L = 32
 YARN = "{rope_type:yarn,factor:4,original_max_position_embeddings:8}"
@@ -28,6 +29,11 @@ RUNS["llama_yarn"] = ("llama", ["model.rope_theta=2000000", f"model.rope_scaling
                        "original_max_position_embeddings": 8})
 TILED = ["model.loss_chunk=4", "model.mlp_tiles=2"]  # 2 chunks and tiles of a (2,2) shard
 RUNS["qwen3"] = ("qwen3", TILED, None)
+# both layer types' bases raised (the full layers keep their linear factor)
+RUNS["gemma3_text"] = ("gemma3_text", [*TILED, "model.rope_theta=2000000",
+                                       "model.local_rope_theta=20000"],
+                       {"full_attention": {**GEMMA_ROPE["full_attention"], "rope_theta": 2e6},
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 20000.0}})
 RUNS.update({kind: (kind, [f"model.hf={kind}"], None) for kind in HF_ONLY})
 # the same run at other layouts, dp 1 (the same batches): the first of each is at (2,2)
 LAYOUTS = {"qwen3_1x1": (1, 1), "qwen3_4x1": (4, 1), "gpt_oss_1x1": (1, 1),
@@ -86,6 +92,9 @@ def test_step_0_val_loss_is_transformers_and_the_run_trains(runs, name):
     assert all(np.isfinite(x["loss"]) for x in recs[1:])
     if name == "llama_yarn":
         assert "rope_theta 500000 -> 2000000" in r.stdout
+    if name == "gemma3_text":
+        assert "rope_theta 200000 -> 2000000 (full_attention layers)" in r.stdout
+        assert "local_rope_theta 5000 -> 20000 (sliding_attention layers)" in r.stdout
 
 
 def _losses(root: Path, name: str) -> list[float]:
@@ -116,10 +125,11 @@ def _usp_logits(run_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
 
     from usp.attention import local_attention
     from usp.models.checkpoint import latest_checkpoint
-    from usp.models.decoder import Transformer
+    from usp.models.families import builtin_model
     from usp.models.run_records import load_model_config
 
-    model = Transformer(load_model_config(run_dir), functools.partial(local_attention, causal=True))
+    model = builtin_model(load_model_config(run_dir),
+                          functools.partial(local_attention, causal=True))
     sd = model.state_dict()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
@@ -128,12 +138,13 @@ def _usp_logits(run_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
         return model.eval()(tokens, torch.arange(tokens.shape[1]))
 
 
-@pytest.mark.parametrize("name", ["qwen2", "llama_yarn", "qwen3"])
+@pytest.mark.parametrize("name", ["qwen2", "llama_yarn", "qwen3", "gemma3_text"])
 def test_the_export_is_the_checkpoints_architecture_with_the_new_rope(runs, name, tmp_path):
     """usp-export writes the architecture the run came from (a Qwen2 keeps its biases, a Qwen3
-    its q/k norms and head_dim), the run's rope_theta / rope_parameters,
-    max_position_embeddings = the trained (or YaRN's scaled) length and the data's tokenizer;
-    transformers reproduces usp's logits."""
+    its q/k norms and head_dim, a Gemma 3 its layer types and attention scale), the run's
+    rope_theta / rope_parameters (Gemma's per layer type), max_position_embeddings = the
+    trained (or YaRN's scaled) length and the data's tokenizer; transformers reproduces usp's
+    logits."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from usp.models.export import main
@@ -149,6 +160,9 @@ def test_the_export_is_the_checkpoints_architecture_with_the_new_rope(runs, name
         assert hc.max_position_embeddings == L and hc.layer_types[0] == "full_attention"
     if kind == "qwen3":
         assert (hc.head_dim, hc.layer_types[2]) == (24, "sliding_attention")
+    if kind == "gemma3_text":
+        assert (hc.query_pre_attn_scalar, hc.sliding_window, hc.layer_types) == (
+            20, 6, ["sliding_attention", "full_attention", "sliding_attention"])
     assert AutoTokenizer.from_pretrained(tmp_path / "out") is not None
     tokens = torch.randint(0, 90, (2, L), generator=torch.Generator().manual_seed(3))
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
@@ -176,6 +190,18 @@ def _bad_dirs(root: Path, good: Path) -> dict[str, Path]:
     return dirs
 
 
+def _capped(root: Path, gemma: Path) -> Path:
+    """The Gemma 3 checkpoint with final_logit_softcapping, which transformers applies to the
+    logits and the built-in model does not."""
+    import shutil
+
+    path = root / "bad" / "softcap"
+    shutil.copytree(gemma, path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "final_logit_softcapping": 30.0}))
+    return path
+
+
 REFUSED = {  # name -> (directory, extra overrides, the error's words)
     "empty": ("empty", [], "no config.json there"),
     "no_weights": ("no_weights", [], r"has no weights (*.safetensors)"),
@@ -187,12 +213,14 @@ REFUSED = {  # name -> (directory, extra overrides, the error's words)
                   "rope_scaling.rope_type='ntk' is not one of"),
     "factor": ("mistral", ["model.rope_scaling={rope_type:linear}"],
                "with rope_type linear needs factor"),
+    "softcap": ("softcap", [], "final_logit_softcapping=30.0: the built-in Gemma 3"),
 }
 
 
 def test_bad_checkpoints_are_refused_once_before_any_rank_with_nothing_written(runs):
     root, ckpts, _ = runs
-    dirs = {**_bad_dirs(root, ckpts["mistral"]), "mistral": ckpts["mistral"]}
+    dirs = {**_bad_dirs(root, ckpts["mistral"]), "mistral": ckpts["mistral"],
+            "softcap": _capped(root, ckpts["gemma3_text"])}
     calls = [("train_main", _args(root, f"refused_{name}", dirs[d], extra))
              for name, (d, extra, _) in REFUSED.items()]
     for (name, (_, _, words)), r in zip(REFUSED.items(), run_commands(calls, root / "bad")):
