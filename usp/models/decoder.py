@@ -2,10 +2,12 @@
 
 RMSNorm, RoPE, SwiGLU, q/k/v biases only with ``cfg.qkv_bias`` (Qwen2), an RMSNorm of each
 q and k head before RoPE only with ``cfg.qk_norm`` (Qwen3), tied or untied embeddings,
-``cfg.head_dim`` wide heads. Attention is whatever
-``attn_fn(q, k, v, **masks) -> out`` the caller passes (q [B, n, Hq, hd], k/v [B, n, Hkv,
-hd], out [B, n, Hq, hd]; ``masks``: ``segment_ids`` [B, n] when documents are packed and
-``window`` on sliding-window layers, passed only when set), e.g.
+``cfg.head_dim`` wide heads, a RoPE base of their own on the sliding layers with
+``cfg.local_rope_theta``. Attention is whatever
+``attn_fn(q, k, v, **options) -> out`` the caller passes (q [B, n, Hq, hd], k/v [B, n, Hkv,
+hd], out [B, n, Hq, hd]; ``options``: ``segment_ids`` [B, n] when documents are packed,
+``window`` on sliding-window layers and ``scale`` with ``cfg.query_pre_attn_scalar``, each
+passed only when set), e.g.
 
 - one process: ``functools.partial(usp.attention.local_attention, causal=True)``;
 - sequence parallel: ``functools.partial(usp_attention, mesh=mesh, layout=layout,
@@ -91,7 +93,7 @@ class Attention(nn.Module):
             # tokens is whole, before attn_fn moves heads between ranks (Ulysses)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        options = {}  # only those set: every attn_fn takes none
+        options = {}  # only those set: a model needing none calls attn_fn(q, k, v)
         if segment_ids is not None:
             options["segment_ids"] = segment_ids
         if self.window is not None:
@@ -189,8 +191,8 @@ class Transformer(nn.Module):
     loss (``usp.models.tiling``). The weights are initialised by ``init_weights(0)`` at
     construction; call ``init_weights(seed)`` again (before sharding) for another seed.
     Each layer rotates by its own RoPE (``cfg.layer_rope``: the sliding layers' base may
-    differ). A family's model may change the blocks (``block``), the final norm (``norm``)
-    and the embedding (``embed``).
+    differ). A family's model may change the blocks (``block``), the final norm
+    (``final_norm``) and the embedding (``embed``).
     """
 
     block: type[Block] = Block

@@ -231,8 +231,8 @@ def start_notes(mc: ModelConfig, seq_len: int) -> list[str]:
         return []
     have = checkpoint_fields(mc.pretrained, mc.hf)
     notes = [f"model.pretrained={mc.pretrained} ({have['arch'] or mc.hf})"]
-    per_type = have["local_rope_theta"] is not None  # sliding layers: their own base
-    full = " (full_attention layers)" if per_type else ""
+    # with a base of their own on the sliding layers, rope_theta / rope_scaling are the full ones'
+    full = " (full_attention layers)" if mc.local_rope_theta is not None else ""
     if have["rope_theta"] != mc.rope_theta:
         notes.append(f"rope_theta {have['rope_theta']:.10g} -> {mc.rope_theta:.10g}{full}")
     if have["rope_scaling"] != mc.rope_scaling:
