@@ -4,9 +4,11 @@
 embeddings and windowed layers after the first, a Mistral with a window on every layer, a
 Qwen3 with q/k norms, a head_dim of its own (24, not 64 / 4) and a window on its last layer, a
 Gemma 3 text model (a window on its local layers 0 and 2, an attention scale of its own, a
-RoPE per layer type: its own bases, linear x 8 on the full layer); for ``model.hf`` only, a
-Qwen3-MoE (4 experts, top 2, layer 1 dense) and a gpt-oss (sinks, a band on layers 0 and 2,
-YaRN, 4 experts with biases, top 2). Every norm weight is drawn away from its init."""
+RoPE per layer type: its own bases, linear x 8 on the full layer), a Gemma 3 4B-27B layout
+(``gemma3``: that text model, untied, beside a tiny SigLIP vision tower and its projector);
+for ``model.hf`` only, a Qwen3-MoE (4 experts, top 2, layer 1 dense) and a gpt-oss (sinks, a
+band on layers 0 and 2, YaRN, 4 experts with biases, top 2). Every norm weight is drawn away
+from its init."""
 
 from pathlib import Path
 
@@ -34,6 +36,12 @@ FAMILY_CONFIG = {
     "gemma3_text": dict(head_dim=16, sliding_window=6, query_pre_attn_scalar=20,
                         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                         rope_parameters=GEMMA_ROPE),
+    # beside the gemma3_text model above (its text_config), untied: lm_head.weight of its own
+    "gemma3": dict(vision_config=dict(model_type="siglip_vision_model", hidden_size=32,
+                                      intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, image_size=28, patch_size=14),
+                   mm_tokens_per_image=4, image_token_index=127, boi_token_index=125,
+                   eoi_token_index=126, tie_word_embeddings=False),
     "gpt_oss": dict(head_dim=16, sliding_window=6, num_local_experts=4, num_experts_per_tok=2,
                     rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0,
                                          beta_fast=32.0, beta_slow=1.0, truncate=False,
@@ -43,11 +51,24 @@ KINDS = tuple(BUILTIN)  # the families the built-in model serves
 HF_ONLY = tuple(k for k in FAMILIES if k not in BUILTIN)  # transformers' class only (model.hf)
 
 
+def hf_config(kind: str):
+    """The transformers config of the family ``kind``'s checkpoint; a text model beside other
+    parts (``Family.text_model``) is its text family's, under the key the family names."""
+    import transformers
+
+    fam = FAMILIES[kind]
+    if fam.text_model is not None:
+        text = hf_config(fam.text_model.family)
+        return getattr(transformers, fam.config_class)(
+            **{fam.text_model.config: text.to_dict()}, **FAMILY_CONFIG[kind])
+    return getattr(transformers, fam.config_class)(**SHAPE, **FAMILY_CONFIG[kind])
+
+
 def hf_model(kind: str, seed: int = 0):
     """A fresh transformers model of the family ``kind`` (fp32), its biases random too."""
     import transformers
 
-    config = getattr(transformers, FAMILIES[kind].config_class)(**SHAPE, **FAMILY_CONFIG[kind])
+    config = hf_config(kind)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
@@ -70,8 +91,8 @@ def hf_logits(path: Path, tokens: torch.Tensor, rope_parameters: dict | None = N
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hc = AutoConfig.from_pretrained(path)
-    if rope_parameters is not None:
-        hc.rope_parameters = rope_parameters
+    if rope_parameters is not None:  # the text model's (Gemma 3's text_config)
+        hc.get_text_config().rope_parameters = rope_parameters
     model = AutoModelForCausalLM.from_pretrained(path, config=hc, dtype=torch.float32,
                                                  attn_implementation="eager").eval()
     with torch.no_grad():

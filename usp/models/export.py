@@ -29,7 +29,7 @@ import torch.distributed.checkpoint as dcp
 
 from ..config import ModelConfig
 from .checkpoint import step_dirs, verify_checkpoint
-from .families import hf_equivalent, hf_names, zero_filled
+from .families import export_notes, hf_equivalent, hf_names, zero_filled
 from .hf_model import hf_config
 from .run_records import (HF_CONFIG_DIR, MODEL_CONFIG, TOKENIZER_DIR, load_data_record,
                           load_model_config)
@@ -94,9 +94,11 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, config=None,
 
     The model: the run's ``model_config.json`` says which. The built-in model is mapped to
     its family's transformers class (``usp.models.families.hf_equivalent``: ``model.arch``,
-    else the one its windows export as); a transformers model (``model.hf``) is built from
-    ``config``: a ``PretrainedConfig``, or a directory with ``config.json``; default: the
-    run's ``hf_config``. ``dtype``: cast the weights (default: as stored, fp32).
+    or the text model's family for a checkpoint whose text model sits beside other parts,
+    which are not carried over and a note says so; else the one its windows export as); a
+    transformers model (``model.hf``) is built from ``config``: a ``PretrainedConfig``, or a
+    directory with ``config.json``; default: the run's ``hf_config``. ``dtype``: cast the
+    weights (default: as stored, fp32).
 
     Everything is checked before anything is written, each problem a ValueError: the
     checkpoint fails its manifest, the model config is missing or not buildable, a weight is
@@ -118,6 +120,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, config=None,
                              "model (hf: null); export it without one")
         hc = hf_config(hf_equivalent(mc), facts.get("seq_len"))
         names, zeros = hf_names(mc), zero_filled(mc)
+        notes.extend(export_notes(mc))  # parts of the checkpoint not carried over
     else:
         hc, names, zeros = _hf_run_config(run_dir, mc, config), None, []
     if mc is not None and mc.rope == "per_document":

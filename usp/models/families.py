@@ -11,13 +11,13 @@ from dataclasses import replace
 
 from ..config import ModelConfig
 from ..config.checks import one_of
-from . import gemma3_text, gpt_oss, llama, mistral, qwen2, qwen3, qwen3_moe
+from . import gemma3, gemma3_text, gpt_oss, llama, mistral, qwen2, qwen3, qwen3_moe
 from .decoder import Transformer
 from .family import Family, windows
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     llama.FAMILY, qwen2.FAMILY, mistral.FAMILY, qwen3.FAMILY,  # the built-in model computes
-    gemma3_text.FAMILY,  # ... on its own blocks
+    gemma3_text.FAMILY, gemma3.FAMILY,  # ... on its own blocks (gemma3: the text model)
     qwen3_moe.FAMILY, gpt_oss.FAMILY)}  # transformers' class, model.hf
 # the families the built-in model computes (model=pretrained without model.hf, model.arch)
 BUILTIN: dict[str, Family] = {name: f for name, f in FAMILIES.items() if f.builtin}
@@ -41,11 +41,26 @@ def check_model(mc: ModelConfig) -> None:
         family(mc.arch, "model.arch")
     if mc.hf is not None:
         hf = family(mc.hf)
+        check_whole(hf, f"model.hf={hf.name}")
         _check_hf_shape(mc, hf)
         _check_holds(mc, hf, f"model.hf={hf.name}")
         hf.check_hf(mc)
     else:
         builtin_family(mc)  # its windows, biases and q/k norms
+
+
+def check_whole(fam: Family, what: str) -> None:
+    """Refuse (ValueError, saying ``what``) transformers' class of ``fam`` when a checkpoint of
+    it holds a text model beside other parts (``Family.text_model``): that class is the whole
+    model, and usp trains the text model only (the built-in model, exported as the text
+    model's family)."""
+    if fam.text_model is not None:
+        text = fam.text_model.family
+        raise ValueError(f"{what}: transformers' class of {fam.name} is the whole model, its "
+                         f"text model beside {fam.text_model.others}, which usp does not "
+                         f"compute; train the text model on the built-in model (model=pretrained "
+                         f"model.pretrained=DIR without model.hf; it exports as {text}), or "
+                         f"model.hf={text} from a {text} checkpoint")
 
 
 def check_priced(mc: ModelConfig, what: str) -> None:
@@ -150,32 +165,54 @@ def _check_qk_norm(mc: ModelConfig, arch: Family) -> None:
                          f"{str(arch.qk_norm).lower()}")
 
 
+def exported_family(mc: ModelConfig) -> Family:
+    """The family whose transformers class the export of the built-in model ``mc`` writes:
+    ``builtin_family``, or for a checkpoint's text model beside other parts the text model's
+    family (``Family.text_model``: a gemma3 run exports as gemma3_text)."""
+    fam = builtin_family(mc)
+    return fam if fam.text_model is None else FAMILIES[fam.text_model.family]
+
+
 def hf_equivalent(mc: ModelConfig) -> ModelConfig:
     """``mc`` (a built-in model, ``hf=None``) as the ``model.hf`` config of the transformers
-    architecture that computes the same function (``builtin_family``): a family's windows
+    architecture that computes the same function (``exported_family``): a family's windows
     as it writes them (none: no window kept).
     ``usp.models.hf_model.hf_config`` turns it into the transformers config."""
     if mc.hf is not None:
         raise ValueError(f"model.hf={mc.hf} is a transformers model already; it exports with "
                          "its own config (run_dir/hf_config), not through the built-in mapping")
-    name, pattern = builtin_family(mc).name, windows(mc)
+    name, pattern = exported_family(mc).name, windows(mc)
+    arch = None if mc.arch is None else name  # a model.hf is its own architecture
     if pattern == "none":
-        return replace(mc, hf=name, sliding_window=None, full_attention_every=0, layer_types=None)
+        return replace(mc, hf=name, arch=arch, sliding_window=None, full_attention_every=0,
+                       layer_types=None)
     if pattern == "every":  # however full_attention_every / layer_types said it
-        return replace(mc, hf=name, full_attention_every=0)
-    return replace(mc, hf=name)
+        return replace(mc, hf=name, arch=arch, full_attention_every=0)
+    return replace(mc, hf=name, arch=arch)
 
 
 def hf_names(mc: ModelConfig) -> dict[str, str]:
     """Every parameter of the built-in model of ``mc`` -> its name in the transformers model
     of ``hf_equivalent(mc)`` (its family's state-dict adapter)."""
-    return builtin_family(mc).names(mc)
+    return exported_family(mc).names(mc)
 
 
 def zero_filled(mc: ModelConfig) -> list[str]:
     """The transformers weights of ``hf_equivalent(mc)`` the built-in model lacks that are
     exact at zero (Qwen2's q/k/v biases when the built-in model has none)."""
-    return builtin_family(mc).zero_filled(mc)
+    return exported_family(mc).zero_filled(mc)
+
+
+def export_notes(mc: ModelConfig) -> list[str]:
+    """What the export of the built-in model ``mc`` tells its user beyond what it wrote: the
+    parts of a checkpoint beside its text model (``Family.text_model``) not carried over."""
+    fam = builtin_family(mc)
+    if fam.text_model is None:
+        return []
+    return [f"model.arch={fam.name}: the export is its text model alone "
+            f"({exported_family(mc).name}); {fam.text_model.others} of model.pretrained="
+            f"{mc.pretrained} are not carried over (usp neither loads nor trains them): take "
+            "them from that checkpoint"]
 
 
 def builtin_model(mc: ModelConfig, attn_fn, **options):

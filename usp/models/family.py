@@ -184,6 +184,17 @@ def _computes_any(hc) -> None:
 
 
 @dataclass(frozen=True)
+class TextModel:
+    """A family whose checkpoints hold a text model beside other parts (Gemma 3 4B-27B: a
+    vision tower and its projector): usp reads, trains and exports the text model only; the
+    other parts' tensors are neither loaded nor computed nor exported."""
+
+    family: str  # the family of the text model alone: the transformers class the export writes
+    config: str  # the key of the checkpoint's config that holds the text model's (text_config)
+    others: str  # what else the checkpoint holds, in words (named by the export's note)
+
+
+@dataclass(frozen=True)
 class Family:
     """One family: what ``usp.models.families`` lists, and what build, export, evaluation and
     the checks ask it for."""
@@ -219,6 +230,12 @@ class Family:
     # a mixture of experts: ffn_dim is the experts a token runs, and what the planner prices
     # as a dense MLP is not its memory (the experts' weights)
     experts: bool = False
+    # a checkpoint's text model beside other parts (TextModel); None: the checkpoint is the text
+    # model. model.hf of such a family is refused: transformers' class is the whole model
+    text_model: TextModel | None = None
+    # (prefix of a name of ``names``, another prefix transformers loads the same tensor from):
+    # a checkpoint may store a tensor under either (``stored_names``)
+    stored_as: tuple[tuple[str, str], ...] = ()
 
     @property
     def builtin(self) -> bool:
@@ -230,3 +247,15 @@ class Family:
         of ``names``, the export's map); a tied model takes ``lm_head.weight`` from the
         embedding, so it maps no ``lm_head``."""
         return {hf: usp for usp, hf in self.names(mc).items()}
+
+    def stored_names(self, mc: ModelConfig, stored=()) -> dict[str, str]:
+        """``checkpoint_names`` under the names a checkpoint that holds the tensors ``stored``
+        uses: a name it lacks is taken under another prefix (``stored_as``) it has, tensor by
+        tensor as transformers renames them; one it has under no prefix keeps its own name
+        (reported missing)."""
+        out = {}
+        for hf, usp in self.checkpoint_names(mc).items():
+            others = [other + hf[len(mine):] for mine, other in self.stored_as
+                      if hf.startswith(mine)]
+            out[next((n for n in others if n in stored and hf not in stored), hf)] = usp
+        return out

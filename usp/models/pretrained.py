@@ -28,7 +28,7 @@ import torch
 from ..config import ModelConfig
 from ..config.model import CHECKPOINT_FIELDS, CHECKPOINT_SHAPE
 from .families import (FAMILIES, builtin_checkpoint, builtin_model, check_model,
-                       checkpoint_family, family)
+                       check_whole, checkpoint_family, family)
 
 AUTO = "auto"
 INDEX = "model.safetensors.index.json"
@@ -43,7 +43,10 @@ SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_h
 def hf_checkpoint_config(path: str | Path):
     """The transformers config of the checkpoint directory ``path``; ValueError when there is
     none, it does not parse, or (an architecture usp maps) it lacks a key of ``SHAPE_KEYS``,
-    named."""
+    named. The text config of a checkpoint with other parts (``Family.text_model``: Gemma 3's
+    ``text_config``) is read as transformers reads it, its class's defaults for a missing key:
+    the released configs state only what differs from them (its tensors' shapes are checked
+    against them, ``check_checkpoint``)."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ValueError(f"model.pretrained={path}: no config.json there; give a local "
@@ -56,8 +59,8 @@ def hf_checkpoint_config(path: str | Path):
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"model.pretrained={path}: config.json is not a transformers config "
                          f"({e})") from None
-    if hc.model_type not in FAMILIES:  # refused as an architecture (its family), not by its keys
-        return hc
+    if hc.model_type not in FAMILIES or FAMILIES[hc.model_type].text_model is not None:
+        return hc  # refused as an architecture (its family), not by its keys; or read as nested
     missing = [k for k in SHAPE_KEYS if k not in raw]
     if missing:
         raise ValueError(f"model.pretrained={path}: config.json has no "
@@ -78,6 +81,8 @@ def checkpoint_fields(path: str | Path, hf: str | None = None) -> dict:
     where = f"model.pretrained={path}"  # named in the refusal
     mapped = checkpoint_family(hc.model_type, where) if hf is not None else \
         builtin_checkpoint(hc.model_type, where)
+    if hf is not None:
+        check_whole(mapped, f"{where} is a {mapped.name} checkpoint, with model.hf={hf}")
     try:
         out = mapped.read(hc)
         if hf is None:
@@ -192,11 +197,13 @@ def tensor_index(path: str | Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
     return out
 
 
-def expected_tensors(mc: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """checkpoint tensor name -> (built-in parameter name, its shape) for ``mc``."""
+def expected_tensors(mc: ModelConfig, stored=()) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """checkpoint tensor name -> (built-in parameter name, its shape) for ``mc``, under the
+    names of a checkpoint holding the tensors ``stored`` (``Family.stored_names``: a family's
+    other layout)."""
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in builtin_model(mc, None).state_dict().items()}
-    names = family(mc.arch, "model.arch").checkpoint_names(mc)
+    names = family(mc.arch, "model.arch").stored_names(mc, stored)
     return {hf: (usp, shapes[usp]) for hf, usp in names.items()}
 
 
@@ -209,7 +216,7 @@ def check_checkpoint(mc: ModelConfig) -> None:
     fill_model({**asdict(mc), "rope_theta": AUTO, "rope_scaling": AUTO})
     have = tensor_index(mc.pretrained)
     bad = []
-    for hf, (usp, shape) in expected_tensors(mc).items():
+    for hf, (usp, shape) in expected_tensors(mc, have).items():
         if hf not in have:
             bad.append(f"{hf} missing")
         elif have[hf][1] != shape:
@@ -253,7 +260,8 @@ def load_state(mc: ModelConfig) -> dict[str, torch.Tensor]:
     """The checkpoint's weights as the built-in model's state dict (fp32, whole tensors)."""
     from safetensors import safe_open
 
-    names = {hf: usp for hf, (usp, _) in expected_tensors(mc).items()}
+    stored = tensor_index(mc.pretrained)  # headers only
+    names = {hf: usp for hf, (usp, _) in expected_tensors(mc, stored).items()}
     out = {}
     for f in weight_files(mc.pretrained):
         with safe_open(str(f), framework="pt") as st:

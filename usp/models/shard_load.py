@@ -47,7 +47,7 @@ def load_shards(model, mc: ModelConfig, device: torch.device | str) -> None:
 
     model.to_empty(device=device)
     where = tensor_index(mc.pretrained)  # name -> (file, shape), headers only
-    wanted = {usp: (hf, shape) for hf, (usp, shape) in expected_tensors(mc).items()}
+    wanted = {usp: (hf, shape) for hf, (usp, shape) in expected_tensors(mc, where).items()}
     params = dict(model.named_parameters())
     by_file: dict = {}
     for usp, (hf, shape) in wanted.items():

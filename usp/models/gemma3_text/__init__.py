@@ -1,5 +1,5 @@
 """Gemma 3's text model (transformers' ``gemma3_text``, ``Gemma3ForCausalLM``: the 1B; the
-4B-27B ship as ``gemma3``, text under ``text_config``, which usp does not read): its own blocks
+4B-27B ship as ``gemma3``, text under ``text_config``: ``usp.models.gemma3``): its own blocks
 on the shared decoder (``model.Gemma3Text``: norms around each part, GeGLU, scaled embeddings),
 q/k norms, local layers windowed and global ones full (``layer_types``), a RoPE base per layer
 type (``model.local_rope_theta`` for the local ones), its own attention scale

@@ -14,6 +14,9 @@ from ..family import (local_rope_theta, read_layer_windows, refuse_biases, shape
                       type_rope)
 
 ACTIVATION = "gelu_pytorch_tanh"  # the built-in Gemma's GeGLU (usp.models.gemma3_text.model)
+# what the refusal of what the built-in model does not compute says to do
+HF_FIX = ("train this checkpoint with model.hf=gemma3_text (transformers' class through usp's "
+          "attention)")
 
 
 def read(hc) -> dict:
@@ -29,10 +32,11 @@ def read(hc) -> dict:
             "query_pre_attn_scalar": hc.query_pre_attn_scalar}
 
 
-def check_builtin(hc) -> None:
+def check_builtin(hc, fix: str = HF_FIX) -> None:
     """What a Gemma 3 text checkpoint may hold that transformers computes and the built-in
     model does not: capped final logits, biases, another MLP activation, scaled RoPE on the
-    sliding layers. Each is refused naming the key and ``model.hf=gemma3_text``."""
+    sliding layers. Each is refused naming the key and ``fix`` (by default
+    ``model.hf=gemma3_text``)."""
     local = type_rope(hc, "sliding_attention")
     for key, value, fine in (
             ("final_logit_softcapping", getattr(hc, "final_logit_softcapping", None), None),
@@ -42,8 +46,7 @@ def check_builtin(hc) -> None:
              local.get("rope_type", "default"), "default")):
         if value != fine:
             raise ValueError(f"{key}={value!r}: the built-in Gemma 3 computes {key}={fine!r} "
-                             "only; train this checkpoint with model.hf=gemma3_text "
-                             "(transformers' class through usp's attention)")
+                             f"only; {fix}")
 
 
 def write(mc) -> dict:
