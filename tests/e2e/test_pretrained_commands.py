@@ -1,8 +1,11 @@
 """usp-train model=pretrained model.pretrained=DIR at (ulysses, ring) = (2, 2), for tiny
 Llama (llama3 scaling), Qwen2 (biases, windowed layers), Mistral (a window), Qwen3 (q/k
-norms, its own head_dim) and Gemma 3 text (its own blocks, a RoPE per layer type, raised on
-both) checkpoints saved by transformers, the last two with the LM head in chunks and the MLP
-in tiles, and through ``model.hf`` Qwen3-MoE and gpt-oss (sinks, YaRN, experts) ones: step 0's
+norms, its own head_dim) and Gemma 3 4B-27B layout (``gemma3``: its text model beside a vision
+tower; its own blocks, a RoPE per layer type, raised on both) checkpoints saved by
+transformers, the last two with the LM head in chunks and the MLP in tiles, and through
+``model.hf`` Qwen3-MoE and gpt-oss (sinks, YaRN, experts) ones (the 1B layout,
+``gemma3_text``, the same model under other names, is covered in one process, its export
+included: unit/test_gemma3_text.py, unit/test_gemma3.py): step 0's
 val_loss is transformers' mean loss on the same windows (with the checkpoint's RoPE, a raised
 rope_theta, YaRN), a few steps train (the Qwen3 and the gpt-oss the same at (1,1) and (4,1)),
 and bad checkpoints are refused before any rank starts, printed once, with nothing
@@ -23,17 +26,16 @@ from _pretrained import GEMMA_ROPE, HF_ONLY, KINDS, hf_logits, save_checkpoint
 L = 32
 YARN = "{rope_type:yarn,factor:4,original_max_position_embeddings:8}"
 # name -> (checkpoint, overrides, transformers' rope_parameters: None = the checkpoint's)
-RUNS = {kind: (kind, [], None) for kind in KINDS}
+RUNS = {kind: (kind, [], None) for kind in KINDS if kind != "gemma3_text"}
 RUNS["llama_yarn"] = ("llama", ["model.rope_theta=2000000", f"model.rope_scaling={YARN}"],
                       {"rope_theta": 2e6, "rope_type": "yarn", "factor": 4.0,
                        "original_max_position_embeddings": 8})
 TILED = ["model.loss_chunk=4", "model.mlp_tiles=2"]  # 2 chunks and tiles of a (2,2) shard
 RUNS["qwen3"] = ("qwen3", TILED, None)
 # both layer types' bases raised (the full layers keep their linear factor)
-RUNS["gemma3_text"] = ("gemma3_text", [*TILED, "model.rope_theta=2000000",
-                                       "model.local_rope_theta=20000"],
-                       {"full_attention": {**GEMMA_ROPE["full_attention"], "rope_theta": 2e6},
-                        "sliding_attention": {"rope_type": "default", "rope_theta": 20000.0}})
+RUNS["gemma3"] = ("gemma3", [*TILED, "model.rope_theta=2000000", "model.local_rope_theta=20000"],
+                  {"full_attention": {**GEMMA_ROPE["full_attention"], "rope_theta": 2e6},
+                   "sliding_attention": {"rope_type": "default", "rope_theta": 20000.0}})
 RUNS.update({kind: (kind, [f"model.hf={kind}"], None) for kind in HF_ONLY})
 # the same run at other layouts, dp 1 (the same batches): the first of each is at (2,2)
 LAYOUTS = {"qwen3_1x1": (1, 1), "qwen3_4x1": (4, 1), "gpt_oss_1x1": (1, 1),
@@ -92,7 +94,7 @@ def test_step_0_val_loss_is_transformers_and_the_run_trains(runs, name):
     assert all(np.isfinite(x["loss"]) for x in recs[1:])
     if name == "llama_yarn":
         assert "rope_theta 500000 -> 2000000" in r.stdout
-    if name == "gemma3_text":
+    if name == "gemma3":
         assert "rope_theta 200000 -> 2000000 (full_attention layers)" in r.stdout
         assert "local_rope_theta 5000 -> 20000 (sliding_attention layers)" in r.stdout
 
@@ -138,13 +140,14 @@ def _usp_logits(run_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
         return model.eval()(tokens, torch.arange(tokens.shape[1]))
 
 
-@pytest.mark.parametrize("name", ["qwen2", "llama_yarn", "qwen3", "gemma3_text"])
-def test_the_export_is_the_checkpoints_architecture_with_the_new_rope(runs, name, tmp_path):
+@pytest.mark.parametrize("name", ["qwen2", "llama_yarn", "qwen3", "gemma3"])
+def test_the_export_is_the_checkpoints_architecture_with_the_new_rope(runs, name, tmp_path,
+                                                                      capsys):
     """usp-export writes the architecture the run came from (a Qwen2 keeps its biases, a Qwen3
-    its q/k norms and head_dim, a Gemma 3 its layer types and attention scale), the run's
-    rope_theta / rope_parameters (Gemma's per layer type), max_position_embeddings = the
-    trained (or YaRN's scaled) length and the data's tokenizer; transformers reproduces usp's
-    logits."""
+    its q/k norms and head_dim, a Gemma 3 its layer types and attention scale: its text model
+    alone, gemma3_text, saying the vision tower is not carried over), the run's rope_theta /
+    rope_parameters (Gemma's per layer type), max_position_embeddings = the trained (or
+    YaRN's scaled) length and the data's tokenizer; transformers reproduces usp's logits."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from usp.models.export import main
@@ -153,14 +156,16 @@ def test_the_export_is_the_checkpoints_architecture_with_the_new_rope(runs, name
     assert main([str(root / name), str(tmp_path / "out")]) == 0
     hc = AutoConfig.from_pretrained(tmp_path / "out")
     kind, _, rope = RUNS[name]
-    assert hc.model_type == kind
+    assert hc.model_type == {"gemma3": "gemma3_text"}.get(kind, kind)
+    said = capsys.readouterr().out
+    assert ("vision tower and its projector of model.pretrained=" in said) == (kind == "gemma3")
     if rope is not None:
         assert hc.rope_parameters == rope and hc.max_position_embeddings == 32  # 4 x 8
     else:
         assert hc.max_position_embeddings == L and hc.layer_types[0] == "full_attention"
     if kind == "qwen3":
         assert (hc.head_dim, hc.layer_types[2]) == (24, "sliding_attention")
-    if kind == "gemma3_text":
+    if kind == "gemma3":
         assert (hc.query_pre_attn_scalar, hc.sliding_window, hc.layer_types) == (
             20, 6, ["sliding_attention", "full_attention", "sliding_attention"])
     assert AutoTokenizer.from_pretrained(tmp_path / "out") is not None
