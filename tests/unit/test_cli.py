@@ -99,6 +99,23 @@ def test_recipe_specifics():
     assert decide_degrees(auto, 32, env={})[:2] == (8, 4)
 
 
+def test_the_gemma3_recipe_plans_its_local_layers_before_the_checkpoint_exists():
+    """recipes/gemma3_12b_extend_128k_h100x16 (Gemma-3-12B's text model as released, model.arch
+    gemma3): usp-plan plans it with model.pretrained and data.path absent, 16 q heads over 8 KV
+    heads split by ulysses 8 (2 and 1 a rank) x ring 2, its 40 local layers priced at their
+    band of 1024 (its shape against the released config.json: unit/test_gemma3.py)."""
+    from usp.planner.report import plan_report
+
+    recipe = ["recipe=gemma3_12b_extend_128k_h100x16", "model.pretrained=/absent/ckpt",
+              "data.path=/absent/tokens"]
+    cfg = _compose("plan", recipe)
+    assert (cfg.model.arch, cfg.model.n_heads, cfg.model.n_kv_heads) == ("gemma3", 16, 8)
+    text, _ = plan_report(cfg)
+    assert "layers: 8 full + 40 local (window 1024: attention 0.0156 of a full layer's)" in text
+    assert "choice: dp 1 x ring 2 x ulysses 8" in text
+    assert "longest seq_len that fits this layout" in text
+
+
 def test_the_phases_recipe_plans_every_phase():
     """8K -> 32K -> 128K on 4 x 8 H100, 1M tokens a step: usp-plan plans each phase, the
     batch in tokens forces a smaller dp at 128K, and each phase's passkey forward fits

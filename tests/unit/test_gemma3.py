@@ -7,12 +7,14 @@ export writes a gemma3_text model (Gemma3ForCausalLM) with the run's RoPE and le
 the vision tower is not carried over; model.hf=gemma3 is refused by name."""
 
 import functools
+import json
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import yaml
 
 from usp.attention import local_attention
 from usp.config import ModelConfig, RecallData
@@ -25,6 +27,7 @@ from usp.models.shard_load import load_shards
 
 from _pretrained import GEMMA_ROPE, hf_logits, save_checkpoint
 
+ROOT = Path(__file__).resolve().parents[2]
 TOKENS = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
 LOCAL = functools.partial(local_attention, causal=True)
 # both layer types' bases raised (the full layers keep their linear factor)
@@ -187,3 +190,38 @@ def test_the_export_is_a_gemma3_text_model_with_the_runs_rope_and_logits(ckpts, 
                            "neither loads nor trains them): take them from that checkpoint"]
     else:
         assert dropped == []
+
+
+# google/gemma-3-12b-pt's config.json as released, as public copies of it give it (its
+# text_config states only what differs from Gemma3TextConfig's defaults); the vision_config is
+# SigLIP's, unread by usp
+GEMMA3_12B = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+    "mm_tokens_per_image": 256,
+    "text_config": {"hidden_size": 3840, "intermediate_size": 15360, "model_type": "gemma3_text",
+                    "num_attention_heads": 16, "num_hidden_layers": 48,
+                    "num_key_value_heads": 8, "sliding_window": 1024,
+                    "rope_scaling": {"factor": 8.0, "rope_type": "linear"}},
+    "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                      "model_type": "siglip_vision_model", "num_attention_heads": 16,
+                      "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False},
+}
+
+
+def test_the_12b_recipe_states_the_shape_read_from_the_released_config(tmp_path):
+    """recipes/gemma3_12b_extend_128k_h100x16.yaml states every shape key as usp reads it from
+    Gemma-3-12B's config.json (transformers' defaults where the file is silent: vocab 262208,
+    head_dim 256, query_pre_attn_scalar 256, 5 local : 1 global), so the run accepts the
+    released checkpoint; its RoPE differs from the checkpoint's on the global layers only."""
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA3_12B))
+    mc = pretrained_config(tmp_path)
+    recipe = yaml.safe_load((ROOT / "recipes" / "gemma3_12b_extend_128k_h100x16.yaml")
+                            .read_text())["model"]
+    assert {k: recipe[k] for k in CHECKPOINT_SHAPE} == {k: getattr(mc, k) for k in CHECKPOINT_SHAPE}
+    assert (mc.vocab_size, mc.head_dim, mc.query_pre_attn_scalar, mc.tie_embeddings) == (
+        262208, 256, 256, True)
+    assert mc.layer_types == (["sliding_attention"] * 5 + ["full_attention"]) * 8
+    assert (mc.rope_theta, mc.rope_scaling, mc.local_rope_theta) == (
+        1e6, {"rope_type": "linear", "factor": 8.0}, 10000.0)
+    assert recipe["local_rope_theta"] == mc.local_rope_theta
+    assert (recipe["rope_theta"], recipe["rope_scaling"]) != (mc.rope_theta, mc.rope_scaling)
