@@ -9,6 +9,7 @@ the vision tower is not carried over; model.hf=gemma3 is refused by name."""
 import functools
 import json
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from usp.config import ModelConfig, RecallData
 from usp.config.model import CHECKPOINT_SHAPE
 from usp.models.export import export_checkpoint
 from usp.models.families import builtin_model, check_model
+from usp.models.hf_model import check_pretrained
 from usp.models.pretrained import check_checkpoint, load_state, pretrained_config
 from usp.models.run_records import save_data_record, save_model_config
 from usp.models.shard_load import load_shards
@@ -127,8 +129,9 @@ def test_the_layout_of_transformers_own_names_loads_the_same_tensors(ckpts, tmp_
 
 def test_model_hf_gemma3_is_refused_by_name(ckpts):
     """transformers' class of gemma3 is the whole model: model.hf=gemma3 is refused with and
-    without the checkpoint, and model.hf=gemma3_text on a gemma3 checkpoint, each naming the
-    built-in path and model.hf=gemma3_text for a text checkpoint."""
+    without the checkpoint, and model.hf=gemma3_text on a gemma3 checkpoint (read for its
+    options, or for the model of a stated shape), each naming the built-in path and
+    model.hf=gemma3_text for a text checkpoint."""
     fix = (r"train the text model on the built-in model \(model=pretrained model.pretrained=DIR "
            r"without model.hf; it exports as gemma3_text\), or model.hf=gemma3_text from a "
            r"gemma3_text checkpoint")
@@ -140,6 +143,12 @@ def test_model_hf_gemma3_is_refused_by_name(ckpts):
         with pytest.raises(ValueError, match=f"is a gemma3 checkpoint, with model.hf={hf}: "
                                              ".*" + fix):
             pretrained_config(ckpts["gemma3"], hf=hf)
+    # a stated shape reads no checkpoint until the transformers model is built
+    stated = replace(pretrained_config(ckpts["gemma3_text"], hf="gemma3_text"),
+                     pretrained=str(ckpts["gemma3"]))
+    with pytest.raises(ValueError, match="is a gemma3 checkpoint, with model.hf=gemma3_text: "
+                                         ".*" + fix):
+        check_pretrained(stated)
 
 
 def _usp_run(model, mc: ModelConfig, run_dir: Path, seq_len: int) -> Path:

@@ -9,7 +9,7 @@ import torch
 
 from ..config import ModelConfig
 from ..config.rope import rope_parameters
-from .families import family
+from .families import FAMILIES, check_whole, family
 from .family import local_rope_theta, type_rope
 
 # transformers config key -> the ModelConfig field it comes from (for mismatch messages)
@@ -56,6 +56,9 @@ def check_pretrained(mc: ModelConfig) -> None:
     path = Path(mc.pretrained)
     have = hf_checkpoint_config(path)
     if have.model_type != mc.hf:
+        if have.model_type in FAMILIES:  # a whole model (a text model beside others): no model.hf
+            check_whole(FAMILIES[have.model_type], f"model.pretrained={path} is a "
+                        f"{have.model_type} checkpoint, with model.hf={mc.hf}")
         raise ValueError(f"model.pretrained={path} is a {have.model_type} model but "
                          f"model.hf={mc.hf}; set model.hf={have.model_type}")
     if family(mc.hf).write is None:  # its config is the checkpoint's: the options read it
