@@ -33,6 +33,7 @@ RUNS["llama_yarn"] = ("llama", ["model.rope_theta=2000000", f"model.rope_scaling
                        "original_max_position_embeddings": 8})
 TILED = ["model.loss_chunk=4", "model.mlp_tiles=2"]  # 2 chunks and tiles of a (2,2) shard
 RUNS["qwen3"] = ("qwen3", TILED, None)
+RUNS["qwen3_moe"] = ("qwen3_moe", TILED, None)  # the experts FSDP-sharded, one per rank
 # both layer types' bases raised (the full layers keep their linear factor)
 RUNS["gemma3"] = ("gemma3", [*TILED, "model.rope_theta=2000000", "model.local_rope_theta=20000"],
                   {"full_attention": {**GEMMA_ROPE["full_attention"], "rope_theta": 2e6},
@@ -142,11 +143,11 @@ def _usp_logits(run_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
         return model.eval()(tokens, torch.arange(tokens.shape[1]))
 
 
-@pytest.mark.parametrize("name", ["qwen2", "llama_yarn", "qwen3", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen2", "llama_yarn", "qwen3", "gemma3", "qwen3_moe"])
 def test_the_export_is_the_checkpoints_architecture_with_the_new_rope(runs, name, tmp_path,
                                                                       capsys):
     """usp-export writes the architecture the run came from (a Qwen2 keeps its biases, a Qwen3
-    its q/k norms and head_dim, a Gemma 3 its layer types and attention scale: its text model
+    its q/k norms and head_dim, a Qwen3-MoE its experts, a Gemma 3 its layer types and attention scale: its text model
     alone, gemma3_text, saying the vision tower is not carried over), the run's rope_theta /
     rope_parameters (Gemma's per layer type), max_position_embeddings = the trained (or
     YaRN's scaled) length and the data's tokenizer; transformers reproduces usp's logits."""
@@ -164,9 +165,12 @@ def test_the_export_is_the_checkpoints_architecture_with_the_new_rope(runs, name
     if rope is not None:
         assert hc.rope_parameters == rope and hc.max_position_embeddings == 32  # 4 x 8
     else:
-        assert hc.max_position_embeddings == L and hc.layer_types[0] == "full_attention"
+        assert hc.max_position_embeddings == L
+        assert getattr(hc, "layer_types", ["full_attention"])[0] == "full_attention"
     if kind == "qwen3":
         assert (hc.head_dim, hc.layer_types[2]) == (24, "sliding_attention")
+    if kind == "qwen3_moe":  # its experts, layer 1 dense
+        assert (hc.num_experts, hc.num_experts_per_tok, hc.mlp_only_layers) == (4, 2, [1])
     if kind == "gemma3":
         assert (hc.query_pre_attn_scalar, hc.sliding_window, hc.layer_types) == (
             20, 6, ["sliding_attention", "full_attention", "sliding_attention"])

@@ -139,7 +139,10 @@ WINDOWS = {"none": dict(),  # every layer full
            "some": dict(sliding_window=8, full_attention_every=2)}  # layer 1 full
 # the window settings each family cannot hold (a family without an entry fails by name)
 REFUSED = {"llama": {"every", "some"}, "qwen2": set(), "mistral": {"some"}, "qwen3": set(),
-           "gemma3_text": set(), "gemma3": set()}
+           "gemma3_text": set(), "gemma3": set(), "qwen3_moe": {"some"}}
+# what a family states beyond the shared decoder's shape: Qwen3-MoE's experts (layer 1 dense)
+STATED = {"qwen3_moe": dict(n_experts=4, experts_per_token=2, expert_ffn_dim=16,
+                            norm_topk_prob=True, sparse_layers=[0])}
 # the architecture a run from a checkpoint of a family exports as, where it is not the family
 # itself: a gemma3 checkpoint's text model alone
 EXPORTED = {"gemma3": "gemma3_text"}
@@ -149,13 +152,14 @@ EXPORTED = {"gemma3": "gemma3_text"}
 @pytest.mark.parametrize("windows", WINDOWS)
 def test_a_run_from_a_checkpoint_exports_as_its_architecture(arch, windows, tmp_path):
     """``model.arch`` (a run from a checkpoint) is the exported architecture at every window
-    setting it can hold (a gemma3 checkpoint's: its text model, gemma3_text): saved and
+    setting it can hold (a gemma3 checkpoint's: its text model, gemma3_text; a Qwen3-MoE's
+    experts written per expert by save_pretrained and stacked again on load): saved and
     reloaded by transformers, that ``model_type`` and the built-in model's logits. A window a Llama cannot hold, and a Mistral window on some
     layers only, are refused with the setting named."""
     from transformers import AutoModelForCausalLM
 
     kw = dict(arch=arch, qkv_bias=BUILTIN[arch].biases, qk_norm=BUILTIN[arch].qk_norm,
-              **WINDOWS[windows])
+              **WINDOWS[windows], **STATED.get(arch, {}))
     if windows in REFUSED[arch]:
         with pytest.raises(ValueError, match=f"model.arch={arch}"):
             check_model(replace(MODEL, **kw))

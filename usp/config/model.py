@@ -61,6 +61,16 @@ class ModelConfig:
     # per layer, transformers' names (full_attention | sliding_attention; Qwen2's layer_types):
     # which layers see sliding_window tokens; None: the pattern above
     layer_types: Optional[List[str]] = _fixed(None)
+    # a mixture of experts (Qwen3-MoE's): the experts of each sparse layer, those a token runs,
+    # their SwiGLU width, whether a token's top-k weights are renormalised to sum to one;
+    # None: a dense model (every MLP of ffn_dim)
+    n_experts: Optional[int] = _fixed(None)
+    experts_per_token: Optional[int] = _fixed(None)
+    expert_ffn_dim: Optional[int] = _fixed(None)
+    norm_topk_prob: Optional[bool] = _fixed(None)
+    # the layers (0-based) whose MLP is the experts; None (with n_experts): every layer. The
+    # others are dense SwiGLU MLPs of ffn_dim
+    sparse_layers: Optional[List[int]] = _fixed(None)
     rope: str = "global"  # global: positions in the packed row | per_document: from each doc start
     # None: the built-in model (usp.models.decoder) | a family (usp.models.families): its
     # transformers class (llama, qwen2, mistral, qwen3)
@@ -86,6 +96,7 @@ class ModelConfig:
         at_least("model", 1, vocab_size=self.vocab_size, dim=self.dim, n_layers=self.n_layers,
                  n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, ffn_dim=self.ffn_dim,
                  mlp_tiles=self.mlp_tiles)
+        self._check_experts()
         optional = {k: getattr(self, k) for k in ("local_rope_theta", "query_pre_attn_scalar")
                     if getattr(self, k) is not None}  # None: as the other layers, head_dim
         above("model", 0, rope_theta=self.rope_theta, norm_eps=self.norm_eps, **optional)
@@ -117,6 +128,44 @@ class ModelConfig:
                              f"{self.full_attention_every} both say which layers are full; "
                              "set model.full_attention_every=0")
 
+    def _check_experts(self) -> None:
+        moe = {k: getattr(self, k) for k in MOE_FIELDS}
+        if self.n_experts is None:
+            set_ = [k for k, v in moe.items() if v is not None]
+            if set_:
+                raise ValueError(f"model.{set_[0]}={moe[set_[0]]} without model.n_experts: "
+                                 "set model.n_experts (a mixture of experts) or "
+                                 f"model.{set_[0]}=null")
+            return
+        missing = [k for k in MOE_FIELDS[:4] if moe[k] is None]
+        if missing:
+            raise ValueError(f"model.n_experts={self.n_experts} needs "
+                             f"{', '.join('model.' + k for k in missing)} set too")
+        at_least("model", 1, n_experts=self.n_experts, experts_per_token=self.experts_per_token,
+                 expert_ffn_dim=self.expert_ffn_dim)
+        if self.experts_per_token > self.n_experts:
+            raise ValueError(f"model.experts_per_token={self.experts_per_token} > model."
+                             f"n_experts={self.n_experts}: a token runs at most every expert")
+        if self.sparse_layers is not None:
+            self.sparse_layers = sorted(set(self.sparse_layers))
+            if self.sparse_layers and not 0 <= self.sparse_layers[0] <= \
+                    self.sparse_layers[-1] < self.n_layers:
+                raise ValueError(f"model.sparse_layers={self.sparse_layers}: layers are 0 to "
+                                 f"{self.n_layers - 1}")
+
+    def sparse(self, layer: int) -> bool:
+        """Layer ``layer``'s MLP is the experts (``n_experts``, ``sparse_layers``)."""
+        return self.n_experts is not None and (self.sparse_layers is None
+                                               or layer in self.sparse_layers)
+
+    def mlp_params(self, layer: int, active: bool = False) -> int:
+        """The MLP weights of layer ``layer``: a dense one's, or a sparse one's router and
+        experts (``active``: the ``experts_per_token`` a token runs through, else all)."""
+        if not self.sparse(layer):
+            return 3 * self.dim * self.ffn_dim
+        experts = self.experts_per_token if active else self.n_experts
+        return self.dim * self.n_experts + 3 * self.dim * self.expert_ffn_dim * experts
+
     def layer_window(self, layer: int) -> Optional[int]:
         """The sliding window of layer ``layer`` (0-based), or None for full attention.
 
@@ -145,22 +194,34 @@ class ModelConfig:
         return self.rope_theta, self.rope_scaling
 
     def layer_matmul_params(self) -> int:
-        """Weights one token multiplies through in a layer (q, k, v, o, gate, up, down)."""
+        """Weights one token multiplies through in a dense layer (q, k, v, o, gate, up,
+        down; a mixture of experts: ``matmul_params``)."""
         d, hd = self.dim, self.head_dim
         attn = 2 * d * self.n_heads * hd + 2 * d * self.n_kv_heads * hd
         return attn + 3 * d * self.ffn_dim
 
+    def matmul_params(self) -> int:
+        """Weights one token multiplies through in all layers (a sparse layer's router and
+        the experts it runs; the LM head aside)."""
+        attn = self.layer_matmul_params() - 3 * self.dim * self.ffn_dim
+        return sum(attn + self.mlp_params(i, active=True) for i in range(self.n_layers))
+
     def num_params(self) -> int:
-        """Parameter count (embeddings counted once when tied)."""
+        """Parameter count (embeddings counted once when tied; every expert)."""
         per_layer = self.layer_matmul_params() + 2 * self.dim  # + the two RMSNorm weights
         if self.qkv_bias:
             per_layer += (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
         if self.qk_norm:  # one weight of head_dim for every q head, one for every k head
             per_layer += 2 * self.head_dim
         emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
-        return self.n_layers * per_layer + emb + self.dim
+        experts = sum(self.mlp_params(i) - 3 * self.dim * self.ffn_dim
+                      for i in range(self.n_layers))  # a sparse layer's MLP for a dense one
+        return self.n_layers * per_layer + experts + emb + self.dim
 
 
+# a mixture of experts: the fields only such a model holds (ModelConfig._check_experts)
+MOE_FIELDS = ("n_experts", "experts_per_token", "expert_ffn_dim", "norm_topk_prob",
+              "sparse_layers")
 # the fields a checkpoint fixes, and those ``auto`` may take from one, in declaration order
 CHECKPOINT_SHAPE = tuple(f.name for f in fields(ModelConfig)
                          if f.metadata.get("checkpoint") == "fixed")

@@ -134,18 +134,21 @@ class Block(nn.Module):
     ``recompute`` (set by ``Transformer``): None, or the part whose activations backward
     recomputes (``block``; ``attention``: norm + qkv + attention + wo; ``mlp``: norm + w1/w3/w2).
     ``offload``: an ``ActivationOffload`` that parks the recomputed part's input on the host.
-    A family's block may change the parts (``_attention``, ``_mlp``), its norms (``norm``)
-    and the MLP's activation (``act``).
+    A family's block may change the parts (``_attention``, ``_mlp``), its norms (``norm``),
+    the MLP's activation (``act``) or the MLP itself (``mlp``: a module in place of the
+    ``FeedForward`` of ``cfg.ffn_dim``).
     """
 
     def __init__(self, cfg: ModelConfig, attn_fn: AttnFn, window: int | None = None,
                  norm: type[RMSNorm] = RMSNorm,
-                 act: Callable[[torch.Tensor], torch.Tensor] = F.silu):
+                 act: Callable[[torch.Tensor], torch.Tensor] = F.silu,
+                 mlp: nn.Module | None = None):
         super().__init__()
         self.attention_norm = norm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg, attn_fn, window, norm)
         self.ffn_norm = norm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim, cfg.mlp_tiles, act)
+        self.feed_forward = mlp if mlp is not None else \
+            FeedForward(cfg.dim, cfg.ffn_dim, cfg.mlp_tiles, act)
         self.recompute: str | None = None
         self.offload: ActivationOffload | None = None
 
@@ -191,8 +194,8 @@ class Transformer(nn.Module):
     loss (``usp.models.tiling``). The weights are initialised by ``init_weights(0)`` at
     construction; call ``init_weights(seed)`` again (before sharding) for another seed.
     Each layer rotates by its own RoPE (``cfg.layer_rope``: the sliding layers' base may
-    differ). A family's model may change the blocks (``block``), the final norm
-    (``final_norm``) and the embedding (``embed``).
+    differ). A family's model may change the blocks (``block``, or layer by layer
+    ``make_block``), the final norm (``final_norm``) and the embedding (``embed``).
     """
 
     block: type[Block] = Block
@@ -212,8 +215,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.offload = offload
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(self.block(cfg, attn_fn, cfg.layer_window(i))
-                                    for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(self.make_block(cfg, attn_fn, i) for i in range(cfg.n_layers))
         for i, block in enumerate(self.layers):
             if checkpoint_activations and i % checkpoint_every == 0:
                 block.recompute, block.offload = checkpoint_part, offload
@@ -279,6 +281,10 @@ class Transformer(nn.Module):
         logits = F.linear(h, head)  # [B, n, D] -> [B, n, V]
         return logits if labels is None else lm_loss(logits, labels)
 
+    def make_block(self, cfg: ModelConfig, attn_fn: AttnFn, layer: int) -> Block:
+        """Layer ``layer``'s block: a ``block`` with the layer's window."""
+        return self.block(cfg, attn_fn, cfg.layer_window(layer))
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, n] long -> the first hidden states [B, n, D]."""
         return self.tok_embeddings(tokens)
@@ -308,7 +314,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> floa
     """Model training FLOPs per token (forward + backward = 3 x forward), for MFU.
 
     - Matmuls with weights: 2 FLOPs per multiply-add, so ``6 * N_mm`` per token, where
-      ``N_mm`` = per layer ``D*Hq*hd + 2*D*Hkv*hd + Hq*hd*D + 3*D*F`` plus the output
+      ``N_mm`` = per layer ``D*Hq*hd + 2*D*Hkv*hd + Hq*hd*D + 3*D*F`` (a sparse layer:
+      ``D*E + 3*D*F_e*k`` for its router and the k experts a token runs) plus the output
       projection ``V*D`` (counted whether or not it is tied; the embedding lookup,
       RMSNorm, RoPE, SiLU and softmax are elementwise and left out).
     - Attention scores and mixing: QK^T and PV cost ``2 * Hq*hd`` FLOPs each per
@@ -321,7 +328,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = True) -> floa
     "model FLOPs", the numerator of MFU.
     """
     d, hd = cfg.dim, cfg.head_dim
-    n_mm = cfg.n_layers * cfg.layer_matmul_params() + cfg.vocab_size * d
+    n_mm = cfg.matmul_params() + cfg.vocab_size * d  # a sparse layer: the experts it runs
     keys_per_query = (seq_len + 1) / 2 if causal else float(seq_len)
     attn = cfg.n_layers * 12 * cfg.n_heads * hd * keys_per_query
     return 6.0 * n_mm + attn

@@ -18,7 +18,8 @@ from .family import Family, windows
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     llama.FAMILY, qwen2.FAMILY, mistral.FAMILY, qwen3.FAMILY,  # the built-in model computes
     gemma3_text.FAMILY, gemma3.FAMILY,  # ... on its own blocks (gemma3: the text model)
-    qwen3_moe.FAMILY, gpt_oss.FAMILY)}  # transformers' class, model.hf
+    qwen3_moe.FAMILY,  # ... on its own blocks, a mixture of experts
+    gpt_oss.FAMILY)}  # transformers' class, model.hf
 # the families the built-in model computes (model=pretrained without model.hf, model.arch)
 BUILTIN: dict[str, Family] = {name: f for name, f in FAMILIES.items() if f.builtin}
 # those of the shared decoder: a built-in model without model.arch is one of them
@@ -65,10 +66,12 @@ def check_whole(fam: Family, what: str) -> None:
 
 def check_priced(mc: ModelConfig, what: str) -> None:
     """Refuse (ValueError) ``what`` (the planner's pricing) for a mixture of experts
-    (``Family.experts``): the planner prices a dense MLP of ``ffn_dim``, not the experts'
-    weights or their routing."""
-    if mc.hf is not None and family(mc.hf).experts:
-        raise ValueError(f"{what} prices a dense decoder; model.hf={mc.hf} is a mixture of "
+    (``Family.experts``: ``model.hf`` of one, or the built-in one of ``model.arch``): the
+    planner prices a dense MLP of ``ffn_dim``, not the experts' weights or their routing."""
+    key = "model.hf" if mc.hf is not None else "model.arch"
+    name = mc.hf if mc.hf is not None else mc.arch
+    if (name is not None and family(name, key).experts) or mc.n_experts is not None:
+        raise ValueError(f"{what} prices a dense decoder; {key}={name} is a mixture of "
                          "experts, whose expert weights and routing the planner does not "
                          "count yet: set parallel.ulysses_degree and parallel.ring_degree "
                          "yourself")

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..config import ModelConfig
-from ..config.model import LAYER_TYPES
+from ..config.model import LAYER_TYPES, MOE_FIELDS
 from ..config.rope import check_rope_scaling
 from .decoder import Transformer
 
@@ -82,7 +82,7 @@ def shape_fields(hc) -> dict:
     """The ``ModelConfig`` fields of a transformers config ``hc``: the shape and RoPE, no
     biases, no windows, no attention scale of its own (a family sets its own). RoPE given
     per layer type is read as its full-attention layers' (``type_rope``: the base and
-    scaling that set the context)."""
+    scaling that set the context), no experts."""
     heads = hc.num_attention_heads
     rope = type_rope(hc)
     theta = rope.pop("rope_theta", None) or getattr(hc, "rope_theta", 10000.0)
@@ -93,7 +93,8 @@ def shape_fields(hc) -> dict:
                 rope_theta=float(theta), rope_scaling=check_rope_scaling(rope),
                 norm_eps=float(hc.rms_norm_eps), tie_embeddings=bool(hc.tie_word_embeddings),
                 qkv_bias=False, qk_norm=False, sliding_window=None, full_attention_every=0,
-                layer_types=None, local_rope_theta=None, query_pre_attn_scalar=None)
+                layer_types=None, local_rope_theta=None, query_pre_attn_scalar=None,
+                **dict.fromkeys(MOE_FIELDS))
 
 
 def read_layer_windows(hc) -> dict:
@@ -179,6 +180,10 @@ def _no_zeros(mc: ModelConfig) -> list[str]:
     return []
 
 
+def _no_experts(mc: ModelConfig) -> dict:
+    return {}
+
+
 def _computes_any(hc) -> None:
     """No refusal: the built-in model computes whatever the family's config holds."""
 
@@ -227,9 +232,13 @@ class Family:
     names: Callable = decoder_names  # ModelConfig -> {built-in parameter: transformers name}
     # ModelConfig -> the transformers weights the built-in model lacks that are exact at zero
     zero_filled: Callable = _no_zeros
-    # a mixture of experts: ffn_dim is the experts a token runs, and what the planner prices
-    # as a dense MLP is not its memory (the experts' weights)
+    # a mixture of experts: what the planner prices as a dense MLP is not its memory (the
+    # experts' weights; usp.models.families.check_priced)
     experts: bool = False
+    # ModelConfig -> {a name of ``names`` (experts fused [E, ...]): for each expert, the
+    # checkpoint tensors concatenated along dim 0 into its slice}: a checkpoint that stores
+    # each expert apart, as transformers writes them (``usp.models.pretrained.expected_tensors``)
+    per_expert: Callable = _no_experts
     # a checkpoint's text model beside other parts (TextModel); None: the checkpoint is the text
     # model. model.hf of such a family is refused: transformers' class is the whole model
     text_model: TextModel | None = None

@@ -200,11 +200,31 @@ def tensor_index(path: str | Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
 def expected_tensors(mc: ModelConfig, stored=()) -> dict[str, tuple[str, tuple[int, ...]]]:
     """checkpoint tensor name -> (built-in parameter name, its shape) for ``mc``, under the
     names of a checkpoint holding the tensors ``stored`` (``Family.stored_names``: a family's
-    other layout)."""
+    other layout). A fused expert weight the checkpoint stores per expert
+    (``Family.per_expert``) is its parts instead, each with its own shape (``stacked``)."""
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in builtin_model(mc, None).state_dict().items()}
-    names = family(mc.arch, "model.arch").stored_names(mc, stored)
-    return {hf: (usp, shapes[usp]) for hf, usp in names.items()}
+    fam = family(mc.arch, "model.arch")
+    names, apart = fam.stored_names(mc, stored), fam.per_expert(mc)
+    out = {}
+    for hf, usp in names.items():
+        if hf in apart and hf not in stored:  # [E, ...] from E x (gate, up) or E x (down)
+            experts = apart[hf]
+            shape = shapes[usp][1:]  # [E, P*R, C] -> each part [R, C]
+            for parts in experts:
+                out.update({p: (usp, (shape[0] // len(parts), *shape[1:])) for p in parts})
+        else:
+            out[hf] = (usp, shapes[usp])
+    return out
+
+
+def stacked(mc: ModelConfig, stored=()) -> dict[str, list[tuple[str, ...]]]:
+    """Each built-in expert weight ``expected_tensors`` reads from per-expert tensors ->
+    expert j's tensors, concatenated along dim 0 into its slice [j]."""
+    fam = family(mc.arch, "model.arch")
+    names = fam.stored_names(mc, stored)
+    return {names[hf]: experts for hf, experts in fam.per_expert(mc).items()
+            if hf in names and hf not in stored}
 
 
 def check_checkpoint(mc: ModelConfig) -> None:
@@ -257,15 +277,21 @@ def start_notes(mc: ModelConfig, seq_len: int) -> list[str]:
 
 
 def load_state(mc: ModelConfig) -> dict[str, torch.Tensor]:
-    """The checkpoint's weights as the built-in model's state dict (fp32, whole tensors)."""
+    """The checkpoint's weights as the built-in model's state dict (fp32, whole tensors);
+    experts stored apart are stacked (``stacked``)."""
     from safetensors import safe_open
 
     stored = tensor_index(mc.pretrained)  # headers only
     names = {hf: usp for hf, (usp, _) in expected_tensors(mc, stored).items()}
-    out = {}
+    apart = stacked(mc, stored)
+    out, parts = {}, {}
     for f in weight_files(mc.pretrained):
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
-                if name in names:
+                if name in names and names[name] in apart:  # one expert's part
+                    parts[name] = st.get_tensor(name).float()
+                elif name in names:
                     out[names[name]] = st.get_tensor(name).float()
+    for usp, experts in apart.items():  # E x [R, C] parts -> [E, P*R, C]
+        out[usp] = torch.stack([torch.cat([parts[p] for p in each]) for each in experts])
     return out

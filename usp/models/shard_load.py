@@ -12,6 +12,8 @@ rows at a time, not the whole checkpoint. Usage, on every rank::
     shard_model(model, mesh, dtype)            # usp.train.trainer.shard_model (FSDP2)
     load_shards(model, mc, device)
 
+A mixture of experts' fused [E, ...] weights, sharded along the expert dim, are filled expert
+by expert from the checkpoint's per-expert tensors (``usp.models.pretrained.stacked``).
 ``tools/bench_load.py`` measures the memory it takes.
 """
 
@@ -22,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..config import ModelConfig
-from .pretrained import expected_tensors, tensor_index
+from .pretrained import expected_tensors, stacked, tensor_index
 
 
 def _rows(param) -> tuple[torch.Tensor, int, int]:
@@ -56,10 +58,27 @@ def load_shards(model, mc: ModelConfig, device: torch.device | str) -> None:
                              f"{'missing' if hf not in where else list(where[hf][1])}, "
                              f"the model's {usp} is {list(shape)}")
         by_file.setdefault(where[hf][0], []).append((hf, usp))
+    apart = stacked(mc, where)  # expert weights stored per expert: read by expert
     for path, names in by_file.items():
         with safe_open(str(path), framework="pt") as st:
             for hf, usp in names:
                 local, start, n = _rows(params[usp])
-                if n:
+                if n and usp not in apart:
                     rows = st.get_slice(hf)[start:start + n]  # only these rows are read
                     local.copy_(rows.to(device=local.device, dtype=local.dtype))
+    for usp, experts in apart.items():
+        _load_experts(params[usp], experts, where, device)
+
+
+def _load_experts(param, experts: list[tuple[str, ...]], where: dict, device) -> None:
+    """Fill the local experts [start, start + n) of a fused [E, ...] ``param`` from their
+    per-expert tensors (``experts[j]``: concatenated along dim 0), one expert at a time."""
+    from safetensors import safe_open
+
+    local, start, n = _rows(param)
+    for j in range(n):  # the sharded dim is the expert dim: whole experts, this rank's
+        rows = []
+        for name in experts[start + j]:
+            with safe_open(str(where[name][0]), framework="pt") as st:
+                rows.append(st.get_tensor(name))
+        local[j].copy_(torch.cat(rows).to(device=local.device, dtype=local.dtype))

@@ -1,0 +1,187 @@
+"""Qwen3-MoE on the built-in model (usp/models/qwen3_moe, expert degree 1): the tiny checkpoint
+(4 experts, top 2, layer 1 dense) loads its per-expert tensors stacked into the fused [E, ...]
+weights, whole or rank by rank; the logits, the loss and every parameter's gradient equal
+transformers' Qwen3MoeForCausalLM (eager, fp32); the tiled MLP, chunked LM head and activation
+checkpointing change nothing; the export reloads with equal logits; model.hf=qwen3_moe still
+reads the checkpoint; what the family cannot hold is refused by name."""
+
+import functools
+import json
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from usp.attention import local_attention
+from usp.config import ModelConfig, RecallData
+from usp.models.export import export_checkpoint
+from usp.models.families import builtin_model, check_model, check_priced, hf_names
+from usp.models.pretrained import load_state, pretrained_config
+from usp.models.run_records import save_data_record, save_model_config
+from usp.models.shard_load import load_shards
+
+from _pretrained import hf_config, save_checkpoint
+
+pytest.importorskip("transformers")
+TOKENS = torch.randint(0, 128, (2, 25), generator=torch.Generator().manual_seed(1))
+LOCAL = functools.partial(local_attention, causal=True)
+REFERENCE = functools.partial(local_attention, causal=True, kernel="reference")  # fp64 too
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_checkpoint("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe") / "ckpt")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _model(mc: ModelConfig, attn=LOCAL, **options):
+    model = builtin_model(mc, attn, **options)
+    model.load_state_dict(load_state(mc))
+    return model
+
+
+def _hf(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                attn_implementation="eager")
+
+
+def test_the_checkpoint_is_read_with_its_experts_and_sparse_layers(ckpt):
+    mc = pretrained_config(ckpt)
+    assert (mc.arch, mc.ffn_dim, mc.n_experts, mc.experts_per_token, mc.expert_ffn_dim,
+            mc.norm_topk_prob, mc.sparse_layers) == ("qwen3_moe", 128, 4, 2, 48, False, [0, 2])
+    state = load_state(mc)
+    assert state["layers.0.feed_forward.experts.gate_up_proj"].shape == (4, 96, 64)
+    assert state["layers.2.feed_forward.experts.down_proj"].shape == (4, 64, 48)
+    assert state["layers.1.feed_forward.w1.weight"].shape == (128, 64)  # the dense layer
+    assert replace(mc, pretrained=None).num_params() == sum(t.numel() for t in state.values())
+
+
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_logits_loss_and_every_gradient_are_transformers(ckpt, tmp_path, norm_topk_prob):
+    """The checkpoint as saved (norm_topk_prob false), and with the top-k weights
+    renormalised and every layer sparse."""
+    path = ckpt
+    if norm_topk_prob:
+        path = tmp_path / "all_sparse"
+        cfg = json.loads((ckpt / "config.json").read_text())
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({**cfg, "norm_topk_prob": True,
+                                                      "mlp_only_layers": []}))
+        hc = hf_config("qwen3_moe")
+        hc.norm_topk_prob, hc.mlp_only_layers = True, []
+        from transformers import AutoModelForCausalLM
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(hc).save_pretrained(path)
+    mc = pretrained_config(path)
+    assert mc.norm_topk_prob == norm_topk_prob
+    model, hf = _model(mc), _hf(path)
+    labels = torch.roll(TOKENS, -1, 1)
+    mine, _ = model(TOKENS, torch.arange(TOKENS.shape[1]), labels=labels)
+    theirs = hf(input_ids=TOKENS, labels=labels)  # transformers' loss: a mean over L-1 shifted
+    with torch.no_grad():
+        assert _rel(model(TOKENS, torch.arange(25)), theirs.logits) < 1e-5
+    want = torch.nn.functional.cross_entropy(theirs.logits.flatten(0, 1), labels.flatten(),
+                                             reduction="sum")
+    assert abs(mine.item() - want.item()) / want.item() < 1e-5
+    mine.backward()
+    want.backward()
+    hf_params = dict(hf.named_parameters())
+    for usp, name in hf_names(mc).items():
+        got, ref = dict(model.named_parameters())[usp].grad, hf_params[name].grad
+        assert _rel(got, ref) < 1e-5, usp
+
+
+def test_the_rank_by_rank_load_stacks_the_same_experts(ckpt):
+    mc = pretrained_config(ckpt)
+    with torch.device("meta"):
+        model = builtin_model(mc, LOCAL)
+    load_shards(model, mc, "cpu")
+    want = load_state(mc)
+    assert all(torch.equal(t, want[k]) for k, t in model.state_dict().items())
+
+
+@pytest.mark.parametrize("options", [dict(mlp_tiles=3), dict(loss_chunk=7),
+                                     dict(part="block"), dict(part="attention"),
+                                     dict(part="mlp")])
+def test_the_memory_features_change_nothing(ckpt, options):
+    """In fp64: the tiled sparse MLP, the chunked LM head and each activation-checkpointed
+    part give the plain model's loss and gradients."""
+    mc = pretrained_config(ckpt)
+    part = options.pop("part", None)
+    ckpts = dict(checkpoint_activations=True, checkpoint_part=part) if part else {}
+    plain = _model(mc, REFERENCE).double()
+    other = _model(replace(mc, **options), REFERENCE, **ckpts).double()
+    labels = torch.roll(TOKENS, -1, 1)
+    losses = []
+    for model in (plain, other):
+        loss, _ = model(TOKENS, torch.arange(25), labels=labels)
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[1] == pytest.approx(losses[0], rel=1e-12)
+    for (name, p), q in zip(plain.named_parameters(), other.parameters()):
+        assert _rel(q.grad, p.grad) < 1e-10, name
+
+
+def test_the_export_reloads_as_qwen3_moe_with_the_runs_logits(ckpt, tmp_path):
+    from transformers import AutoConfig
+
+    mc = pretrained_config(ckpt)
+    model = _model(mc).eval()
+    with torch.no_grad():  # the run's own weights, not the checkpoint's
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step_000001"
+    with warnings.catch_warnings():  # one process is assumed: it is meant
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(step), no_dist=True)
+    torch.save({"step": 1}, step / "extra.pt")
+    save_model_config(mc, run)
+    save_data_record(RecallData(seq_len=32, batch_per_dp_rank=1), run, None)
+    export_checkpoint(run, tmp_path / "out")
+    hc = AutoConfig.from_pretrained(tmp_path / "out")
+    assert (hc.model_type, hc.num_experts, hc.num_experts_per_tok, hc.moe_intermediate_size,
+            hc.intermediate_size, hc.mlp_only_layers, hc.norm_topk_prob) == (
+        "qwen3_moe", 4, 2, 48, 128, [1], False)
+    with torch.no_grad():
+        got = _hf(tmp_path / "out").eval()(input_ids=TOKENS).logits
+        assert _rel(got, model(TOKENS, torch.arange(25))) < 1e-5
+    assert pretrained_config(tmp_path / "out").sparse_layers == [0, 2]  # and it reads back
+
+
+def test_model_hf_qwen3_moe_reads_the_checkpoint_and_refuses_the_router_loss(ckpt, tmp_path):
+    import shutil
+
+    mc = pretrained_config(ckpt, hf="qwen3_moe")
+    assert (mc.hf, mc.arch, mc.ffn_dim, mc.n_experts, mc.sparse_layers) == (
+        "qwen3_moe", None, 128, 4, [0, 2])
+    with pytest.raises(ValueError, match="model.hf=qwen3_moe trains from a checkpoint"):
+        check_model(replace(mc, pretrained=None))
+    shutil.copytree(ckpt, tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "output_router_logits": True}))
+    for hf in (None, "qwen3_moe"):
+        with pytest.raises(ValueError, match="output_router_logits=true"):
+            pretrained_config(tmp_path / "ckpt", hf=hf)
+
+
+def test_what_the_family_cannot_hold_is_refused_by_name(ckpt):
+    mc = pretrained_config(ckpt)
+    with pytest.raises(ValueError, match="model.arch=qwen3_moe windows every layer or none"):
+        check_model(replace(mc, sliding_window=8, full_attention_every=2))
+    with pytest.raises(ValueError, match="usp-plan prices a dense decoder; "
+                                         "model.arch=qwen3_moe is a mixture of experts"):
+        check_priced(mc, "usp-plan")
+    with pytest.raises(ValueError, match="model.n_experts=4 but model.arch=qwen3 has no such"):
+        check_model(replace(mc, arch="qwen3", sparse_layers=None))
+    with pytest.raises(ValueError, match="model.n_experts=4 needs model.expert_ffn_dim"):
+        replace(mc, expert_ffn_dim=None)
+    with pytest.raises(ValueError, match="model.norm_topk_prob=True without model.n_experts"):
+        ModelConfig(norm_topk_prob=True)
