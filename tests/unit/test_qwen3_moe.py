@@ -18,6 +18,7 @@ from usp.attention import local_attention
 from usp.config import ModelConfig, RecallData
 from usp.models.export import export_checkpoint
 from usp.models.families import builtin_model, check_model, check_priced, hf_names
+from usp.models.hf_model import build_model, check_pretrained
 from usp.models.pretrained import load_state, pretrained_config
 from usp.models.run_records import save_data_record, save_model_config
 from usp.models.shard_load import load_shards
@@ -157,11 +158,19 @@ def test_the_export_reloads_as_qwen3_moe_with_the_runs_logits(ckpt, tmp_path):
 
 
 def test_model_hf_qwen3_moe_reads_the_checkpoint_and_refuses_the_router_loss(ckpt, tmp_path):
+    """model.hf=qwen3_moe: transformers' class from the checkpoint (the same shape and experts
+    read), whose logits are the built-in model's; without a checkpoint, refused by name."""
     import shutil
 
     mc = pretrained_config(ckpt, hf="qwen3_moe")
     assert (mc.hf, mc.arch, mc.ffn_dim, mc.n_experts, mc.sparse_layers) == (
         "qwen3_moe", None, 128, 4, [0, 2])
+    check_model(mc)
+    with torch.no_grad():
+        assert _rel(build_model(mc, 0).eval()(input_ids=TOKENS).logits,
+                    _model(pretrained_config(ckpt)).eval()(TOKENS, torch.arange(25))) < 1e-5
+    with pytest.raises(ValueError, match="moe_intermediate_size: 48 there, 32 from model.expert_ffn_dim"):
+        check_pretrained(replace(mc, expert_ffn_dim=32))
     with pytest.raises(ValueError, match="model.hf=qwen3_moe trains from a checkpoint"):
         check_model(replace(mc, pretrained=None))
     shutil.copytree(ckpt, tmp_path / "ckpt")

@@ -18,7 +18,9 @@ _FIELD = {"vocab_size": "vocab_size", "hidden_size": "dim", "num_hidden_layers":
           "intermediate_size": "ffn_dim", "rms_norm_eps": "norm_eps",
           "tie_word_embeddings": "tie_embeddings", "sliding_window": "sliding_window",
           "layer_types": "full_attention_every",
-          "query_pre_attn_scalar": "query_pre_attn_scalar"}
+          "query_pre_attn_scalar": "query_pre_attn_scalar", "num_experts": "n_experts",
+          "num_experts_per_tok": "experts_per_token", "moe_intermediate_size": "expert_ffn_dim",
+          "norm_topk_prob": "norm_topk_prob"}
 
 
 def hf_config(mc: ModelConfig, max_positions: int | None = None):
