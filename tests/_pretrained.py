@@ -5,8 +5,8 @@ embeddings and windowed layers after the first, a Mistral with a window on every
 Qwen3 with q/k norms, a head_dim of its own (24, not 64 / 4) and a window on its last layer, a
 Gemma 3 text model (a window on its local layers 0 and 2, an attention scale of its own, a
 RoPE per layer type: its own bases, linear x 8 on the full layer), a Gemma 3 4B-27B layout
-(``gemma3``: that text model, untied, beside a tiny SigLIP vision tower and its projector);
-for ``model.hf`` only, a Qwen3-MoE (4 experts, top 2, layer 1 dense) and a gpt-oss (sinks, a
+(``gemma3``: that text model, untied, beside a tiny SigLIP vision tower and its projector),
+a Qwen3-MoE (4 experts, top 2, layer 1 dense); for ``model.hf`` only, a gpt-oss (sinks, a
 band on layers 0 and 2, YaRN, 4 experts with biases, top 2). Every norm weight is drawn away
 from its init."""
 

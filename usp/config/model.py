@@ -131,11 +131,11 @@ class ModelConfig:
     def _check_experts(self) -> None:
         moe = {k: getattr(self, k) for k in MOE_FIELDS}
         if self.n_experts is None:
-            set_ = [k for k, v in moe.items() if v is not None]
-            if set_:
-                raise ValueError(f"model.{set_[0]}={moe[set_[0]]} without model.n_experts: "
+            given = [k for k, v in moe.items() if v is not None]
+            if given:
+                raise ValueError(f"model.{given[0]}={moe[given[0]]} without model.n_experts: "
                                  "set model.n_experts (a mixture of experts) or "
-                                 f"model.{set_[0]}=null")
+                                 f"model.{given[0]}=null")
             return
         missing = [k for k in MOE_FIELDS[:4] if moe[k] is None]
         if missing:

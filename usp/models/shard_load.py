@@ -67,10 +67,10 @@ def load_shards(model, mc: ModelConfig, device: torch.device | str) -> None:
                     rows = st.get_slice(hf)[start:start + n]  # only these rows are read
                     local.copy_(rows.to(device=local.device, dtype=local.dtype))
     for usp, experts in apart.items():
-        _load_experts(params[usp], experts, where, device)
+        _load_experts(params[usp], experts, where)
 
 
-def _load_experts(param, experts: list[tuple[str, ...]], where: dict, device) -> None:
+def _load_experts(param, experts: list[tuple[str, ...]], where: dict) -> None:
     """Fill the local experts [start, start + n) of a fused [E, ...] ``param`` from their
     per-expert tensors (``experts[j]``: concatenated along dim 0), one expert at a time."""
     from safetensors import safe_open
