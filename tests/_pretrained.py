@@ -10,11 +10,18 @@ a Qwen3-MoE (4 experts, top 2, layer 1 dense); for ``model.hf`` only, a gpt-oss 
 band on layers 0 and 2, YaRN, 4 experts with biases, top 2). Every norm weight is drawn away
 from its init."""
 
+import functools
 from pathlib import Path
 
 import torch
 
+from usp.attention import local_attention
 from usp.models.families import BUILTIN, FAMILIES
+
+# the built-in model's attention in one process: the torch kernel, and the reference one
+# (which takes fp64 in backward too)
+LOCAL = functools.partial(local_attention, causal=True)
+REFERENCE = functools.partial(local_attention, causal=True, kernel="reference")
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)

@@ -3,7 +3,6 @@ run may change (model.rope_theta / rope_scaling on the full layers, model.local_
 the sliding ones), the memory features, model.hf=gemma3_text with and without a checkpoint,
 and what is refused by name. The checkpoint's own logits: test_pretrained.py."""
 
-import functools
 import json
 import shutil
 from dataclasses import replace
@@ -11,17 +10,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from usp.attention import local_attention
 from usp.config import ModelConfig
 from usp.models.families import builtin_model, check_model
 from usp.models.hf_model import build_model, hf_config
 from usp.models.pretrained import load_state, pretrained_config, start_notes
 
-from _pretrained import GEMMA_ROPE, hf_logits, save_checkpoint
+from _pretrained import GEMMA_ROPE, LOCAL, REFERENCE, hf_logits, save_checkpoint
 
 TOKENS = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
-LOCAL = functools.partial(local_attention, causal=True)
-REFERENCE = functools.partial(local_attention, causal=True, kernel="reference")  # fp64 too
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ transformers' Qwen3MoeForCausalLM (eager, fp32); the tiled MLP, chunked LM head 
 checkpointing change nothing; the export reloads with equal logits; model.hf=qwen3_moe still
 reads the checkpoint; what the family cannot hold is refused by name."""
 
-import functools
 import json
 import warnings
 from dataclasses import replace
@@ -14,7 +13,6 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from usp.attention import local_attention
 from usp.config import ModelConfig, RecallData
 from usp.models.export import export_checkpoint
 from usp.models.families import builtin_model, check_model, check_priced, hf_names
@@ -23,12 +21,10 @@ from usp.models.pretrained import load_state, pretrained_config
 from usp.models.run_records import save_data_record, save_model_config
 from usp.models.shard_load import load_shards
 
-from _pretrained import hf_config, save_checkpoint
+from _pretrained import LOCAL, REFERENCE, hf_config, save_checkpoint
 
 pytest.importorskip("transformers")
 TOKENS = torch.randint(0, 128, (2, 25), generator=torch.Generator().manual_seed(1))
-LOCAL = functools.partial(local_attention, causal=True)
-REFERENCE = functools.partial(local_attention, causal=True, kernel="reference")  # fp64 too
 
 
 @pytest.fixture(scope="module")
