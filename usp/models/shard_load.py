@@ -19,6 +19,8 @@ by expert from the checkpoint's per-expert tensors (``usp.models.pretrained.stac
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -72,13 +74,20 @@ def load_shards(model, mc: ModelConfig, device: torch.device | str) -> None:
 
 def _load_experts(param, experts: list[tuple[str, ...]], where: dict) -> None:
     """Fill the local experts [start, start + n) of a fused [E, ...] ``param`` from their
-    per-expert tensors (``experts[j]``: concatenated along dim 0), one expert at a time."""
+    per-expert tensors (``experts[j]``: concatenated along dim 0), one expert at a time;
+    each file they sit in is opened once."""
     from safetensors import safe_open
 
     local, start, n = _rows(param)
-    for j in range(n):  # the sharded dim is the expert dim: whole experts, this rank's
-        rows = []
-        for name in experts[start + j]:
-            with safe_open(str(where[name][0]), framework="pt") as st:
-                rows.append(st.get_tensor(name))
-        local[j].copy_(torch.cat(rows).to(device=local.device, dtype=local.dtype))
+    with ExitStack() as stack:
+        files: dict = {}
+
+        def tensor(name: str) -> torch.Tensor:
+            path = where[name][0]
+            if path not in files:
+                files[path] = stack.enter_context(safe_open(str(path), framework="pt"))
+            return files[path].get_tensor(name)
+
+        for j in range(n):  # the sharded dim is the expert dim: whole experts, this rank's
+            rows = torch.cat([tensor(name) for name in experts[start + j]])
+            local[j].copy_(rows.to(device=local.device, dtype=local.dtype))
