@@ -193,30 +193,32 @@ class ModelConfig:
             return self.local_rope_theta, None
         return self.rope_theta, self.rope_scaling
 
+    def attention_params(self) -> int:
+        """The weights of a layer's attention projections (q, k, v, o)."""
+        d, hd = self.dim, self.head_dim
+        return 2 * d * self.n_heads * hd + 2 * d * self.n_kv_heads * hd
+
     def layer_matmul_params(self) -> int:
         """Weights one token multiplies through in a dense layer (q, k, v, o, gate, up,
         down; a mixture of experts: ``matmul_params``)."""
-        d, hd = self.dim, self.head_dim
-        attn = 2 * d * self.n_heads * hd + 2 * d * self.n_kv_heads * hd
-        return attn + 3 * d * self.ffn_dim
+        return self.attention_params() + 3 * self.dim * self.ffn_dim
 
     def matmul_params(self) -> int:
         """Weights one token multiplies through in all layers (a sparse layer's router and
         the experts it runs; the LM head aside)."""
-        attn = self.layer_matmul_params() - 3 * self.dim * self.ffn_dim
-        return sum(attn + self.mlp_params(i, active=True) for i in range(self.n_layers))
+        return sum(self.attention_params() + self.mlp_params(i, active=True)
+                   for i in range(self.n_layers))
 
     def num_params(self) -> int:
         """Parameter count (embeddings counted once when tied; every expert)."""
-        per_layer = self.layer_matmul_params() + 2 * self.dim  # + the two RMSNorm weights
+        per_layer = self.attention_params() + 2 * self.dim  # + the two RMSNorm weights
         if self.qkv_bias:
             per_layer += (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
         if self.qk_norm:  # one weight of head_dim for every q head, one for every k head
             per_layer += 2 * self.head_dim
         emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
-        experts = sum(self.mlp_params(i) - 3 * self.dim * self.ffn_dim
-                      for i in range(self.n_layers))  # a sparse layer's MLP for a dense one
-        return self.n_layers * per_layer + experts + emb + self.dim
+        mlps = sum(self.mlp_params(i) for i in range(self.n_layers))  # dense or experts
+        return self.n_layers * per_layer + mlps + emb + self.dim
 
 
 # a mixture of experts: the fields only such a model holds (ModelConfig._check_experts)

@@ -89,7 +89,6 @@ def _diff(mc: ModelConfig, have) -> list[str]:
     return diff
 
 
-
 def build_model(mc: ModelConfig, seed: int):
     """The transformers causal LM of ``mc`` in fp32, in training mode, without KV cache:
     ``mc.pretrained``'s weights, or a fresh init that depends only on ``seed`` (the global
