@@ -169,7 +169,7 @@ def loss_notes(dc: DataConfig) -> list[str]:
     its loss counts (from the metadata alone)."""
     if not isinstance(dc, MemmapData) or dc.loss_on != "auto":
         return []
-    from .files import data_paths, read_meta
+    from .files import data_paths, loss_path, read_meta
 
     out = []
     for path, _ in dc.sources():
@@ -178,8 +178,7 @@ def loss_notes(dc: DataConfig) -> list[str]:
         if meta.get("loss_mask"):
             share = int(meta.get("loss_tokens", 0)) / max(1, int(meta["num_tokens"]))
             out.append(f"{path}: loss on {share:.1%} of the tokens, as its loss mask says "
-                       f"({bin_path.with_suffix('.loss').name}; data.loss_on=all counts every "
-                       "token)")
+                       f"({loss_path(path).name}; data.loss_on=all counts every token)")
     return out
 
 
