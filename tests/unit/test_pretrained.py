@@ -146,9 +146,13 @@ def test_a_family_only_transformers_computes_is_model_hf_from_its_checkpoint(kin
                                          "model=pretrained model.pretrained=DIR"):
         check_model(replace(mc, pretrained=None))
     config = json.loads((ckpt / "config.json").read_text())
-    (ckpt / "config.json").write_text(json.dumps({**config, "output_router_logits": True}))
-    with pytest.raises(ValueError, match="output_router_logits=true"):
+    (ckpt / "config.json").write_text(json.dumps({**config, "output_router_logits": True,
+                                                  "router_aux_loss_coef": 0.25}))
+    # transformers would add its router loss, which a model.hf run's loss leaves out: refused
+    with pytest.raises(ValueError, match=r"model.router_aux_loss_coef=0.25: a model.hf run's "
+                                         "loss is usp's LM loss alone"):
         pretrained_config(ckpt, hf=kind)
+    assert mc.router_aux_loss_coef == 0.0  # output_router_logits=false: transformers' 0
 
 
 def test_what_a_qwen3_checkpoint_holds_is_read_and_its_o_proj_bias_refused(ckpts, tmp_path):

@@ -171,10 +171,11 @@ def test_model_hf_qwen3_moe_reads_the_checkpoint_and_refuses_the_router_loss(ckp
         check_model(replace(mc, pretrained=None))
     shutil.copytree(ckpt, tmp_path / "ckpt")
     path = tmp_path / "ckpt" / "config.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), "output_router_logits": True}))
-    for hf in (None, "qwen3_moe"):
-        with pytest.raises(ValueError, match="output_router_logits=true"):
-            pretrained_config(tmp_path / "ckpt", hf=hf)
+    path.write_text(json.dumps({**json.loads(path.read_text()), "output_router_logits": True,
+                                "router_aux_loss_coef": 0.02}))
+    assert pretrained_config(tmp_path / "ckpt").router_aux_loss_coef == 0.02  # the built-in's
+    with pytest.raises(ValueError, match="model.router_aux_loss_coef=0.02: a model.hf run"):
+        pretrained_config(tmp_path / "ckpt", hf="qwen3_moe")
 
 
 def test_what_the_family_cannot_hold_is_refused_by_name(ckpt):

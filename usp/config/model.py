@@ -71,6 +71,14 @@ class ModelConfig:
     # the layers (0-based) whose MLP is the experts; None (with n_experts): every layer. The
     # others are dense SwiGLU MLPs of ffn_dim
     sparse_layers: Optional[List[int]] = _fixed(None)
+    # the weight of the router's load-balancing loss in the trained loss (transformers'
+    # load_balancing_loss_func over every sparse layer, usp.models.moe_loss); None (auto): the
+    # checkpoint's router_aux_loss_coef when its output_router_logits is true (when
+    # transformers adds it), else 0; 0: off. Its statistics are pooled over each sequence's
+    # ranks (router_balance_over=sp: the batch one dp rank trains) or every rank (dp: the
+    # global batch)
+    router_aux_loss_coef: Optional[float] = _read(None)
+    router_balance_over: str = "sp"
     rope: str = "global"  # global: positions in the packed row | per_document: from each doc start
     # None: the built-in model (usp.models.decoder) | a family (usp.models.families): its
     # transformers class (llama, qwen2, mistral, qwen3)
@@ -84,6 +92,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         one_of("model.rope", self.rope, ("global", "per_document"))
+        one_of("model.router_balance_over", self.router_balance_over, ("sp", "dp"))
         self.rope_scaling = check_rope_scaling(self.rope_scaling)
         if self.hf is not None and self.arch not in (None, self.hf):
             raise ValueError(f"model.arch={self.arch} but model.hf={self.hf}: a transformers "

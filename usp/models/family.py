@@ -94,7 +94,18 @@ def shape_fields(hc) -> dict:
                 norm_eps=float(hc.rms_norm_eps), tie_embeddings=bool(hc.tie_word_embeddings),
                 qkv_bias=False, qk_norm=False, sliding_window=None, full_attention_every=0,
                 layer_types=None, local_rope_theta=None, query_pre_attn_scalar=None,
-                **dict.fromkeys(MOE_FIELDS))
+                router_aux_loss_coef=router_aux_loss_coef(hc), **dict.fromkeys(MOE_FIELDS))
+
+
+def router_aux_loss_coef(hc) -> float | None:
+    """The router's load-balancing loss weight transformers trains a mixture of experts ``hc``
+    with: its ``router_aux_loss_coef`` when ``output_router_logits`` is true (only then does
+    transformers add it), else 0; None for a dense config."""
+    if getattr(hc, "num_local_experts", None) is None and getattr(hc, "num_experts", None) is None:
+        return None
+    if not getattr(hc, "output_router_logits", False):
+        return 0.0
+    return float(getattr(hc, "router_aux_loss_coef", 0.0))
 
 
 def read_layer_windows(hc) -> dict:
@@ -150,15 +161,16 @@ def refuse_biases(mc: ModelConfig, name: str) -> None:
                          "model.qkv_bias=false, or start from a Qwen2 checkpoint for biases")
 
 
-def refuse_router_loss(hc) -> None:
-    """A mixture of experts whose config asks transformers for the router's auxiliary loss
-    (``output_router_logits``): usp's loss of a ``model.hf`` run is the LM loss alone."""
-    if getattr(hc, "output_router_logits", False):
-        raise ValueError(f"output_router_logits=true asks transformers to add the router's "
-                         f"auxiliary loss (router_aux_loss_coef="
-                         f"{getattr(hc, 'router_aux_loss_coef', None)}) to the loss, but a "
-                         "model.hf run's loss is usp's LM loss alone, so it would be dropped; "
-                         "set output_router_logits=false in config.json (transformers' default)")
+def refuse_router_loss(mc) -> None:
+    """A ``model.hf`` run of a mixture of experts with a router load-balancing loss
+    (``model.router_aux_loss_coef`` > 0, set or read from a checkpoint whose
+    ``output_router_logits`` is true): usp's loss of a ``model.hf`` run is the LM loss alone,
+    so it would be dropped; refused (the built-in model forms it)."""
+    if mc.router_aux_loss_coef:
+        raise ValueError(f"model.router_aux_loss_coef={mc.router_aux_loss_coef}: a model.hf "
+                         f"run's loss is usp's LM loss alone and transformers' router loss "
+                         "would be dropped; train the built-in model (model.hf=null, which "
+                         "forms it) or set model.router_aux_loss_coef=0")
 
 
 def active_ffn(hc, width: int) -> int:

@@ -21,10 +21,9 @@ def sparse_layers(hc) -> list[int] | None:
 
 def read(hc) -> dict:
     """``ModelConfig`` fields of a ``Qwen3MoeConfig``: q/k norms, its windows, the dense MLP's
-    width as ``ffn_dim`` (``intermediate_size``) and its experts; ``attention_bias`` (an
-    o_proj bias too) and the router's auxiliary loss (``output_router_logits``) are
+    width as ``ffn_dim`` (``intermediate_size``), its experts and the weight of its router loss
+    (``usp.models.family.router_aux_loss_coef``); ``attention_bias`` (an o_proj bias too) is
     refused."""
-    refuse_router_loss(hc)
     if getattr(hc, "attention_bias", False):
         raise ValueError("attention_bias=true: usp computes Qwen3-MoE without biases on q, k, "
                          "v and o_proj")
@@ -44,12 +43,15 @@ def write(mc) -> dict:
                 sliding_window=mc.sliding_window, num_experts=mc.n_experts,
                 num_experts_per_tok=mc.experts_per_token,
                 moe_intermediate_size=mc.expert_ffn_dim, norm_topk_prob=mc.norm_topk_prob,
-                decoder_sparse_step=1, mlp_only_layers=dense, output_router_logits=False)
+                decoder_sparse_step=1, mlp_only_layers=dense,
+                output_router_logits=bool(mc.router_aux_loss_coef),
+                router_aux_loss_coef=mc.router_aux_loss_coef or 0.0)
 
 
 def check_hf(mc) -> None:
-    """``model.hf=qwen3_moe`` starts from a checkpoint."""
+    """``model.hf=qwen3_moe`` starts from a checkpoint and trains without a router loss."""
     from_checkpoint(mc, "qwen3_moe", "experts and router")
+    refuse_router_loss(mc)
 
 
 def check_arch(mc) -> None:

@@ -19,28 +19,19 @@ as it does a dense one (``mlp``, ``block``; the routing is recomputed from the s
 
 from __future__ import annotations
 
-import torch
-
 from ...config import ModelConfig
 from ..decoder import AttnFn, Block, Transformer
 from ..moe import Qwen3MoeBlock
-from ..tiling import tiled
+from ..sparse_mlp import SparseMlp
 
 
-class SparseMlp(Qwen3MoeBlock):
-    """``Qwen3MoeBlock`` as a decoder MLP: x [B, n, D] -> y [B, n, D] (its router statistics
-    dropped), over ``tiles`` sequence tiles recomputed in backward when ``tiles > 1``."""
+class Qwen3SparseMlp(SparseMlp, Qwen3MoeBlock):
+    """``Qwen3MoeBlock`` as a decoder MLP (``usp.models.sparse_mlp.SparseMlp``)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg.dim, cfg.n_experts, cfg.experts_per_token, cfg.expert_ffn_dim,
                          cfg.norm_topk_prob)
         self.tiles = cfg.mlp_tiles
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return tiled(self._routed, x, self.tiles)
-
-    def _routed(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x)[0]  # [B, n, D] -> [B, n, D]; the statistics are not used
 
 
 class Qwen3Moe(Transformer):
@@ -48,5 +39,5 @@ class Qwen3Moe(Transformer):
     as their MLP; the others are the shared ``Block``."""
 
     def make_block(self, cfg: ModelConfig, attn_fn: AttnFn, layer: int) -> Block:
-        mlp = SparseMlp(cfg) if cfg.sparse(layer) else None
+        mlp = Qwen3SparseMlp(cfg) if cfg.sparse(layer) else None
         return Block(cfg, attn_fn, cfg.layer_window(layer), mlp=mlp)
