@@ -6,7 +6,7 @@ Qwen3 with q/k norms, a head_dim of its own (24, not 64 / 4) and a window on its
 Gemma 3 text model (a window on its local layers 0 and 2, an attention scale of its own, a
 RoPE per layer type: its own bases, linear x 8 on the full layer), a Gemma 3 4B-27B layout
 (``gemma3``: that text model, untied, beside a tiny SigLIP vision tower and its projector),
-a Qwen3-MoE (4 experts, top 2, layer 1 dense); for ``model.hf`` only, a gpt-oss (sinks, a
+a Qwen3-MoE (8 experts, top 2, layer 1 dense); for ``model.hf`` only, a gpt-oss (sinks, a
 band on layers 0 and 2, YaRN, 4 experts with biases, top 2). Every norm weight is drawn away
 from its init."""
 
@@ -38,7 +38,7 @@ FAMILY_CONFIG = {
                   tie_word_embeddings=True),  # layer 0 full, layers 1 and 2 a window of 6
     "mistral": dict(sliding_window=5),
     "qwen3": dict(head_dim=24, use_sliding_window=True, sliding_window=6, max_window_layers=2),
-    "qwen3_moe": dict(head_dim=24, num_experts=4, num_experts_per_tok=2,
+    "qwen3_moe": dict(head_dim=24, num_experts=8, num_experts_per_tok=2,
                       moe_intermediate_size=48, mlp_only_layers=[1]),
     "gemma3_text": dict(head_dim=16, sliding_window=6, query_pre_attn_scalar=20,
                         layer_types=["sliding_attention", "full_attention", "sliding_attention"],

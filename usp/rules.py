@@ -47,6 +47,25 @@ def check_degrees(world_size: int, ulysses: int, ring: int, dp: int | None = Non
     return dp
 
 
+def check_expert_degree(degree: int, world: int, n_experts: int | None,
+                        hf: str | None = None) -> None:
+    """``parallel.expert_degree`` N: 1, or for the built-in mixture of experts a divisor of
+    both the ranks (``world``) and the experts (``n_experts``); ValueError naming the
+    numbers and the degrees that would do."""
+    if degree == 1:
+        return
+    if hf is not None or n_experts is None:
+        what = f"model.hf={hf} computes transformers' own experts" if hf is not None else \
+            "the model has no experts (model.n_experts=null)"
+        raise ValueError(f"parallel.expert_degree={degree}: {what}; expert parallelism "
+                         "spreads the built-in model's experts; set parallel.expert_degree=1")
+    if world % degree or n_experts % degree:
+        fits = [d for d in _divisors(world) if n_experts % d == 0]
+        raise ValueError(f"parallel.expert_degree={degree} must divide the ranks ({world}) "
+                         f"and the experts of each sparse layer (model.n_experts={n_experts})"
+                         f"; degrees that do: {fits}")
+
+
 def seq_multiple(ulysses: int, ring: int, balance: str) -> int:
     """The number the global sequence length must be a multiple of: ``2 * ring * ulysses``
     under zigzag and per_document (each document cut in 2r parts, each ring segment in u

@@ -170,7 +170,7 @@ def test_the_export_is_the_checkpoints_architecture_with_the_new_rope(runs, name
     if kind == "qwen3":
         assert (hc.head_dim, hc.layer_types[2]) == (24, "sliding_attention")
     if kind == "qwen3_moe":  # its experts, layer 1 dense
-        assert (hc.num_experts, hc.num_experts_per_tok, hc.mlp_only_layers) == (4, 2, [1])
+        assert (hc.num_experts, hc.num_experts_per_tok, hc.mlp_only_layers) == (8, 2, [1])
     if kind == "gemma3":
         assert (hc.query_pre_attn_scalar, hc.sliding_window, hc.layer_types) == (
             20, 6, ["sliding_attention", "full_attention", "sliding_attention"])

@@ -52,10 +52,10 @@ def _hf(path):
 def test_the_checkpoint_is_read_with_its_experts_and_sparse_layers(ckpt):
     mc = pretrained_config(ckpt)
     assert (mc.arch, mc.ffn_dim, mc.n_experts, mc.experts_per_token, mc.expert_ffn_dim,
-            mc.norm_topk_prob, mc.sparse_layers) == ("qwen3_moe", 128, 4, 2, 48, False, [0, 2])
+            mc.norm_topk_prob, mc.sparse_layers) == ("qwen3_moe", 128, 8, 2, 48, False, [0, 2])
     state = load_state(mc)
-    assert state["layers.0.feed_forward.experts.gate_up_proj"].shape == (4, 96, 64)
-    assert state["layers.2.feed_forward.experts.down_proj"].shape == (4, 64, 48)
+    assert state["layers.0.feed_forward.experts.gate_up_proj"].shape == (8, 96, 64)
+    assert state["layers.2.feed_forward.experts.down_proj"].shape == (8, 64, 48)
     assert state["layers.1.feed_forward.w1.weight"].shape == (128, 64)  # the dense layer
     assert replace(mc, pretrained=None).num_params() == sum(t.numel() for t in state.values())
 
@@ -146,7 +146,7 @@ def test_the_export_reloads_as_qwen3_moe_with_the_runs_logits(ckpt, tmp_path):
     hc = AutoConfig.from_pretrained(tmp_path / "out")
     assert (hc.model_type, hc.num_experts, hc.num_experts_per_tok, hc.moe_intermediate_size,
             hc.intermediate_size, hc.mlp_only_layers, hc.norm_topk_prob) == (
-        "qwen3_moe", 4, 2, 48, 128, [1], False)
+        "qwen3_moe", 8, 2, 48, 128, [1], False)
     with torch.no_grad():
         got = _hf(tmp_path / "out").eval()(input_ids=TOKENS).logits
         assert _rel(got, model(TOKENS, torch.arange(25))) < 1e-5
@@ -160,7 +160,7 @@ def test_model_hf_qwen3_moe_reads_the_checkpoint_and_refuses_the_router_loss(ckp
 
     mc = pretrained_config(ckpt, hf="qwen3_moe")
     assert (mc.hf, mc.arch, mc.ffn_dim, mc.n_experts, mc.sparse_layers) == (
-        "qwen3_moe", None, 128, 4, [0, 2])
+        "qwen3_moe", None, 128, 8, [0, 2])
     check_model(mc)
     with torch.no_grad():
         assert _rel(build_model(mc, 0).eval()(input_ids=TOKENS).logits,
@@ -185,9 +185,9 @@ def test_what_the_family_cannot_hold_is_refused_by_name(ckpt):
     with pytest.raises(ValueError, match="usp-plan prices a dense decoder; "
                                          "model.arch=qwen3_moe is a mixture of experts"):
         check_priced(mc, "usp-plan")
-    with pytest.raises(ValueError, match="model.n_experts=4 but model.arch=qwen3 has no such"):
+    with pytest.raises(ValueError, match="model.n_experts=8 but model.arch=qwen3 has no such"):
         check_model(replace(mc, arch="qwen3", sparse_layers=None))
-    with pytest.raises(ValueError, match="model.n_experts=4 needs model.expert_ffn_dim"):
+    with pytest.raises(ValueError, match="model.n_experts=8 needs model.expert_ffn_dim"):
         replace(mc, expert_ffn_dim=None)
     with pytest.raises(ValueError, match="model.norm_topk_prob=True without model.n_experts"):
         ModelConfig(norm_topk_prob=True)

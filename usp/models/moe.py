@@ -11,8 +11,10 @@ A block routes each token to its top-k experts and adds their outputs, weighted:
 
 Dropless: every token reaches all k of its experts (no capacity, no token dropped).
 ``dispatch`` and ``combine`` are the only places that move tokens between the token order
-and the expert order: an expert-parallel block replaces them with all-to-alls and keeps a
-contiguous slice ``[E_local, ...]`` of the experts' 3D weights.
+and the expert order; a block whose experts are spread over ranks (``ep``,
+``usp.models.expert_parallel``) sends the rows in expert order to the ranks that hold their
+experts and back by all-to-all, each rank holding a contiguous slice [E/N, ...] of the
+experts' 3D weights.
 
 The parameters have transformers' names and layouts (5.x keeps each block's experts fused
 in 3D tensors), so a state dict maps with ``HF_RENAMES`` (ours -> transformers', relative to
@@ -35,6 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .expert_parallel import ExpertGroup, local_tensor, scale_grad
 from .moe_loss import RouterStats, router_stats
 
 
@@ -114,14 +117,30 @@ def combine(rows: torch.Tensor, weights: torch.Tensor, plan: Dispatch, n: int) -
     return out.index_add_(0, plan.token, rows * w[:, None])
 
 
-def run_experts(experts: nn.Module, rows: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """rows [m, D] grouped by expert (``sizes[e]`` rows for expert e) -> [m, D], each group
-    through its expert (``experts.expert(e, rows_e)``); an expert with no rows is skipped."""
-    outs = [experts.expert(e, group) for e, group in enumerate(rows.split(sizes)) if sizes[e]]
-    return torch.cat(outs) if outs else rows.new_zeros(rows.shape)
+class Experts(nn.Module):
+    """E experts in fused [E, ...] weights (or this rank's E/N of them, ``local_tensor``):
+    ``forward(rows, sizes)`` runs rows [m, D] grouped by local expert (``sizes[e]`` rows for
+    expert e) -> [m, D], each group through its expert (``expert(e, rows_e)``, which a
+    subclass defines); an expert with no rows is skipped. A module call, so that FSDP
+    gathers the weights of experts sharded apart (``usp.models.expert_parallel``)."""
+
+    grad_scale: float = 1.0  # the weights' gradients times this (expert parallelism: 1/N)
+
+    def forward(self, rows: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        outs = [self.expert(e, group) for e, group in enumerate(rows.split(sizes)) if sizes[e]]
+        return torch.cat(outs) if outs else rows.new_zeros(rows.shape)
+
+    def local(self, name: str) -> torch.Tensor:
+        """Weight ``name``'s local experts [E or E/N, ...] (``local_tensor``), its gradient
+        scaled by ``grad_scale``."""
+        w = local_tensor(getattr(self, name))
+        return w if self.grad_scale == 1.0 else scale_grad(w, self.grad_scale)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
 
-class SwiGLUExperts(nn.Module):
+class SwiGLUExperts(Experts):
     """E SwiGLU experts, Qwen3-MoE's layout: ``gate_up_proj`` [E, 2F, D] (gate rows [0, F),
     up rows [F, 2F)), ``down_proj`` [E, D, F]; expert e: x -> down(silu(gate x) * up x)."""
 
@@ -131,11 +150,13 @@ class SwiGLUExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)  # [m, D] -> 2 x [m, F]
-        return F.linear(F.silu(gate) * up, self.down_proj[e])  # [m, F] -> [m, D]
+        """Local expert e (of this rank's: ``local_tensor``) on x [m, D]."""
+        gate_up, down = self.local("gate_up_proj")[e], self.local("down_proj")[e]
+        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)  # [m, D] -> 2 x [m, F]
+        return F.linear(F.silu(gate) * up, down)  # [m, F] -> [m, D]
 
 
-class ClampedGLUExperts(nn.Module):
+class ClampedGLUExperts(Experts):
     """E experts of gpt-oss, with biases, its layout: ``gate_up_proj`` [E, D, 2F] (x @ W;
     gate at even columns, up at odd), ``gate_up_proj_bias`` [E, 2F], ``down_proj`` [E, F, D],
     ``down_proj_bias`` [E, D]. Expert e: gate clamped above at ``limit``, up to
@@ -150,21 +171,27 @@ class ClampedGLUExperts(nn.Module):
         self.alpha, self.limit = alpha, limit
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]  # [m, D] -> [m, 2F]
+        """Local expert e (of this rank's: ``local_tensor``) on x [m, D]."""
+        w = {k: self.local(k)[e] for k in
+             ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")}
+        gate_up = x @ w["gate_up_proj"] + w["gate_up_proj_bias"]  # [m, D] -> [m, 2F]
         gate = gate_up[:, 0::2].clamp(max=self.limit)  # [m, F]
         up = gate_up[:, 1::2].clamp(min=-self.limit, max=self.limit)  # [m, F]
         h = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-        return h @ self.down_proj[e] + self.down_proj_bias[e]  # [m, F] -> [m, D]
+        return h @ w["down_proj"] + w["down_proj_bias"]  # [m, F] -> [m, D]
 
 
 class MoeBlock(nn.Module):
     """x [..., D] -> (y [..., D], ``RouterStats``): route, dispatch, experts, combine.
-    Subclasses set ``router``, ``experts``, ``n_experts``, ``top_k`` and ``route``."""
+    Subclasses set ``router``, ``experts``, ``n_experts``, ``top_k`` and ``route``. ``ep``:
+    None (this rank holds every expert) or the ``ExpertGroup`` its experts are spread over
+    (``usp.models.expert_placement.place_experts``)."""
 
     router: Router
-    experts: nn.Module
+    experts: Experts
     n_experts: int
     top_k: int
+    ep: ExpertGroup | None = None
 
     def route(self, logits: torch.Tensor) -> Routing:
         raise NotImplementedError
@@ -174,7 +201,10 @@ class MoeBlock(nn.Module):
         x = x.reshape(-1, shape[-1])  # [..., D] -> [n, D]
         routing = self.route(self.router(x))  # logits [n, E]
         rows, plan = dispatch(x, routing.indices, self.n_experts)  # [n*k, D], expert order
-        rows = run_experts(self.experts, rows, plan.sizes)  # [n*k, D]
+        if self.ep is None:
+            rows = self.experts(rows, plan.sizes)  # [n*k, D]
+        else:  # to the ranks that hold the experts and back
+            rows = self.ep.run(self.experts, rows, plan.sizes)
         y = combine(rows, routing.weights, plan, x.shape[0])  # [n, D]
         stats = router_stats(routing.probs, routing.indices, self.n_experts)
         return y.reshape(shape), stats

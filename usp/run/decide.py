@@ -1,6 +1,6 @@
 """The run's decisions: the balance (``parallel.balance``, ``auto`` resolved), the degrees
 (fixed, or the planner's choice on the detected cluster) and the all-to-all pipeline
-stages. The accumulation is the planner's ``grad_accum_steps``; ``resolve.resolve_run``
+stages, the expert degree. The accumulation is the planner's ``grad_accum_steps``; ``resolve.resolve_run``
 takes them in that order."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from ..dims.balance import choose_balance, sequence_balance
 from ..planner import detect_topology
 from ..planner.cost import choose_a2a_chunks
 from ..planner.report import config_degree, plan_run, plan_table
-from ..rules import check_degrees
+from ..rules import check_degrees, check_expert_degree
 from .preflight import check_degrees_fit
 
 
@@ -115,3 +115,14 @@ def decide_a2a_chunks(cfg: RunConfig, world: int, ulysses: int, ring: int, dp: i
                              dtype_bytes=cfg.trainer.compute_dtype.itemsize,
                              balance=balance, placement=pc.placement,
                              n_fwd=2 if cfg.trainer.activation_checkpointing else 1)
+
+
+def decide_expert_degree(cfg: RunConfig, world: int) -> int:
+    """The run's expert degree (``parallel.expert_degree``), checked against the ranks and
+    the experts (``usp.rules.check_expert_degree``)."""
+    degree, mc = cfg.parallel.expert_degree, cfg.model
+    if degree == "auto":
+        raise ValueError("parallel.expert_degree=auto: the planner does not choose expert "
+                         "degrees yet; set parallel.expert_degree to a number")
+    check_expert_degree(degree, world, mc.n_experts, mc.hf)
+    return degree

@@ -13,7 +13,7 @@ from ..models.pretrained import start_notes
 from ..planner.batch import grad_accum_steps
 from ..rules import check_ranks_per_node, check_seq_len
 from .decide import (decide_a2a_chunks, decide_balance, decide_degrees, decide_eval_balance,
-                     detected_cluster)
+                     decide_expert_degree, detected_cluster)
 from .run_layout import RunLayout
 from .preflight import check_inputs, check_passkey_memory, check_task
 
@@ -58,12 +58,13 @@ def resolve_run(cfg: RunConfig, world: int, device: str, env=None, *,
     check_passkey_memory(cfg, dp, r, u, device, balance)
     chunks = decide_a2a_chunks(cfg, world, u, r, dp, ranks_per_node, topology, balance)
     accum = grad_accum_steps(cfg.trainer, cfg.data.seq_len, cfg.data.batch_per_dp_rank, dp)
+    experts = decide_expert_degree(cfg, world)
     layout = RunLayout(world=world, dp=dp, ring=r, ulysses=u, placement=pc.placement,
                        ranks_per_node=ranks_per_node, balance=balance, kernel=pc.kernel,
                        ring_impl=pc.ring_impl, a2a_chunks=chunks, device=device,
                        dtype=cfg.trainer.dtype, seq_len=cfg.data.seq_len,
                        batch_per_dp_rank=cfg.data.batch_per_dp_rank, grad_accum=accum,
-                       run_dir=None if run_dir is None else str(run_dir))
+                       run_dir=None if run_dir is None else str(run_dir), expert_degree=experts)
     if table:
         say(table)
     return layout

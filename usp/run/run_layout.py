@@ -39,12 +39,16 @@ class RunLayout:
     batch_per_dp_rank: int
     grad_accum: int = 1  # micro-batches per optimizer step
     run_dir: str | None = None  # where the run writes: rank 0's, decided once (resolve_run)
+    expert_degree: int = 1  # ranks that share one copy of the experts (parallel.expert_degree)
 
     def __post_init__(self) -> None:
         if check_degrees(self.world, self.ulysses, self.ring, self.dp) != self.dp:
             raise ValueError(f"dp {self.dp} x ring {self.ring} x ulysses {self.ulysses} != "
                              f"world {self.world}")
         check_placement(self.placement)
+        if self.world % self.expert_degree:
+            raise ValueError(f"expert degree {self.expert_degree} does not divide world "
+                             f"{self.world}")
         check_ranks_per_node(self.world, self.ranks_per_node, "parallel.ranks_per_node")
 
     @property

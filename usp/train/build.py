@@ -20,6 +20,7 @@ from ..data.dataset import data_eos_id
 from ..models.run_records import (DATA_RECORD, MODEL_CONFIG, data_record_text, model_config_text,
                                   save_config, save_record, save_tokenizer,
                                   save_tokenizer_files)
+from ..models.expert_placement import place_experts
 from ..models.shard_load import load_shards
 from ..models.offload import ActivationOffload, StreamCopier
 from ..models.routed import routed_model
@@ -61,10 +62,11 @@ def phase_schedule(oc: OptimConfig, plan: PhasePlan, starts):
     return f
 
 
-def shard_model(model, mesh: DeviceMesh, dtype: str, blocks=None) -> None:
+def shard_model(model, mesh: DeviceMesh, dtype: str, blocks=None, experts=None) -> None:
     """FSDP2-shard ``model`` in place over ``mesh``: every block (default ``model.layers``;
     a transformers model's are ``model.model.layers``), then the root (embedding, final
-    norm, output).
+    norm, output). ``experts``: None, or (``SPMesh``, N) to spread the experts of a mixture
+    of experts over groups of N ranks first (``usp.models.expert_placement.place_experts``).
 
     ``dtype="bf16"``: parameters are all-gathered in bf16 and forward and backward compute
     in bf16; the sharded parameters, their gradients (reduce-scattered in fp32) and so the
@@ -77,6 +79,8 @@ def shard_model(model, mesh: DeviceMesh, dtype: str, blocks=None) -> None:
         # the bf16 embedding), and the RoPE tables cos/sin, which stay fp32 for apply_rope.
         mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32,
                                   cast_forward_inputs=False)
+    if experts is not None and experts[1] > 1:
+        place_experts(model, experts[0], experts[1], mp)
     for block in model.layers if blocks is None else blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -109,7 +113,7 @@ def sharded_model(cfg: RunConfig, run: RunLayout, mesh: SPMesh, layout: Sequence
         save_config(model.config, run.run_dir)  # the transformers config, for export
     if cfg.model.hf is not None or cfg.model.pretrained is None:
         model.to(device)
-    shard_model(model, mesh.submesh("fsdp"), run.dtype, blocks)
+    shard_model(model, mesh.submesh("fsdp"), run.dtype, blocks, (mesh, run.expert_degree))
     if cfg.model.hf is None and cfg.model.pretrained is not None:
         if from_checkpoint:  # every parameter comes from the checkpoint (DCP)
             model.to_empty(device=device)

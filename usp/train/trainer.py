@@ -42,6 +42,7 @@ from .build import (checkpoint_records, continue_schedule, optimizer, record_for
                     sharded_model)
 from .checkpointer import Checkpointer, Position
 from .faults import NonFiniteGuard, Preempted, Preemption
+from .grads import clip_grad_norm
 from .metrics import PeakMemory
 from .validator import Validator, missing_splits
 
@@ -343,10 +344,8 @@ class Trainer:
                 with torch.no_grad():
                     c, a = self.data.answer_accuracy(predictions, b.labels)
                 correct, answers = correct + c, answers + a
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                       self.cfg.optim.grad_clip)
-        gn = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        gn = float(gn)  # global over dp x sp (FSDP): the same on every rank
+            grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.optim.grad_clip)
+        gn = float(grad_norm)  # global over dp x sp (FSDP): the same on every rank
         # Sync: global loss and answer accuracy (one all-reduce), read before the optimizer
         # steps so that a non-finite step never changes the weights.
         stats = torch.tensor([loss_total.item(), correct, answers], dtype=torch.float64,

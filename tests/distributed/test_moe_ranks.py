@@ -1,0 +1,81 @@
+"""Expert parallelism on gloo ranks, fp64: a mixture-of-experts block whose experts are spread
+over expert groups of 2 and 4 of the 4 ranks (``usp.models.expert_placement.place_experts``,
+FSDP over the ranks outside the group) gives every rank's output and every gradient (router,
+each expert weight and bias, the input) of the same block run in one process on all the
+ranks' tokens, for Qwen3-MoE's and gpt-oss's blocks; routing is uneven (some experts get no
+row from some rank)."""
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from usp import SPMesh
+from usp.launch import spawn_local
+from usp.models.expert_placement import place_experts
+from usp.models.moe import GptOssMoeBlock, Qwen3MoeBlock
+
+D, E, K, F, N_TOKENS = 12, 8, 2, 10, 9
+WORLD = 4
+
+
+def _blocks():
+    torch.manual_seed(0)
+    return {"qwen3_moe": Qwen3MoeBlock(D, E, K, F, norm_topk_prob=True, init_std=0.3),
+            "gpt_oss": GptOssMoeBlock(D, E, K, F, init_std=0.3)}
+
+
+def _inputs():
+    """Every rank's tokens [N_TOKENS, D] and output cotangents, drawn alike on every rank."""
+    gen = torch.Generator().manual_seed(1)
+    xs = torch.randn(WORLD, N_TOKENS, D, generator=gen, dtype=torch.float64)
+    xs[3] = xs[3, :1].expand(N_TOKENS, D)  # one rank's tokens all alike: they pick the same 2
+    return xs, torch.randn(WORLD, N_TOKENS, D, generator=gen, dtype=torch.float64)
+
+
+def _reference(block, xs, cots):
+    """Output [WORLD, n, D] and gradients of sum_r <y_r, cot_r> in one process."""
+    x = xs.clone().requires_grad_(True)
+    y, _ = block(x.reshape(-1, D))
+    (y.reshape(xs.shape) * cots).sum().backward()
+    grads = {name: p.grad.clone() for name, p in block.named_parameters()}
+    return y.detach().reshape(xs.shape), x.grad, grads
+
+
+def _worker(degrees):
+    rank = dist.get_rank()
+    xs, cots = _inputs()
+    with SPMesh.build(ulysses=2, ring=2) as mesh:
+        for name, block in _blocks().items():
+            block = block.double()
+            ref_y, ref_dx, ref_grads = _reference(copy.deepcopy(block), xs, cots)
+            for degree in degrees:
+                ep = copy.deepcopy(block)
+                assert place_experts(ep, mesh, degree, mp_policy=_fp64()) == 1
+                assert (ep.ep.size, ep.ep.local) == (degree, E // degree)
+                x = xs[rank].clone().requires_grad_(True)
+                y, _ = ep(x)
+                # each rank's loss times the world size, as usp scales it for FSDP's mean
+                (WORLD * (y * cots[rank]).sum()).backward()
+                where = f"{name} at expert degree {degree}, rank {rank}"
+                torch.testing.assert_close(y, ref_y[rank], rtol=1e-12, atol=1e-12, msg=where)
+                torch.testing.assert_close(x.grad, ref_dx[rank] * WORLD, rtol=1e-12,
+                                           atol=1e-12, msg=where)
+                for pname, p in ep.named_parameters():
+                    grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                    if pname.startswith("router."):  # replicated here: each rank's share
+                        grad = grad.clone()
+                        dist.all_reduce(grad)
+                        grad /= WORLD
+                    torch.testing.assert_close(grad, ref_grads[pname], rtol=1e-10,
+                                               atol=1e-12, msg=f"{where}: {pname}")
+
+
+def _fp64():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy()
+
+
+def test_expert_parallel_block_equals_one_process():
+    spawn_local(_worker, WORLD, [2, 4])
