@@ -104,3 +104,25 @@ def hf_logits(path: Path, tokens: torch.Tensor, rope_parameters: dict | None = N
                                                  attn_implementation="eager").eval()
     with torch.no_grad():
         return model(input_ids=tokens).logits
+
+
+def usp_logits(run_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    """usp's logits [B, L, V] of the run's final checkpoint (the built-in model, one process)."""
+    import functools
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from usp.attention import local_attention
+    from usp.models.checkpoint import latest_checkpoint
+    from usp.models.families import builtin_model
+    from usp.models.run_records import load_model_config
+
+    model = builtin_model(load_model_config(run_dir),
+                          functools.partial(local_attention, causal=True))
+    sd = model.state_dict()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load({"model": sd}, checkpoint_id=str(latest_checkpoint(run_dir)), no_dist=True)
+    with torch.no_grad():
+        return model.eval()(tokens, torch.arange(tokens.shape[1]))

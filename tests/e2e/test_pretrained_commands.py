@@ -3,7 +3,8 @@ Llama (llama3 scaling), Qwen2 (biases, windowed layers), Mistral (a window), Qwe
 norms, its own head_dim) and Gemma 3 4B-27B layout (``gemma3``: its text model beside a vision
 tower; its own blocks, a RoPE per layer type, raised on both) checkpoints saved by
 transformers, the last two with the LM head in chunks and the MLP in tiles, and through
-``model.hf`` Qwen3-MoE and gpt-oss (sinks, YaRN, experts) ones (the 1B layout,
+``model.hf`` gpt-oss (sinks, YaRN, experts) ones (the built-in Qwen3-MoE and its experts:
+e2e/test_moe_commands.py; the 1B Gemma 3 layout,
 ``gemma3_text``, the same model under other names, is covered in one process, its export
 included: unit/test_gemma3_text.py, unit/test_gemma3.py): step 0's
 val_loss is transformers' mean loss on the same windows (with the checkpoint's RoPE, a raised
@@ -22,18 +23,18 @@ import torch.nn.functional as F
 
 from _cli import run_commands
 from _export_runs import corpus
-from _pretrained import GEMMA_ROPE, HF_ONLY, KINDS, hf_logits, save_checkpoint
+from _pretrained import GEMMA_ROPE, HF_ONLY, KINDS, hf_logits, save_checkpoint, usp_logits
 
 L = 32
 YARN = "{rope_type:yarn,factor:4,original_max_position_embeddings:8}"
 # name -> (checkpoint, overrides, transformers' rope_parameters: None = the checkpoint's)
-RUNS = {kind: (kind, [], None) for kind in KINDS if kind != "gemma3_text"}
+# the mixtures of experts the built-in model computes: e2e/test_moe_commands.py
+RUNS = {kind: (kind, [], None) for kind in KINDS if kind not in ("gemma3_text", "qwen3_moe")}
 RUNS["llama_yarn"] = ("llama", ["model.rope_theta=2000000", f"model.rope_scaling={YARN}"],
                       {"rope_theta": 2e6, "rope_type": "yarn", "factor": 4.0,
                        "original_max_position_embeddings": 8})
 TILED = ["model.loss_chunk=4", "model.mlp_tiles=2"]  # 2 chunks and tiles of a (2,2) shard
 RUNS["qwen3"] = ("qwen3", TILED, None)
-RUNS["qwen3_moe"] = ("qwen3_moe", TILED, None)  # the experts FSDP-sharded, one per rank
 # both layer types' bases raised (the full layers keep their linear factor)
 RUNS["gemma3"] = ("gemma3", [*TILED, "model.rope_theta=2000000", "model.local_rope_theta=20000"],
                   {"full_attention": {**GEMMA_ROPE["full_attention"], "rope_theta": 2e6},
@@ -121,33 +122,11 @@ def test_qwen3_gemma3_and_gpt_oss_train_the_same_at_1x1_2x2_and_4x1(runs, kind):
         assert _losses(root, name) == pytest.approx(want, rel=1e-5), name
 
 
-def _usp_logits(run_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
-    """usp's logits [B, L, V] of the run's final checkpoint (the built-in model, one process)."""
-    import functools
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-
-    from usp.attention import local_attention
-    from usp.models.checkpoint import latest_checkpoint
-    from usp.models.families import builtin_model
-    from usp.models.run_records import load_model_config
-
-    model = builtin_model(load_model_config(run_dir),
-                          functools.partial(local_attention, causal=True))
-    sd = model.state_dict()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.load({"model": sd}, checkpoint_id=str(latest_checkpoint(run_dir)), no_dist=True)
-    with torch.no_grad():
-        return model.eval()(tokens, torch.arange(tokens.shape[1]))
-
-
-@pytest.mark.parametrize("name", ["qwen2", "llama_yarn", "qwen3", "gemma3", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["qwen2", "llama_yarn", "qwen3", "gemma3"])
 def test_the_export_is_the_checkpoints_architecture_with_the_new_rope(runs, name, tmp_path,
                                                                       capsys):
     """usp-export writes the architecture the run came from (a Qwen2 keeps its biases, a Qwen3
-    its q/k norms and head_dim, a Qwen3-MoE its experts, a Gemma 3 its layer types and attention scale: its text model
+    its q/k norms and head_dim, a Gemma 3 its layer types and attention scale: its text model
     alone, gemma3_text, saying the vision tower is not carried over), the run's rope_theta /
     rope_parameters (Gemma's per layer type), max_position_embeddings = the trained (or
     YaRN's scaled) length and the data's tokenizer; transformers reproduces usp's logits."""
@@ -169,8 +148,6 @@ def test_the_export_is_the_checkpoints_architecture_with_the_new_rope(runs, name
         assert getattr(hc, "layer_types", ["full_attention"])[0] == "full_attention"
     if kind == "qwen3":
         assert (hc.head_dim, hc.layer_types[2]) == (24, "sliding_attention")
-    if kind == "qwen3_moe":  # its experts, layer 1 dense
-        assert (hc.num_experts, hc.num_experts_per_tok, hc.mlp_only_layers) == (8, 2, [1])
     if kind == "gemma3":
         assert (hc.query_pre_attn_scalar, hc.sliding_window, hc.layer_types) == (
             20, 6, ["sliding_attention", "full_attention", "sliding_attention"])
@@ -179,7 +156,7 @@ def test_the_export_is_the_checkpoints_architecture_with_the_new_rope(runs, name
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     with torch.no_grad():
         got = model(input_ids=tokens).logits
-    want = _usp_logits(root / name, tokens)
+    want = usp_logits(root / name, tokens)
     assert float((got - want).abs().max() / want.abs().max()) < 1e-5
 
 

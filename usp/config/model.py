@@ -9,8 +9,9 @@ from .checks import above, at_least, one_of
 from .rope import check_rope_scaling
 
 LAYER_TYPES = ("full_attention", "sliding_attention")  # model.layer_types: transformers' names
-# how the model computes, not its shape: a model option leaves these at their defaults
-EXECUTION_FIELDS = ("loss_chunk", "mlp_tiles")
+# how the model computes or trains, not its shape: a model option leaves these at their
+# defaults
+EXECUTION_FIELDS = ("loss_chunk", "mlp_tiles", "router_balance_over")
 
 
 def _fixed(default: Any) -> Any:

@@ -43,6 +43,7 @@ from .build import (checkpoint_records, continue_schedule, optimizer, record_for
 from .checkpointer import Checkpointer, Position
 from .faults import NonFiniteGuard, Preempted, Preemption
 from .grads import clip_grad_norm
+from .router_balance import RouterBalance
 from .metrics import PeakMemory
 from .validator import Validator, missing_splits
 
@@ -155,6 +156,7 @@ class Trainer:
                                          checkpoint_records(cfg))
         self.dp_sp = self.mesh.group("loss")  # the loss's token count, the metrics (dp_sp)
         self.n_shard = self.mesh.submesh("fsdp").size()
+        self.router = RouterBalance(self.model, cfg.model, self.mesh)  # a mixture of experts
         self.flops = flops_per_token(cfg.model, run.seq_len)
         self.peak_mem = memory_probe(self.device)
         # in every record: which part of the run (the runner's tags) and layout made it
@@ -304,6 +306,7 @@ class Trainer:
                                     if total.item() else 1.0),
             "step_s": dt,
             "skipped_steps": self.guard.skipped,
+            **self.router.metrics(self.device),  # a mixture of experts: aux_loss, expert_load
             "samples": consumed,  # the data position: this trainer's samples consumed
             "tokens_seen": self.leg.tokens_before + consumed * run.seq_len,  # the run's
             **self.where,  # which part of the run and layout made it, last on the line
@@ -334,8 +337,10 @@ class Trainer:
                     self.model.set_requires_gradient_sync(k == accum - 1)
                 self.layouts.enter(m)  # per_document: attention on this batch's layout
                 b = m.batch
+                self.router.open()
                 # fp32 sum over this rank's labelled tokens; predictions [B, L/P]
                 loss_sum, predictions = loss_and_predictions(self.model, b, m.positions)
+                self.router.settle(accum)  # the router loss's gradient, pooled over ranks
                 if self.fault_hook is not None and k == 0:
                     loss_sum = self.fault_hook(step, loss_sum)
                 # the micro-batches' gradients add up to the step's
