@@ -65,16 +65,20 @@ def check_whole(fam: Family, what: str) -> None:
 
 
 def check_priced(mc: ModelConfig, what: str) -> None:
-    """Refuse (ValueError) ``what`` (the planner's pricing) for a mixture of experts
-    (``Family.experts``: ``model.hf`` of one, or the built-in one of ``model.arch``): the
-    planner prices a dense MLP of ``ffn_dim``, not the experts' weights or their routing."""
+    """Refuse (ValueError) ``what`` (the planner's pricing) for a mixture of experts whose
+    config does not state its experts: a family with experts (``Family.experts``: ``model.hf``
+    of one, or the built-in one of ``model.arch``) with ``model.n_experts`` null (gpt-oss
+    through ``model.hf``, whose family holds no expert fields). The planner prices the experts
+    from ``n_experts``, ``experts_per_token``, ``expert_ffn_dim`` and ``sparse_layers``
+    (``usp.planner.experts``)."""
     key = "model.hf" if mc.hf is not None else "model.arch"
     name = mc.hf if mc.hf is not None else mc.arch
-    if (name is not None and family(name, key).experts) or mc.n_experts is not None:
-        raise ValueError(f"{what} prices a dense decoder; {key}={name} is a mixture of "
-                         "experts, whose expert weights and routing the planner does not "
-                         "count yet: set parallel.ulysses_degree and parallel.ring_degree "
-                         "yourself")
+    if name is not None and family(name, key).experts and mc.n_experts is None:
+        raise ValueError(f"{what} prices a mixture of experts from model.n_experts, "
+                         f"experts_per_token and expert_ffn_dim; {key}={name} is one, but its "
+                         "config states no experts (model.n_experts=null: the family holds no "
+                         "expert fields), so their weights and routing cannot be priced: set "
+                         "parallel.ulysses_degree and parallel.ring_degree yourself")
 
 
 def checkpoint_family(model_type: str | None, where: str = "the checkpoint") -> Family:

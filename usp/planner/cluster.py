@@ -50,13 +50,20 @@ def rank_grid(
 
 
 def group_span(
-    dp: int, ring: int, ulysses: int, ranks_per_node: int, axis: str, placement: str
+    dp: int, ring: int, ulysses: int, ranks_per_node: int, axis: str, placement: str,
+    expert: int = 1,
 ) -> GroupSpan:
-    """Worst-placed group along ``axis`` ('ulysses' or 'ring'): most remote peers, with
-    the sender counts of the busiest node (see ``GroupSpan``)."""
-    if axis not in ("ulysses", "ring"):
-        raise ValueError(f"axis must be 'ulysses' or 'ring', got {axis!r}")
-    groups = axis_groups(rank_grid(dp, ring, ulysses, ranks_per_node, placement), axis)
+    """Worst-placed group along ``axis`` ('ulysses', 'ring' or 'expert': the ``expert``
+    consecutive ranks of the flattened [dp, ring, ulysses] grid, an all-to-all group like
+    ulysses): most remote peers, with the sender counts of the busiest node (``GroupSpan``)."""
+    if axis not in ("ulysses", "ring", "expert"):
+        raise ValueError(f"axis must be 'ulysses', 'ring' or 'expert', got {axis!r}")
+    grid = rank_grid(dp, ring, ulysses, ranks_per_node, placement)
+    if axis == "expert":
+        flat = [rank for plane in grid for row in plane for rank in row]
+        groups = [flat[i:i + expert] for i in range(0, len(flat), expert)]
+    else:
+        groups = axis_groups(grid, axis)
     worst = None
     intra: dict[int, int] = {}  # node -> ranks sending inside it
     inter: dict[int, int] = {}  # node -> ranks sending off it
@@ -64,7 +71,7 @@ def group_span(
         node = [r // ranks_per_node for r in g]
         for m, n in enumerate(node):
             local = sum(1 for x in node if x == n) - 1
-            if axis == "ulysses":
+            if axis != "ring":  # an all-to-all
                 sends_local, sends_remote = local > 0, local < len(g) - 1
             else:
                 nxt = node[(m + 1) % len(g)]

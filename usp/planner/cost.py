@@ -43,6 +43,7 @@ from ..rules import BALANCES
 from ..dims.heads import check_heads, head_split
 from ..config.cluster import ClusterSpec
 from .cluster import GroupSpan, group_span
+from .experts import expert_a2a_bytes, expert_a2a_count, expert_a2a_s, expert_link, expert_sync
 from .memory import CheckpointPolicy, memory_split
 from .schedule import FLASH_BWD, a2a_pass, ring_pass
 from .traffic import (band_share, layer_mean_bytes, layer_windows, ring_kv_heads,
@@ -77,11 +78,15 @@ class StepCost:
     a2a_link: str  # "intra", "inter" or "-" (ulysses 1)
     ring_link: str  # "intra", "inter" or "-" (ring 1)
     a2a_chunks: int = 1  # pipeline stages of the ulysses all-to-alls
+    expert: int = 1  # expert degree (a mixture of experts; 1: every rank holds every expert)
+    expert_a2a_s: float = 0.0  # expert dispatch/combine all-to-all time, exposed (experts.py)
+    expert_a2a_bytes: float = 0.0  # per rank per sequence, all sparse layers, recompute included
+    expert_link: str = "-"  # "intra", "inter" or "-" (expert degree 1)
 
     @property
     def comm_share(self) -> float:
         """Share of the step spent waiting on communication."""
-        waits = self.a2a_s + self.ring_exposed_s + self.grad_exposed_s
+        waits = self.a2a_s + self.ring_exposed_s + self.grad_exposed_s + self.expert_a2a_s
         return waits / self.step_s if self.step_s > 0 else 0.0
 
 
@@ -263,36 +268,44 @@ def choose_a2a_chunks(chunks, cluster: ClusterSpec, seq_len: int, hq: int, hkv: 
 
 
 def grad_sync_s(model: ModelConfig, cluster: ClusterSpec, world: int, seqs: float,
-                dtype_bytes: int, fsdp: bool) -> float:
+                dtype_bytes: int, fsdp: bool, expert_degree: int = 1) -> float:
     """Transfer seconds of one step's gradient collectives over all ``world`` ranks, each
     dp rank running ``seqs`` sequences: on the slowest link the collective touches, shared
     by the node's ranks, which all take part at once. FSDP all-gathers the parameters in
     forward and backward of every sequence and reduce-scatters the gradients once;
     replicated data parallel all-reduces them once (a reduce-scatter and an all-gather).
-    Every layer's collective pays the link's latency."""
+    Every layer's collective pays the link's latency. With ``expert_degree`` N > 1 a rank's
+    ``E/N`` experts sync over the ``W/N`` ranks outside its expert group (``experts``), the
+    rest of the model over all ``W``."""
     if world == 1:
         return 0.0
-    nl, n_params = model.n_layers, model.num_params()
+    nl = model.n_layers
+    n_params, held = expert_sync(model, expert_degree) if expert_degree > 1 else \
+        (model.num_params(), 0.0)
     spans_nodes = world > cluster.ranks_per_node
     gbw = cluster.link_bw(spans_nodes, min(world, cluster.ranks_per_node))
     glat = cluster.inter_latency_s if spans_nodes else cluster.intra_latency_s
     frac = (world - 1) / world
+    outside = world // expert_degree  # the ranks a rank's experts are sharded over
+    moved = frac * n_params + (outside - 1) / outside * held  # both on the slowest link
     if fsdp:
-        return (2 * seqs + 1) * (frac * n_params * dtype_bytes / gbw + nl * glat)
-    return 2 * frac * n_params * dtype_bytes / gbw + nl * glat
+        return (2 * seqs + 1) * (moved * dtype_bytes / gbw + nl * glat)
+    return 2 * moved * dtype_bytes / gbw + nl * glat
 
 
 def estimate(model: ModelConfig, cluster: ClusterSpec, seq_len: int, dp: int, ring: int,
              ulysses: int, *, global_batch: int = 1, dtype_bytes: int = 2, causal: bool = True,
              fsdp: bool = True, balance: str = "zigzag", placement: str = "ulysses_inner",
-             act_checkpoint: bool = True, a2a_chunks: int = 1) -> StepCost:
+             act_checkpoint: bool = True, a2a_chunks: int = 1,
+             expert_degree: int = 1) -> StepCost:
     """Predict one step of ``global_batch`` sequences of ``seq_len`` tokens.
 
     Each dp rank runs ``global_batch / dp`` sequences in one forward (the trainer's batch
     dimension; timed as that many sequences); memory (``usp.planner.memory.memory_split``)
     holds all of them at once, on the busiest ulysses rank when the
     heads split unevenly. ``a2a_chunks``: pipeline stages of the ulysses all-to-alls
-    (``attention_cost``). Raises ``ValueError`` when the heads cannot split over
+    (``attention_cost``). ``expert_degree``: a mixture of experts' (``_expert_cost``).
+    Raises ``ValueError`` when the heads cannot split over
     ``ulysses`` (see ``usp.dims.heads.head_split``) or into ``a2a_chunks`` stages.
     """
     L, r, u, P = seq_len, ring, ulysses, ring * ulysses
@@ -305,7 +318,8 @@ def estimate(model: ModelConfig, cluster: ClusterSpec, seq_len: int, dp: int, ri
     n_fwd = 2 if act_checkpoint else 1  # forward passes per layer (recompute)
 
     # ---- token-wise compute, per layer per sequence -----------------------------------
-    lin_s = (2 * n_fwd + 4) * layer_matmul_params(model) * T / rate
+    # a layer's mean (a sparse layer: its router and the k experts a token runs)
+    lin_s = (2 * n_fwd + 4) * (model.matmul_params() / model.n_layers) * T / rate
     head_s = 6 * D * model.vocab_size * T / rate  # LM head fwd+bwd, once per sequence
 
     # ---- attention: ulysses all-to-alls and the ring pass, each layer per sequence -------
@@ -323,39 +337,44 @@ def estimate(model: ModelConfig, cluster: ClusterSpec, seq_len: int, dp: int, ri
 
     # ---- one step ------------------------------------------------------------------------
     nl = model.n_layers
+    ex = _expert_cost(model, cluster, dp, r, u, expert_degree, T, dtype_bytes, act_checkpoint,
+                      placement)
     per_seq = (nl * lin_s + layers("compute_s") + layers("a2a_s") + layers("ring_exposed_s")
-               + layers("merge_s") + head_s)
+               + layers("merge_s") + head_s + ex["expert_a2a_s"])
     compute_s = seqs * (nl * lin_s + layers("compute_s") + head_s)
 
-    grad_s = grad_sync_s(model, cluster, world, seqs, dtype_bytes, fsdp)  # over dp x sp ranks
+    grad_s = grad_sync_s(model, cluster, world, seqs, dtype_bytes, fsdp, expert_degree)
     grad_exposed = max(grad_s / nl, grad_s - compute_s) if grad_s else 0.0
     step_s = seqs * per_seq + grad_exposed
 
     # ---- memory per rank: usp.planner.memory ------------------------------------------------
     mem = memory_split(model, L, dp, r, u, batch=max(1, global_batch // dp),
-                       dtype_bytes=dtype_bytes, fsdp=fsdp, policy=CheckpointPolicy(act_checkpoint))
+                       dtype_bytes=dtype_bytes, fsdp=fsdp,
+                       policy=CheckpointPolicy(act_checkpoint), expert_degree=expert_degree)
 
     return StepCost(
-        dp=dp,
-        ring=r,
-        ulysses=u,
-        kv_per_rank=kv,
-        compute_s=compute_s,
-        attn_s=seqs * layers("compute_s"),
-        a2a_s=seqs * layers("a2a_s"),
-        ring_comm_s=seqs * layers("ring_comm_s"),
-        ring_exposed_s=seqs * layers("ring_exposed_s"),
-        ring_tail_s=seqs * layers("ring_tail_s"),
-        merge_s=seqs * layers("merge_s"),
-        grad_s=grad_s,
-        grad_exposed_s=grad_exposed,
-        step_s=step_s,
-        a2a_bytes=sent["ulysses"],
-        ring_bytes=sent["ring"],
-        mem_bytes=mem.total,
-        mem_state_bytes=mem.state,
+        dp=dp, ring=r, ulysses=u, kv_per_rank=kv, compute_s=compute_s,
+        attn_s=seqs * layers("compute_s"), a2a_s=seqs * layers("a2a_s"),
+        ring_comm_s=seqs * layers("ring_comm_s"), ring_exposed_s=seqs * layers("ring_exposed_s"),
+        ring_tail_s=seqs * layers("ring_tail_s"), merge_s=seqs * layers("merge_s"),
+        grad_s=grad_s, grad_exposed_s=grad_exposed, step_s=step_s,
+        a2a_bytes=sent["ulysses"], ring_bytes=sent["ring"],
+        mem_bytes=mem.total, mem_state_bytes=mem.state,
         mem_act_bytes=mem.activations + mem.attention + mem.mlp + mem.logits,
-        a2a_link=att.a2a_link,
-        ring_link=att.ring_link,
-        a2a_chunks=att.a2a_chunks,
+        a2a_link=att.a2a_link, ring_link=att.ring_link, a2a_chunks=att.a2a_chunks,
+        **{**ex, "expert_a2a_s": seqs * ex["expert_a2a_s"]},
     )
+
+
+def _expert_cost(model: ModelConfig, cluster: ClusterSpec, dp: int, ring: int, ulysses: int,
+                 degree: int, tokens: float, dtype_bytes: int, recompute: bool,
+                 placement: str) -> dict:
+    """``StepCost``'s expert fields for one sequence (``experts``): the dispatch and combine
+    all-to-alls, exposed (the experts wait for their tokens), their bytes and link."""
+    n = expert_a2a_count(recompute, model.mlp_tiles > 1)
+    return dict(expert=degree,
+                expert_a2a_s=expert_a2a_s(cluster, model, dp, ring, ulysses, degree, tokens,
+                                          dtype_bytes, n, placement),
+                expert_a2a_bytes=expert_a2a_bytes(model, tokens, degree, dtype_bytes, n),
+                expert_link=expert_link(dp, ring, ulysses, cluster.ranks_per_node, degree,
+                                        placement))

@@ -51,6 +51,11 @@ intermediates are freed as it runs; no checkpoint policy applies); ``attention``
 their forward buffers; ``logits`` the forward of the loss (whole: ``(a + 8) B T V``; chunked:
 one chunk's ``8 c V``); ``total`` the largest of a layer's attention, a layer's MLP and the loss.
 
+A mixture of experts (``experts``): a sparse layer's MLP saves its router logits and their
+fp32 softmax, the routed copies and the experts' intermediates (``experts.mlp_memory``, tiled by
+``mlp_tiles`` as a dense MLP), its work adds the exchange's buffers; a block FSDP gathers holds
+the rank's ``E/N`` experts of expert degree N (``gathered_blocks``).
+
 Not counted: per-thread kernel tiles (the CPU flash kernel and flash-attn hold
 ``O(threads x tile^2)``), the data batch, allocator fragmentation, a2a_chunks stages
 (the unpipelined call is counted, an upper bound on their buffers), masks.
@@ -58,12 +63,12 @@ Not counted: per-thread kernel tiles (the CPU flash kernel and flash-attn hold
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 
 from ..config import ModelConfig
 from ..rules import seq_multiple
 from ..dims.heads import check_heads, head_split
+from .experts import mlp_memory, rank_mlp_params
 
 FP32 = 4
 ADAM_STATE = 16  # bytes/param sharded: fp32 parameter, fp32 gradient, Adam m and v
@@ -172,15 +177,27 @@ def attention_buffers(seq_len: int, ring: int, ulysses: int, hq: int, hkv: int, 
     return fwd, bwd
 
 
+def gathered_blocks(model: ModelConfig, expert_degree: int = 1) -> tuple[float, float]:
+    """(the largest block FSDP gathers on a rank, the root: embedding (+ LM head), final
+    norm, and what else no block's matmuls hold). A block: its attention, its MLP (a sparse
+    one: the router and the rank's ``E/N`` experts, ``experts.rank_mlp_params``) and its two
+    norms."""
+    m, D = model, model.dim
+    att = m.attention_params() + 2 * D
+    root = m.num_params() - sum(att + m.mlp_params(i) for i in range(m.n_layers))
+    return att + max(rank_mlp_params(m, i, expert_degree) for i in range(m.n_layers)), root
+
+
 def state_bytes(model: ModelConfig, world: int, dtype_bytes: int,
-                fsdp: bool) -> tuple[float, float, float]:
+                fsdp: bool, expert_degree: int = 1) -> tuple[float, float, float]:
     """The ``state`` term at its three moments (module docstring): (forward, backward, the
-    embedding's backward) bytes per rank of the training state of ``world`` ranks."""
+    embedding's backward) bytes per rank of the training state of ``world`` ranks; a mixture
+    of experts of ``expert_degree`` N gathers its rank's ``E/N`` experts of a block (the
+    sharded state, ``E/N`` experts over ``W/N`` ranks, is the same at every N)."""
     m, a = model, dtype_bytes
     low = FP32 if a < FP32 else 0  # the fp32 copy reduce-scatter sends below fp32
     n, V, D = m.num_params(), m.vocab_size, m.dim
-    block = m.layer_matmul_params() + 2 * D
-    root = n - m.n_layers * block  # embedding (+ LM head), final norm
+    block, root = gathered_blocks(m, expert_degree)
     if not fsdp:
         state_f, state_b = ADAM_STATE * n - 4 * n, ADAM_STATE * n
         return state_f, state_b, state_b + (2 * V * D * a if m.tie_embeddings else 0)
@@ -235,15 +252,14 @@ def _forward_split(model: ModelConfig, seq_len: int, dp: int, ring: int, ulysses
                    device: str) -> MemorySplit:
     """``memory_split(..., forward_only=True)``: one forward pass, nothing kept for backward."""
     m, a, B, u, r = model, dtype_bytes, batch, ulysses, ring
-    D, F, d, hq, hkv = m.dim, m.ffn_dim, m.head_dim, m.n_heads, m.n_kv_heads
+    D, d, hq, hkv = m.dim, m.head_dim, m.n_heads, m.n_kv_heads
     check_heads(hq, hkv, u)
     T = seq_len / (r * u)
     state = forward_state_bytes(m, dp * r * u, a, fsdp)
     norm = (8 + a) * D * T  # an RMSNorm's fp32 copy, normalised and output
     stream = B * (a * D * T + T * d * FP32)  # the residual stream and the RoPE tables
     af, _ = attention_buffers(seq_len, r, u, hq, hkv, d, a, kernel, device)
-    tile_tok = T if m.mlp_tiles == 1 else math.ceil(T / m.mlp_tiles)
-    mlp = B * 4 * a * F * tile_tok  # gate, SiLU, up and product of a tile
+    mlp = B * max(mlp_memory(m, i, T, a)[1] for i in range(m.n_layers))  # a tile's forward
     qkv = B * (norm + 4 * (hq + hkv) * d * T + a * hq * d * T)  # normed input, fp32 q/k, out
     logits = forward_logits_bytes(m, B, T, a)
     moments = {"forward of a layer's attention": state + stream + qkv + B * af,
@@ -257,12 +273,14 @@ def _forward_split(model: ModelConfig, seq_len: int, dp: int, ring: int, ulysses
 def memory_split(model: ModelConfig, seq_len: int, dp: int, ring: int, ulysses: int, *,
                  batch: int = 1, dtype_bytes: int = 2, fsdp: bool = True,
                  policy: CheckpointPolicy = CheckpointPolicy(), kernel: str = "torch",
-                 device: str = "cuda", forward_only: bool = False) -> MemorySplit:
+                 device: str = "cuda", forward_only: bool = False,
+                 expert_degree: int = 1) -> MemorySplit:
     """Memory of one step of ``batch`` sequences of ``seq_len`` tokens per dp rank on the
     busiest rank of ``dp x ring x ulysses``, in the module docstring's model. ``model``
     supplies ``loss_chunk`` and ``mlp_tiles``; ``policy`` the activation checkpointing.
     ``forward_only``: one forward pass with no gradients and no optimizer state (scoring;
-    ``policy`` does not apply). Raises ``ValueError`` when the heads cannot split over
+    ``policy`` does not apply). ``expert_degree``: a mixture of experts' (``experts``; the
+    forward-only memory holds every expert). Raises ``ValueError`` when the heads cannot split over
     ``ulysses``."""
     if min(dp, ring, ulysses, batch, seq_len) < 1:
         raise ValueError(f"memory_split needs positive dp, ring, ulysses, batch and seq_len; "
@@ -272,26 +290,27 @@ def memory_split(model: ModelConfig, seq_len: int, dp: int, ring: int, ulysses: 
         return _forward_split(model, seq_len, dp, ring, ulysses, batch, dtype_bytes, fsdp,
                               kernel, device)
     m, a, B = model, dtype_bytes, batch
-    D, F, d, hq, hkv = m.dim, m.ffn_dim, m.head_dim, m.n_heads, m.n_kv_heads
+    D, d, hq, hkv = m.dim, m.head_dim, m.n_heads, m.n_kv_heads
     u, r = ulysses, ring
     kv, h = check_heads(hq, hkv, u), max(head_split(hq, hkv, u).q_counts)
     T, S = seq_len / (r * u), seq_len / r
-    state_f, state_b, state_e = state_bytes(m, dp * r * u, a, fsdp)
+    state_f, state_b, state_e = state_bytes(m, dp * r * u, a, fsdp, expert_degree)
 
     # ---- activations per layer (bytes per sequence) --------------------------------------
     norm = (8 + a) * D * T
     inp = a * D * T  # a block's input, what a checkpoint keeps
     attn_part = (norm + 4 * (hq + hkv) * d * T + a * hq * d * T
                  + S * (2 * h * d * a + 2 * kv * d * a + h * FP32))
-    tiles = m.mlp_tiles
-    mlp_saved = 4 * a * F * T if tiles == 1 else 0.0
-    mlp_part = norm + mlp_saved
+    # per layer (dense or sparse, experts.mlp_memory): (saved, forward work, backward work)
+    mlps = [mlp_memory(m, i, T, a, expert_degree) for i in range(m.n_layers)]
+    mlp_parts = [norm + saved for saved, _, _ in mlps]
     keep_inp = 0.0 if policy.offload else inp  # an offloaded input leaves the device
 
     def resident(i: int) -> float:
         if not policy.checkpointed(i):
-            return attn_part + mlp_part
-        return keep_inp + {"block": 0.0, "attention": mlp_part, "mlp": attn_part}[policy.part]
+            return attn_part + mlp_parts[i]
+        return keep_inp + {"block": 0.0, "attention": mlp_parts[i],
+                           "mlp": attn_part}[policy.part]
 
     nl = m.n_layers
     res = [B * resident(i) for i in range(nl)]
@@ -303,10 +322,8 @@ def memory_split(model: ModelConfig, seq_len: int, dp: int, ring: int, ulysses: 
     # ---- transient terms -----------------------------------------------------------------
     af, ab = attention_buffers(seq_len, r, u, hq, hkv, d, a, kernel, device)
     attention = B * max(af, ab)
-    tile_tok = T if tiles == 1 else math.ceil(T / tiles)
-    mlp_f = 4 * a * F * tile_tok  # a tile's intermediates in forward (untiled: the saved ones)
-    mlp_b = (2 if tiles == 1 else 6) * a * F * tile_tok
-    mlp = B * (mlp_b if tiles == 1 else max(mlp_f, mlp_b))
+    # a tile's work in forward (untiled: what it saves) and backward, the largest layer's
+    mlp = B * max(b if m.mlp_tiles == 1 else max(f, b) for _, f, b in mlps)
     logits = logits_bytes(m, B, T, a)
 
     # ---- the peak: every moment of the step ------------------------------------------------
@@ -317,7 +334,7 @@ def memory_split(model: ModelConfig, seq_len: int, dp: int, ring: int, ulysses: 
     moments[f"forward of layer {nl - 1}'s attention"] = (
         state_f + before_last + B * (inp + norm + 4 * (hq + hkv) * d * T) + B * af)
     moments[f"forward of layer {nl - 1}'s MLP"] = (
-        state_f + before_last + last_attn + B * (norm + mlp_f))
+        state_f + before_last + last_attn + B * (norm + mlps[-1][1]))
     moments["loss"] = state_f + activations + logits
     total_res = sum(res)
     for i in range(nl):
@@ -325,7 +342,8 @@ def memory_split(model: ModelConfig, seq_len: int, dp: int, ring: int, ulysses: 
         held = state_b + total_res - res[i] + common + (B * inp if ck else 0.0)
         whole = ck and policy.part == "block"  # the block recomputes all at its first unpack
         attn_now = attn_part if whole or not ck or policy.part != "attention" else 0.0
-        moments[f"backward of layer {i}'s MLP"] = held + B * (attn_now + mlp_part + mlp_b)
+        moments[f"backward of layer {i}'s MLP"] = held + B * (attn_now + mlp_parts[i]
+                                                              + mlps[i][2])
         moments[f"backward of layer {i}'s attention"] = held + B * attn_part + B * ab
     moments["backward of the embedding"] = state_e
     peak_at = max(moments, key=moments.get)

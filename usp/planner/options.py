@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from ..config.cluster import ClusterSpec
 from ..config import ModelConfig
 from ..dims.counts import divisors
-from ..rules import check_degrees, check_placement
+from ..rules import check_degrees, check_expert_degree, check_placement
+from .experts import expert_degrees
 from .memory import CheckpointPolicy, MemorySplit, memory_split
 
 
@@ -24,7 +25,9 @@ class Search:
     """The layouts ``plan`` ranks: a degree given here is fixed, None is searched;
     ``balance`` and ``placement`` as ``parallel.*`` sets them; ``a2a_chunks``: pipeline
     stages of the ulysses all-to-alls for every layout, or ``"auto"``: each layout's
-    ``cost.best_a2a_chunks`` (its ``cost.a2a_chunks`` says which)."""
+    ``cost.best_a2a_chunks`` (its ``cost.a2a_chunks`` says which); ``expert``: the expert
+    degree of a mixture of experts (``experts``), None: every degree the world and the experts
+    allow, ranked beside the layouts (a dense model takes 1)."""
 
     dp: int | None = None
     ring: int | None = None
@@ -32,9 +35,13 @@ class Search:
     balance: str = "zigzag"
     placement: str = "ulysses_inner"
     a2a_chunks: int | str = 1
+    expert: int | None = 1
 
     def __post_init__(self) -> None:
         check_placement(self.placement)
+        if self.expert is not None and (not isinstance(self.expert, int) or self.expert < 1):
+            raise ValueError(f"expert degree must be a positive integer or None (auto), "
+                             f"got {self.expert!r}")
         for k, v in self.fixed.items():
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{k} degree must be a positive integer or None (auto), "
@@ -56,6 +63,15 @@ class Search:
                 f"fixed degrees {self.fixed} multiply to {prod}, which does not divide world "
                 f"{world}; fix degrees whose product divides {world} or leave them unset"
             )
+
+    def expert_degrees(self, model: ModelConfig, world: int) -> list[int]:
+        """The expert degrees ``plan`` ranks for ``model`` on ``world`` ranks: the fixed one
+        (refused naming the numbers when it does not divide both, ``check_expert_degree``), or
+        every one the world and the experts allow."""
+        if self.expert is not None:
+            check_expert_degree(self.expert, world, model.n_experts, model.hf)
+            return [self.expert]
+        return expert_degrees(model, world)
 
     def layouts(self, world: int) -> list[tuple[int, int, int]]:
         """Every ``(dp, ring, ulysses)`` with the fixed degrees that ``plan`` judges, ulysses
@@ -142,6 +158,8 @@ class StepPolicy:
                     kernel=self.kernel, device=self.device, forward_only=self.forward_only)
 
     def memory(self, model: ModelConfig, seq_len: int, dp: int, ring: int, ulysses: int,
-               batch: int) -> MemorySplit:
-        """``memory_split`` of ``batch`` sequences per dp rank under this policy."""
-        return memory_split(model, seq_len, dp, ring, ulysses, batch=batch, **self.memory_kw())
+               batch: int, expert: int = 1) -> MemorySplit:
+        """``memory_split`` of ``batch`` sequences per dp rank under this policy (a mixture
+        of experts at expert degree ``expert``)."""
+        return memory_split(model, seq_len, dp, ring, ulysses, batch=batch,
+                            expert_degree=expert, **self.memory_kw())

@@ -48,15 +48,16 @@ def plan(model: ModelConfig, cluster: ClusterSpec, seq_len: int, *, world: int |
     listing every reason when no layout is feasible."""
     cluster, world = _sized(cluster, world)
     search.check_world(world)
-    judged = [_judge(model, cluster, seq_len, world, layout, search, batch, step)
-              for layout in search.layouts(world)]
+    experts = search.expert_degrees(model, world)  # a fixed one that cannot be is refused
+    judged = [_judge(model, cluster, seq_len, world, layout, search, batch, step, n)
+              for layout in search.layouts(world) for n in experts]
     candidates = [c for c in judged if isinstance(c, Candidate)]
     dropped = [d for d in judged if isinstance(d, Dropped)]
     if not candidates:
         why = "; ".join(f"{rule} refused {len(ds)} (e.g. {ds[0].line()})"
                         for rule, ds in group_dropped(dropped).items())
         raise ValueError(f"no feasible layout for world {world}, seq_len {seq_len}: {why}")
-    candidates.sort(key=lambda c: (c.seq_s, -c.ulysses))  # time per sequence
+    candidates.sort(key=lambda c: (c.seq_s, -c.ulysses, c.expert))  # time per sequence
     return Plan(world, seq_len, cluster, model, candidates, dropped, search, batch, step)
 
 
@@ -72,9 +73,10 @@ def _sized(cluster: ClusterSpec, world: int | None) -> tuple[ClusterSpec, int]:
 
 def _judge(model: ModelConfig, cluster: ClusterSpec, seq_len: int, world: int,
            layout: tuple[int, int, int], search: Search, batch: BatchSpec,
-           step: StepPolicy) -> Candidate | Dropped:
-    """One ``(dp, ring, ulysses)`` through the rules in order (``ranking.RULES``): priced as
-    a ``Candidate``, or ``Dropped`` with the first rule that refused it and its message."""
+           step: StepPolicy, expert: int = 1) -> Candidate | Dropped:
+    """One ``(dp, ring, ulysses)`` at expert degree ``expert`` through the rules in order
+    (``ranking.RULES``): priced as a ``Candidate``, or ``Dropped`` with the first rule that
+    refused it and its message."""
     d, r, u = layout
     rule = "degrees"  # the check running now, kept with a refusal
     try:
@@ -96,12 +98,14 @@ def _judge(model: ModelConfig, cluster: ClusterSpec, seq_len: int, world: int,
         cost = estimate(
             model, cluster, seq_len, d, r, u, global_batch=b * d, dtype_bytes=step.dtype_bytes,
             causal=step.causal, fsdp=step.fsdp, balance=search.balance,
-            placement=search.placement, act_checkpoint=ckpt, a2a_chunks=chunks)
-        mem = step.memory(model, seq_len, d, r, u, b)
+            placement=search.placement, act_checkpoint=ckpt, a2a_chunks=chunks,
+            expert_degree=expert)
+        mem = step.memory(model, seq_len, d, r, u, b, expert)
         _check_memory(mem, step.budget(cluster), step.mem_fraction, cluster, d)
     except ValueError as e:
-        return Dropped(d, r, u, str(e), rule)
-    return Candidate(d, r, u, cost, _notes(model, cluster, cost, search.placement), mem, b)
+        return Dropped(d, r, u, str(e), rule, expert)
+    return Candidate(d, r, u, cost, _notes(model, cluster, cost, search.placement), mem, b,
+                     expert)
 
 
 def _check_memory(mem: MemorySplit, budget: float, mem_fraction: float, cluster: ClusterSpec,
@@ -132,6 +136,10 @@ def _notes(model: ModelConfig, cluster: ClusterSpec, cost: StepCost, placement: 
     if cost.a2a_link == "inter":
         span = group_span(cost.dp, r, u, cluster.ranks_per_node, "ulysses", placement)
         notes.append(f"WARNING ulysses spans {span.nodes} nodes: all-to-all on inter-node link")
+    if cost.expert > 1:
+        notes.append(f"experts over {cost.expert} ranks "
+                     f"{'across nodes' if cost.expert_link == 'inter' else 'in node'}: "
+                     f"a2a {size(cost.expert_a2a_bytes)}/seq")
     if r > 1:
         notes.append(f"ring {'across nodes' if cost.ring_link == 'inter' else 'in node'}")
         if cost.ring_exposed_s > 0:

@@ -12,6 +12,7 @@ from ..dims.counts import divisors
 from ..dims.heads import head_split
 from ..config.cluster import ClusterSpec
 from .cost import StepCost
+from .experts import expert_sync
 from .memory import MemorySplit, max_seq_len, size
 from .options import BatchSpec, Search, StepPolicy
 
@@ -27,6 +28,7 @@ class Candidate:
     notes: list[str] = field(default_factory=list)
     memory: MemorySplit | None = None  # per rank, the busiest ulysses rank
     batch: int = 1  # sequences per dp rank
+    expert: int = 1  # expert degree (a mixture of experts)
 
     @property
     def degrees(self) -> tuple[int, int, int]:
@@ -43,7 +45,8 @@ class Candidate:
         return self.cost.step_s / self.global_batch
 
     def label(self) -> str:
-        return f"ulysses {self.ulysses} x ring {self.ring} x dp {self.dp}"
+        experts = f", expert {self.expert}" if self.expert > 1 else ""
+        return f"ulysses {self.ulysses} x ring {self.ring} x dp {self.dp}{experts}"
 
 
 @dataclass
@@ -55,9 +58,11 @@ class Dropped:
     ulysses: int
     reason: str
     rule: str = ""
+    expert: int = 1
 
     def line(self) -> str:
-        return f"dp {self.dp} ring {self.ring} ulysses {self.ulysses}: {self.reason}"
+        experts = f" expert {self.expert}" if self.expert > 1 else ""
+        return f"dp {self.dp} ring {self.ring} ulysses {self.ulysses}{experts}: {self.reason}"
 
 
 RULES = ("degrees", "batch", "heads", "seq_len", "memory")  # plan()'s checks, in order
@@ -115,7 +120,7 @@ class Plan:
         c = c or self.best
         longest = max_seq_len(self.model, self.budget, c.dp, c.ring, c.ulysses,
                               balance=self.search.balance, batch=c.batch,
-                              **self.step.memory_kw())
+                              expert_degree=c.expert, **self.step.memory_kw())
         return (f"memory per rank ({c.label()}), peak at {c.memory.peak_at}:\n"
                 f"  {c.memory.line(self.budget)}\n"
                 f"longest seq_len that fits this layout: {longest} "
@@ -136,9 +141,10 @@ class Plan:
             raise ValueError(f"trainer.global_batch_tokens={tokens} is no whole number of "
                              f"sequences for each of dp {c.dp} ranks (seq_len {self.seq_len} "
                              f"x dp {c.dp} = {step} tokens); use a multiple of {step}")
-        grads = 4 * self.model.num_params()  # FSDP holds them unsharded, in fp32, between
-        for b in sorted(divisors(per_rank), reverse=True):  # micro-batches
-            peak = self.step.memory(self.model, self.seq_len, c.dp, c.ring, c.ulysses, b).total
+        grads = 4 * sum(expert_sync(self.model, c.expert))  # FSDP holds them unsharded,
+        for b in sorted(divisors(per_rank), reverse=True):  # in fp32, between micro-batches
+            peak = self.step.memory(self.model, self.seq_len, c.dp, c.ring, c.ulysses, b,
+                                    c.expert).total
             if per_rank // b > 1:
                 peak += grads
             if peak <= self.budget:
@@ -154,8 +160,10 @@ class Plan:
         raise ValueError(f"one sequence of {self.seq_len} tokens per rank does not fit "
                          f"{c.label()} ({size(peak)} > budget {size(self.budget)})")
 
-    def find(self, dp: int, ring: int, ulysses: int) -> Candidate | None:
-        return next((c for c in self.candidates if c.degrees == (dp, ring, ulysses)), None)
+    def find(self, dp: int, ring: int, ulysses: int, expert: int | None = None) -> Candidate | None:
+        """The fastest candidate of these degrees (and ``expert``, when given)."""
+        return next((c for c in self.candidates if c.degrees == (dp, ring, ulysses)
+                     and expert in (None, c.expert)), None)
 
     @property
     def reason(self) -> str:
@@ -213,13 +221,18 @@ class Plan:
             + (", memory forward only (no gradients, no optimizer state)"
                if self.step.forward_only else "")
         )
-        rows = [head, f"{'#':>2} {'dp':>3} {'ring':>4} {'ulysses':>7} {'s/seq':>8} "
+        moe = self.model.n_experts is not None  # an expert column beside the degrees
+
+        def ex(n) -> str:
+            return f" {n:>6}" if moe else ""
+
+        rows = [head, f"{'#':>2} {'dp':>3} {'ring':>4} {'ulysses':>7}{ex('expert')} {'s/seq':>8} "
                 f"{'vs best':>8} {'s/pass':>8} {'seqs':>5} {'comm':>6} {'mem/rank':>9}  notes"]
         t0 = self.best.seq_s
         for i, c in enumerate(self.candidates, 1):
             k = c.cost
             rows.append(
-                f"{i:>2} {c.dp:>3} {c.ring:>4} {c.ulysses:>7} {c.seq_s:>8.4g} "
+                f"{i:>2} {c.dp:>3} {c.ring:>4} {c.ulysses:>7}{ex(c.expert)} {c.seq_s:>8.4g} "
                 f"{c.seq_s / t0 - 1:>+8.1%} {k.step_s:>8.3f} {c.global_batch:>5} "
                 f"{k.comm_share:>6.1%} {size(c.memory.total):>9}  {'; '.join(c.notes)}"
             )
@@ -231,6 +244,7 @@ class Plan:
             rows += summarize_dropped(self.dropped)
         elif show_dropped and self.dropped:
             rows.append("dropped:")
-            rows += [f"   {d.dp:>3} {d.ring:>4} {d.ulysses:>7}  {d.reason}" for d in self.dropped]
+            rows += [f"   {d.dp:>3} {d.ring:>4} {d.ulysses:>7}{ex(d.expert)}  {d.reason}"
+                     for d in self.dropped]
         rows.append(f"reason: {self.reason}")
         return "\n".join(rows)

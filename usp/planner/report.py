@@ -7,6 +7,7 @@ from ..dims.balance import choose_balance
 from .batch import grad_accum_steps
 from .detect import DetectReport
 from .draw import draw_mesh
+from .experts import expert_a2a_count, expert_degrees, expert_params, sparse_layers
 from .memory import CheckpointPolicy, size
 from .options import BatchSpec, Search, StepPolicy
 from .plan import plan
@@ -65,6 +66,7 @@ def run_search(cfg: RunConfig, balance: str | None = None) -> Search:
                   ring=config_degree(pc.ring_degree, "ring_degree"),
                   dp=config_degree(pc.dp_degree, "dp_degree"), balance=balance,
                   placement=pc.placement,
+                  expert=config_degree(pc.expert_degree, "expert_degree"),
                   # per_document runs the ring row by row, its all-to-alls whole
                   a2a_chunks=1 if balance == "per_document" else pc.a2a_chunks)
 
@@ -94,9 +96,11 @@ def plan_report(cfg: PlanConfig) -> tuple[str, str]:
     best = p.best
     drawing = draw_mesh(best.dp, best.ring, best.ulysses, spec.ranks_per_node,
                         cfg.parallel.placement)
+    experts = f" x expert {best.expert}" if cfg.model.n_experts is not None else ""
     text = "\n".join([p.format_table(), *layers_text(cfg.model, cfg.data.seq_len),
-                      f"balance: {balance} ({why})",
-                      f"choice: dp {best.dp} x ring {best.ring} x ulysses {best.ulysses}",
+                      *experts_text(p), f"balance: {balance} ({why})",
+                      f"choice: dp {best.dp} x ring {best.ring} x ulysses {best.ulysses}"
+                      f"{experts}",
                       global_batch_text(cfg, p), p.memory_text(), str(drawing)])
     return text, drawing
 
@@ -111,6 +115,27 @@ def layers_text(model, seq_len: int) -> list[str]:
              f"{n} local (window {w}: attention {band_share(seq_len, w):.3g} of a full layer's)"
              for n, w in kinds]
     return [f"layers: {' + '.join(parts)}; the step time prices each kind"]
+
+
+def experts_text(p: Plan) -> list[str]:
+    """Lines on how a mixture of experts was priced on the plan's choice (``experts``): its
+    experts, the expert degree and the link its groups span, the experts' memory a rank holds
+    and gathers, the all-to-alls' bytes and exposed time; none for a dense model."""
+    m, c = p.model, p.best
+    if m.n_experts is None:
+        return []
+    k, n, a = c.cost, c.expert, p.step.dtype_bytes
+    ep, world = expert_params(m), p.world
+    link = {"-": "no exchange", "intra": "inside a node", "inter": "across nodes"}
+    return [f"experts: {sparse_layers(m)} sparse layers x {m.n_experts} experts of "
+            f"{m.expert_ffn_dim}, top-{m.experts_per_token}: {ep / 1e9:.2f}B expert weights "
+            f"of {m.num_params() / 1e9:.2f}B; expert degree {n} of "
+            f"{expert_degrees(m, world)} ({link[k.expert_link]})",
+            f"experts per rank: {m.n_experts // n} a layer; state {size(16 * ep / world)} "
+            f"sharded (E/N over W/N ranks), {size(a * ep / sparse_layers(m) / n)} a layer "
+            f"gathered; dispatch+combine a2a {size(k.expert_a2a_bytes)} a sequence "
+            f"({expert_a2a_count(p.step.checkpoint.enabled, m.mlp_tiles > 1)} a layer), "
+            f"{k.expert_a2a_s:.3f} s a pass exposed"]
 
 
 def global_batch_text(cfg: RunConfig, p: Plan) -> str:

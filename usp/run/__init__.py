@@ -38,7 +38,8 @@ placement, balance or chunk fields of ``cfg.parallel`` again (``tests/unit/test_
 """
 
 from .model_shape import resolve_model
-from .decide import decide_a2a_chunks, decide_balance, decide_degrees, decide_eval_balance
+from .decide import (decide_a2a_chunks, decide_balance, decide_degrees, decide_eval_balance,
+                     decide_expert_degree)
 from .run_layout import RunLayout
 from .preflight import (check_degrees_fit, check_hf_model, check_inputs, check_passkey_memory,
                         check_recompute, check_run_dir, check_run_masks, check_task)
@@ -51,6 +52,7 @@ __all__ = ["Phase", "PhaseGate", "PhasePlan", "RunLayout", "check_degrees_fit", 
            "check_hf_model", "check_inputs", "check_passkey_memory", "check_phase_tasks",
            "check_recompute", "check_run_dir", "check_run_masks", "check_task",
            "check_training_args", "decide_a2a_chunks", "decide_balance", "decide_degrees",
+           "decide_expert_degree",
            "decide_eval_balance", "eval_args", "resolve_eval", "resolve_model", "resolve_phases",
            "resolve_phases_group", "resolve_run", "resolve_run_group", "scheduler_hosts_notice",
            "training_args"]

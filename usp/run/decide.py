@@ -6,6 +6,7 @@ takes them in that order."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 from ..config import RunConfig
 from ..models.families import check_priced
@@ -79,6 +80,28 @@ def decide_degrees(cfg: RunConfig, world: int, env=None, topology=None,
     return u, r, dp, table
 
 
+def decide_expert_degree(cfg: RunConfig, world: int, ulysses: int = 1, ring: int = 1,
+                         dp: int | None = None, topology=None,
+                         balance: str | None = None) -> int:
+    """The run's expert degree (``parallel.expert_degree``): a number checked against the
+    ranks and the experts (``usp.rules.check_expert_degree``); ``auto``: 1 for a model whose
+    experts are transformers' or that has none, else the planner's fastest expert degree for
+    the decided ``(dp, ring, ulysses)`` on the detected cluster (``topology()``: as
+    ``decide_degrees``; ``balance``: the run's, None: ``decide_balance``'s)."""
+    pc, mc = cfg.parallel, cfg.model
+    degree = config_degree(pc.expert_degree, "expert_degree")
+    if degree is not None:
+        check_expert_degree(degree, world, mc.n_experts, mc.hf)
+        return degree
+    if mc.n_experts is None or mc.hf is not None:
+        return 1
+    balance = decide_balance(cfg)[0] if balance is None else balance
+    spec, _ = topology() if topology else detected_cluster(cfg, world, pc.ranks_per_node)
+    fixed = replace(cfg, parallel=replace(pc, ulysses_degree=ulysses, ring_degree=ring,
+                                          dp_degree=dp))
+    return plan_run(fixed, spec, world, balance=balance).best.expert
+
+
 def decide_a2a_chunks(cfg: RunConfig, world: int, ulysses: int, ring: int, dp: int,
                       ranks_per_node: int | None, topology, balance: str) -> int:
     """``parallel.a2a_chunks`` as an int, by the planner's rule (``choose_a2a_chunks``: an
@@ -116,13 +139,3 @@ def decide_a2a_chunks(cfg: RunConfig, world: int, ulysses: int, ring: int, dp: i
                              balance=balance, placement=pc.placement,
                              n_fwd=2 if cfg.trainer.activation_checkpointing else 1)
 
-
-def decide_expert_degree(cfg: RunConfig, world: int) -> int:
-    """The run's expert degree (``parallel.expert_degree``), checked against the ranks and
-    the experts (``usp.rules.check_expert_degree``)."""
-    degree, mc = cfg.parallel.expert_degree, cfg.model
-    if degree == "auto":
-        raise ValueError("parallel.expert_degree=auto: the planner does not choose expert "
-                         "degrees yet; set parallel.expert_degree to a number")
-    check_expert_degree(degree, world, mc.n_experts, mc.hf)
-    return degree

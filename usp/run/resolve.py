@@ -58,7 +58,7 @@ def resolve_run(cfg: RunConfig, world: int, device: str, env=None, *,
     check_passkey_memory(cfg, dp, r, u, device, balance)
     chunks = decide_a2a_chunks(cfg, world, u, r, dp, ranks_per_node, topology, balance)
     accum = grad_accum_steps(cfg.trainer, cfg.data.seq_len, cfg.data.batch_per_dp_rank, dp)
-    experts = decide_expert_degree(cfg, world)
+    experts = decide_expert_degree(cfg, world, u, r, dp, topology, balance)
     layout = RunLayout(world=world, dp=dp, ring=r, ulysses=u, placement=pc.placement,
                        ranks_per_node=ranks_per_node, balance=balance, kernel=pc.kernel,
                        ring_impl=pc.ring_impl, a2a_chunks=chunks, device=device,
