@@ -3,6 +3,7 @@ once (in the dataclass), every recipe composes and validates, typos are errors. 
 run as a command: ``e2e/test_cli_commands.py``."""
 
 import dataclasses
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,9 @@ from usp.planner.report import plan_run
 from usp.config import phase_config
 from usp.planner.batch import grad_accum_steps
 from usp.planner.phase_report import phases_report
-from usp.run import check_passkey_memory, decide_balance, decide_degrees, resolve_run
+from usp.run import (check_passkey_memory, decide_balance, decide_degrees, decide_expert_degree,
+                     resolve_run)
+from usp.run.decide import detected_cluster
 from usp.rules import check_degrees, check_seq_len
 from usp.dims.heads import check_heads
 
@@ -114,6 +117,35 @@ def test_the_gemma3_recipe_plans_its_local_layers_before_the_checkpoint_exists()
     assert "layers: 8 full + 40 local (window 1024: attention 0.0156 of a full layer's)" in text
     assert "choice: dp 1 x ring 2 x ulysses 8" in text
     assert "longest seq_len that fits this layout" in text
+
+
+def test_the_moe_recipes_plan_their_experts_or_say_why_not():
+    """recipes/qwen3_30b_a3b_extend_128k_h100x16 (128 experts, top-8, on 2 x 8 H100, degrees
+    and expert degree auto): usp-plan ranks the expert degrees beside the layouts and prints
+    the experts' terms; recipes/gpt_oss_20b_extend_128k_h100x8 (model.hf=gpt_oss, whose config
+    states no experts) is refused by name."""
+    from usp.planner.report import plan_report
+
+    absent = ["model.pretrained=/absent/ckpt", "data.path=/absent/tokens"]
+    cfg = _compose("plan", ["recipe=qwen3_30b_a3b_extend_128k_h100x16", *absent])
+    assert (cfg.model.n_experts, cfg.parallel.expert_degree) == (128, "auto")
+    text, _ = plan_report(cfg)
+    assert " #  dp ring ulysses expert    s/seq" in text
+    assert "experts: 48 sparse layers x 128 experts of 768, top-8: 28.99B expert weights" in text
+    assert "expert degree 1 of [1, 2, 4, 8, 16]" in text
+    assert "experts over 16 ranks across nodes" in text  # ranked, on the inter-node link
+    assert "x expert " in text.split("choice: ")[1].splitlines()[0]
+    run = _compose(overrides=["recipe=qwen3_30b_a3b_extend_128k_h100x16", *absent])
+    u, r, dp, _ = decide_degrees(run, 16, env={})
+    expert = decide_expert_degree(run, 16, u, r, dp, partial(detected_cluster, run, 16, None, {}))
+    assert 16 % expert == 0 and 128 % expert == 0
+    assert f"choice: dp {dp} x ring {r} x ulysses {u} x expert {expert}" in text
+    with pytest.raises(ValueError, match=r"expert_degree=3 must divide the ranks \(16\)"):
+        decide_expert_degree(dataclasses.replace(run, parallel=dataclasses.replace(
+            run.parallel, expert_degree=3)), 16)
+    oss = _compose("plan", ["recipe=gpt_oss_20b_extend_128k_h100x8", *absent])
+    with pytest.raises(ValueError, match="model.hf=gpt_oss is one, but its config states no"):
+        cli._plan(oss)
 
 
 def test_the_phases_recipe_plans_every_phase():
