@@ -39,18 +39,20 @@ def test_a_phase_overlays_the_keys_it_names_and_later_phases_keep_them():
     cfg = _cfg({"seq_len": 64, "steps": 3},
                {"seq_len": 128, "steps": 2, "rope_theta": 40000.0, "lr": 1e-3,
                 "batch_per_dp_rank": 1, "ulysses_degree": 1, "ring_degree": 4,
-                "global_batch_tokens": 512},
+                "expert_degree": 2, "global_batch_tokens": 512},
                {"seq_len": 256, "steps": 2, "rope_scaling": {"rope_type": "linear", "factor": 2}})
     first, second, third = (phase_config(cfg, k) for k in range(3))
     assert (first.data.seq_len, first.model.rope_theta, first.optim.lr) == (64, 10000.0, 2e-3)
     assert (second.data.seq_len, second.data.batch_per_dp_rank, second.model.rope_theta) == \
         (128, 1, 40000.0)
     assert (second.optim.lr, second.trainer.global_batch_tokens) == (1e-3, 512)
-    assert (second.parallel.ulysses_degree, second.parallel.ring_degree) == (1, 4)
+    assert (second.parallel.ulysses_degree, second.parallel.ring_degree,
+            second.parallel.expert_degree, first.parallel.expert_degree) == (1, 4, 2, 1)
     # the third names only its length and scaling: the raised base, lr and degrees stay
     assert third.model.rope_theta == 40000.0 and third.model.rope_scaling == {
         "rope_type": "linear", "factor": 2.0}
-    assert (third.parallel.ulysses_degree, third.parallel.ring_degree) == (1, 4)
+    assert (third.parallel.ulysses_degree, third.parallel.ring_degree,
+            third.parallel.expert_degree) == (1, 4, 2)
     assert cfg.data.seq_len == 64 and cfg.model.rope_theta == 10000.0  # the base untouched
     plain = _cfg({"seq_len": 64, "steps": 1, "rope_scaling": {"rope_type": "linear", "factor": 2}},
                  {"seq_len": 64, "steps": 1, "rope_scaling": {"rope_type": "default"}})
@@ -71,6 +73,8 @@ def test_an_overlay_the_group_refuses_names_the_phase():
     ([{"steps": 1}], r"trainer.phases\[0\] has no seq_len"),
     ([{"seq_len": 64, "steps": 0}], r"trainer.phases\[0\].steps=0 must be >= 1"),
     ([{"seq_len": 64, "steps": 1, "ring_degree": 0}], r"ring_degree=0 must be a whole number"),
+    ([{"seq_len": 64, "steps": 1, "expert_degree": "2"}],
+     r"expert_degree='2' must be a whole number"),
     ([{"seq_len": 64, "steps": 1, "until": {"val_loss_within": 0.02}}],
      r"val_loss_within compares .* end of the first phase, which is this one"),
     ([{"seq_len": 64, "steps": 1}, {"seq_len": 64, "steps": 1, "until": {"passkey_acc": 1.5}}],

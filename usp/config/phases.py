@@ -3,8 +3,8 @@
 Each phase names its ``seq_len`` and its length, in optimizer ``steps`` or in ``tokens``
 (one of the two), and may overlay the base config's values for that phase: ``rope_theta``,
 ``rope_scaling``, ``lr`` (a new peak with its own warmup), ``batch_per_dp_rank``,
-``global_batch_tokens``, ``ulysses_degree``, ``ring_degree`` and ``blend`` (the token files
-the phase reads, as ``data.blend``: a phase's own data mix). A key a phase leaves unset
+``global_batch_tokens``, ``ulysses_degree``, ``ring_degree``, ``expert_degree`` and ``blend``
+(the token files the phase reads, as ``data.blend``: a phase's own data mix). A key a phase leaves unset
 keeps its value from the phase before, and the first phase's from the base config
 (``parallel=auto`` in the base lets the planner choose the degrees of every phase).
 ``until`` is the phase's gate: it may end before its steps when every criterion given holds
@@ -37,6 +37,7 @@ OVERLAY = {
     "global_batch_tokens": ("trainer", "global_batch_tokens"),
     "ulysses_degree": ("parallel", "ulysses_degree"),
     "ring_degree": ("parallel", "ring_degree"),
+    "expert_degree": ("parallel", "expert_degree"),
     "blend": ("data", "blend"),
 }
 
@@ -72,6 +73,7 @@ class PhaseConfig:
     global_batch_tokens: Optional[int] = None
     ulysses_degree: Any = None
     ring_degree: Any = None
+    expert_degree: Any = None
     blend: Optional[List[BlendSource]] = None
     until: Optional[PhaseGateConfig] = None
 
@@ -97,7 +99,7 @@ class PhaseConfig:
         for key in ("rope_theta", "lr"):
             if getattr(self, key) is not None:
                 above(at, 0, **{key: getattr(self, key)})
-        for key in ("ulysses_degree", "ring_degree"):
+        for key in ("ulysses_degree", "ring_degree", "expert_degree"):
             value = getattr(self, key)
             if value is not None and value != "auto" and not (
                     isinstance(value, int) and not isinstance(value, bool) and value >= 1):
@@ -192,7 +194,8 @@ def phase_config(cfg, k: int):
     """The config phase ``k`` (0-based) of ``cfg.trainer.phases`` trains with: ``cfg`` with
     the keys of phases 0..k overlaid in order on ``data.seq_len``, ``data.batch_per_dp_rank``,
     ``model.rope_theta``, ``model.rope_scaling``, ``optim.lr``,
-    ``trainer.global_batch_tokens``, ``parallel.ulysses_degree``, ``parallel.ring_degree``
+    ``trainer.global_batch_tokens``, ``parallel.ulysses_degree``, ``parallel.ring_degree``,
+    ``parallel.expert_degree``
     and ``data.blend`` (with ``data.path`` then unset): a key phase k leaves unset keeps its
     value from the phase before (a raised ``rope_theta`` stays raised), the first phase's
     from the base; every
