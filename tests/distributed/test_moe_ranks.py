@@ -54,10 +54,12 @@ def _worker(degrees):
                 assert place_experts(ep, mesh, degree, mp_policy=_fp64()) == 1
                 assert (ep.ep.size, ep.ep.local) == (degree, E // degree)
                 x = xs[rank].clone().requires_grad_(True)
+                before = mesh.comm.bytes["expert"]
                 y, _ = ep(x)
                 # each rank's loss times the world size, as usp scales it for FSDP's mean
                 (WORLD * (y * cots[rank]).sum()).backward()
                 where = f"{name} at expert degree {degree}, rank {rank}"
+                _check_bytes(ep, x, mesh.comm.bytes["expert"] - before, degree, where)
                 torch.testing.assert_close(y, ref_y[rank], rtol=1e-12, atol=1e-12, msg=where)
                 torch.testing.assert_close(x.grad, ref_dx[rank] * WORLD, rtol=1e-12,
                                            atol=1e-12, msg=where)
@@ -69,6 +71,18 @@ def _worker(degrees):
                         grad /= WORLD
                     torch.testing.assert_close(grad, ref_grads[pname], rtol=1e-10,
                                                atol=1e-12, msg=f"{where}: {pname}")
+
+
+def _check_bytes(ep, x, sent: int, degree: int, where: str) -> None:
+    """What the exchanges recorded (CommStats axis ``expert``): out, back, and the same two
+    in backward, each the rows bound for (or from) other ranks, and the row counts; summed
+    over the ranks, rows out equal rows back."""
+    with torch.no_grad():
+        owner = ep.route(ep.router(x)).indices.reshape(-1) // (E // degree)
+    away = torch.tensor([(owner != ep.ep.index).sum().item() * D * 8, sent], dtype=torch.float64)
+    dist.all_reduce(away)
+    counts = E * 8 * dist.get_world_size()  # the int64 row counts every rank sends
+    assert away[1] == 4 * away[0] + counts, (where, away.tolist(), counts)
 
 
 def _fp64():

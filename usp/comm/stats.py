@@ -98,8 +98,9 @@ class CommStats:
         self._pending.clear()
         self.hidden_s.clear()
 
-    def total_seconds(self) -> float:
-        return float(sum(self.seconds.values()))
+    def total_seconds(self, skip: tuple[str, ...] = ()) -> float:
+        """Blocked seconds of every axis but those in ``skip``."""
+        return float(sum(v for axis, v in self.seconds.items() if axis not in skip))
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

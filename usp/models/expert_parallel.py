@@ -29,31 +29,53 @@ torch 2.13 divides twice by it where that group has one rank and the gradients a
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..comm import CommStats
+from ..comm.stats import tensor_bytes
+
+AXIS = "expert"  # CommStats' axis of the expert exchanges
+
 class _AllToAll(torch.autograd.Function):
     """rows [sum(send), D] -> [sum(recv), D]: ``send[p]`` rows to rank p of ``group``,
     ``recv[p]`` from it; backward sends the gradients back the same way."""
 
     @staticmethod
-    def forward(ctx, rows, send: list[int], recv: list[int], group):
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        return _exchange(rows, send, recv, group)
+    def forward(ctx, rows, send: list[int], recv: list[int], group, stats):
+        ctx.send, ctx.recv, ctx.group, ctx.stats = send, recv, group, stats
+        return _exchange(rows, send, recv, group, stats)
 
     @staticmethod
     def backward(ctx, grad):
-        return _exchange(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+        return _exchange(grad, ctx.recv, ctx.send, ctx.group, ctx.stats), None, None, None, None
 
 
-def _exchange(rows: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+def _exchange(rows: torch.Tensor, send: list[int], recv: list[int], group,
+              stats: CommStats | None) -> torch.Tensor:
     out = rows.new_empty((sum(recv), *rows.shape[1:]))
-    dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=recv,
-                           input_split_sizes=send, group=group)
+    rows = rows.contiguous()
+    me = dist.get_rank(group)
+    row_bytes = rows[:1].numel() * rows.element_size()
+    with _timed(stats, (sum(send) - send[me]) * row_bytes, rows.device):  # what leaves
+        dist.all_to_all_single(out, rows, output_split_sizes=recv, input_split_sizes=send,
+                               group=group)
     return out
+
+
+@contextmanager
+def _timed(stats: CommStats | None, nbytes: int, device):
+    """Record ``nbytes`` sent and the time blocked on the ``expert`` axis of ``stats``."""
+    if stats is None:
+        yield
+        return
+    stats.record(AXIS, nbytes)
+    with stats.timed(AXIS, device):
+        yield
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -82,12 +104,14 @@ def local_tensor(p: torch.Tensor) -> torch.Tensor:
 class ExpertGroup:
     """One sparse layer's view of its expert group: ``group`` (N ranks), ``size`` N, ``index``
     (this rank's place in it), ``n_experts`` E; this rank holds experts [first, first +
-    local)."""
+    local). ``stats``: where the exchanges (rows out and back, forward and backward, and the
+    row counts) record their bytes sent and the time this rank was blocked in them."""
 
     group: dist.ProcessGroup
     size: int
     index: int
     n_experts: int
+    stats: CommStats | None = None  # the exchanges' bytes and blocked time, axis "expert"
 
     @property
     def local(self) -> int:
@@ -102,14 +126,15 @@ class ExpertGroup:
         each row through its expert, wherever it lives."""
         send_counts = torch.tensor(sizes, dtype=torch.int64).view(self.size, self.local)
         recv_counts = torch.empty_like(send_counts)  # [N source, E/N local expert]
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # one host sync
+        with _timed(self.stats, tensor_bytes(send_counts), rows.device):  # one host sync
+            dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
-        got = _AllToAll.apply(rows, send, recv, self.group)  # by source, then local expert
+        got = _AllToAll.apply(rows, send, recv, self.group, self.stats)  # by source, expert
         order = _by_expert(recv_counts).to(rows.device)
         out = experts(got[order], recv_counts.sum(0).tolist())  # through the local experts
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
-        return _AllToAll.apply(out[back], recv, send, self.group)  # [n*k, D], as they left
+        return _AllToAll.apply(out[back], recv, send, self.group, self.stats)  # as they left
 
 
 def _by_expert(counts: torch.Tensor) -> torch.Tensor:

@@ -46,5 +46,6 @@ def place_experts(model, mesh, degree: int, mp_policy) -> int:
             setattr(block.experts, name, torch.nn.Parameter(dt, requires_grad=p.requires_grad))
         fully_shard(block.experts, mesh=em["expert_fsdp"], mp_policy=mp_policy)
         block.experts.grad_scale = 1.0 / degree
-        block.ep = ExpertGroup(em["expert"].get_group(), degree, index, block.n_experts)
+        block.ep = ExpertGroup(em["expert"].get_group(), degree, index, block.n_experts,
+                               mesh.comm)
     return len(blocks)

@@ -7,8 +7,12 @@ trains; ``dp``: every rank, one loss of the global batch) and fixes the router l
 gradient at ``model.router_aux_loss_coef`` times it, scaled as the LM loss is for FSDP's
 mean over all W ranks (x W / dp, or x W) and divided over the step's micro-batches. The
 step's metrics: ``aux_loss`` (the pooled loss, the mean over micro-batches and dp ranks;
-the logged ``loss`` and ``val_loss`` are the LM loss alone) and ``expert_load`` (the busiest
-expert's token-assignments over the mean, the largest over the sparse layers).
+the logged ``loss`` and ``val_loss`` are the LM loss alone), ``expert_load`` (the busiest
+expert's token-assignments over the mean, the largest over the sparse layers) and, with
+expert parallelism, ``expert_a2a_mb`` and ``expert_comm_s``: the MiB this rank sent to other
+ranks in the expert exchanges (out and back, forward and backward, recomputation included)
+and the seconds it was blocked in them (``CommStats`` axis ``expert``; the largest over the
+ranks).
 
 With several micro-batches a step, each micro-batch's statistics make their own loss and the
 step's is their mean: the counts of later micro-batches are not known when an earlier one's
@@ -21,7 +25,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..models.expert_parallel import AXIS
 from ..models.sparse_mlp import attach_ledger
+
+EXPERT_AXES = (AXIS,)  # CommStats' axes of the expert exchanges (not attention's)
 
 
 class RouterBalance:
@@ -30,6 +37,8 @@ class RouterBalance:
 
     def __init__(self, model, mc, mesh):
         self.ledger = attach_ledger(model)
+        self.comm = mesh.comm
+        self.exchanged = (0, 0.0)  # the expert axis's bytes and seconds before this step
         self.weight = float(mc.router_aux_loss_coef or 0.0)
         world, dp = mesh.sp_size * mesh.dp, mesh.dp
         if mc.router_balance_over == "dp":
@@ -40,10 +49,13 @@ class RouterBalance:
         self.losses: list[float] = []
         self.loads: list[float] = []
 
-    def open(self) -> None:
-        """The next forward is a training micro-batch's: record its routing."""
+    def open(self, first: bool) -> None:
+        """The next forward is a training micro-batch's (``first``: the step's first):
+        record its routing."""
         if self.ledger is not None:
             self.ledger.open()
+        if first:
+            self.exchanged = (self.comm.bytes[AXIS], self.comm.seconds[AXIS])
 
     def settle(self, micro_batches: int) -> None:
         """Collective (the pooling group): after a micro-batch's forward, before its
@@ -55,8 +67,9 @@ class RouterBalance:
         self.loads.append(self.ledger.busiest())
 
     def metrics(self, device) -> dict:
-        """Collective over dp: the step's ``aux_loss`` and ``expert_load`` (means over its
-        micro-batches and the dp ranks); {} for a dense model."""
+        """Collective over dp (with expert parallelism, over every rank): the step's
+        ``aux_loss`` and ``expert_load`` (means over its micro-batches and the dp ranks) and
+        the exchanges' figures; {} for a dense model."""
         if self.ledger is None:
             return {}
         both = torch.tensor([sum(self.losses) / len(self.losses),
@@ -66,4 +79,11 @@ class RouterBalance:
         if self.dp > 1:
             dist.all_reduce(both, group=self.dp_group)
             both /= self.dp
-        return {"aux_loss": both[0].item(), "expert_load": both[1].item()}
+        out = {"aux_loss": both[0].item(), "expert_load": both[1].item()}
+        sent = self.comm.bytes[AXIS] - self.exchanged[0]
+        if sent or self.comm.calls[AXIS]:  # expert parallelism: its exchanges, busiest rank
+            most = torch.tensor([sent / 2**20, self.comm.seconds[AXIS] - self.exchanged[1]],
+                                dtype=torch.float64, device=device)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            out.update(expert_a2a_mb=most[0].item(), expert_comm_s=most[1].item())
+        return out

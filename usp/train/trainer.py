@@ -43,7 +43,7 @@ from .build import (checkpoint_records, continue_schedule, optimizer, record_for
 from .checkpointer import Checkpointer, Position
 from .faults import NonFiniteGuard, Preempted, Preemption
 from .grads import clip_grad_norm
-from .router_balance import RouterBalance
+from .router_balance import EXPERT_AXES, RouterBalance
 from .metrics import PeakMemory
 from .validator import Validator, missing_splits
 
@@ -254,7 +254,7 @@ class Trainer:
         and schedule (not for a skipped non-finite step); the step's summary (``samples``:
         the data position after it)."""
         run, data, consumed = self.run, self.data, at.consumed
-        t0, comm0 = time.perf_counter(), self.mesh.comm.total_seconds()
+        t0, comm0 = time.perf_counter(), self.mesh.comm.total_seconds(skip=EXPERT_AXES)
         pairs0 = sum(self.mesh.comm.kernel_pairs.values())  # the ring's counted work so far
         self.peak_mem.start()  # the peak below is this step's, not the run's
         # Data: the step's global batch is the next global_batch samples after `consumed`;
@@ -288,7 +288,7 @@ class Trainer:
         dist.all_reduce(total, group=self.dp_sp)
         peak, busiest = busiest[0], busiest[1]
         dt = time.perf_counter() - t0
-        comm = self.mesh.comm.total_seconds() - comm0
+        comm = self.mesh.comm.total_seconds(skip=EXPERT_AXES) - comm0  # attention's
         consumed += run.global_batch
         summary = {
             "step": step,
@@ -337,7 +337,7 @@ class Trainer:
                     self.model.set_requires_gradient_sync(k == accum - 1)
                 self.layouts.enter(m)  # per_document: attention on this batch's layout
                 b = m.batch
-                self.router.open()
+                self.router.open(k == 0)
                 # fp32 sum over this rank's labelled tokens; predictions [B, L/P]
                 loss_sum, predictions = loss_and_predictions(self.model, b, m.positions)
                 self.router.settle(accum)  # the router loss's gradient, pooled over ranks
