@@ -17,8 +17,10 @@ def test_dry_run_end_to_end(tmp_path):
     assert report["ok"] and report["dry_run"]
     counts = {name: len(rows) for name, rows in report["sections"].items()}
     # kernels: 2 dtypes x 3 head layouts x 1 head dim x 2 lengths x causal x strided
-    assert counts == {"kernels": 48, "ring": 16, "usp_attention": 16, "training": 4,
-                      "throughput": 2}
+    assert counts == {"kernels": 48, "ring": 16, "usp_attention": 16, "experts": 4,
+                      "training": 4, "throughput": 2}
+    assert {(r["degree"], r["dtype"]) for r in report["sections"]["experts"]} == {
+        (2, "float32"), (4, "float32"), (2, "bfloat16"), (4, "bfloat16")}
     layouts = {(r["ulysses"], r["ring"], r["a2a_chunks"])
                for r in report["sections"]["usp_attention"]}
     assert layouts == {(2, 2, 1), (1, 4, 1), (4, 1, 1), (2, 2, 2), (4, 1, 2)}

@@ -34,6 +34,7 @@ import torch
 
 from .gpu_sizes import Sizes  # noqa: F401 (the check's shapes)
 from .gpu_checks_attention import check_kernels, check_ring, check_usp_attention
+from .gpu_checks_experts import check_experts
 from .gpu_checks_training import check_throughput, check_training
 
 
@@ -42,6 +43,7 @@ SECTIONS = {
     "kernels": check_kernels,
     "ring": check_ring,
     "usp_attention": check_usp_attention,
+    "experts": check_experts,
     "training": check_training,
     "throughput": check_throughput,
 }

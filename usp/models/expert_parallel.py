@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..comm import CommStats
+from ..comm import CommStats, on_wire
 from ..comm.stats import tensor_bytes
 
 AXIS = "expert"  # CommStats' axis of the expert exchanges
@@ -57,14 +57,15 @@ class _AllToAll(torch.autograd.Function):
 
 def _exchange(rows: torch.Tensor, send: list[int], recv: list[int], group,
               stats: CommStats | None) -> torch.Tensor:
+    device = rows.device
+    rows = on_wire(rows.contiguous(), group)  # gloo: CUDA rows staged through the host
     out = rows.new_empty((sum(recv), *rows.shape[1:]))
-    rows = rows.contiguous()
     me = dist.get_rank(group)
     row_bytes = rows[:1].numel() * rows.element_size()
-    with _timed(stats, (sum(send) - send[me]) * row_bytes, rows.device):  # what leaves
+    with _timed(stats, (sum(send) - send[me]) * row_bytes, device):  # what leaves
         dist.all_to_all_single(out, rows, output_split_sizes=recv, input_split_sizes=send,
                                group=group)
-    return out
+    return out.to(device)
 
 
 @contextmanager
@@ -124,13 +125,14 @@ class ExpertGroup:
     def run(self, experts, rows: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """rows [n*k, D] in expert order (``sizes[e]`` rows for expert e, all E) -> [n*k, D],
         each row through its expert, wherever it lives."""
-        send_counts = torch.tensor(sizes, dtype=torch.int64).view(self.size, self.local)
+        send_counts = on_wire(torch.tensor(sizes, dtype=torch.int64, device=rows.device),
+                              self.group).view(self.size, self.local)  # NCCL: on the device
         recv_counts = torch.empty_like(send_counts)  # [N source, E/N local expert]
         with _timed(self.stats, tensor_bytes(send_counts), rows.device):  # one host sync
             dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
         got = _AllToAll.apply(rows, send, recv, self.group, self.stats)  # by source, expert
-        order = _by_expert(recv_counts).to(rows.device)
+        order = _by_expert(recv_counts.cpu()).to(rows.device)
         out = experts(got[order], recv_counts.sum(0).tolist())  # through the local experts
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
