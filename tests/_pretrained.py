@@ -6,9 +6,8 @@ Qwen3 with q/k norms, a head_dim of its own (24, not 64 / 4) and a window on its
 Gemma 3 text model (a window on its local layers 0 and 2, an attention scale of its own, a
 RoPE per layer type: its own bases, linear x 8 on the full layer), a Gemma 3 4B-27B layout
 (``gemma3``: that text model, untied, beside a tiny SigLIP vision tower and its projector),
-a Qwen3-MoE (8 experts, top 2, layer 1 dense); for ``model.hf`` only, a gpt-oss (sinks, a
-band on layers 0 and 2, YaRN, 4 experts with biases, top 2). Every norm weight is drawn away
-from its init."""
+a Qwen3-MoE (8 experts, top 2, layer 1 dense), a gpt-oss (sinks, a band on layers 0 and 2,
+YaRN, 4 experts with biases, top 2). Every norm weight is drawn away from its init."""
 
 import functools
 from pathlib import Path
@@ -58,9 +57,10 @@ KINDS = tuple(BUILTIN)  # the families the built-in model serves
 HF_ONLY = tuple(k for k in FAMILIES if k not in BUILTIN)  # transformers' class only (model.hf)
 
 
-def hf_config(kind: str):
-    """The transformers config of the family ``kind``'s checkpoint; a text model beside other
-    parts (``Family.text_model``) is its text family's, under the key the family names."""
+def hf_config(kind: str, **changes):
+    """The transformers config of the family ``kind``'s checkpoint, with ``changes`` (keys of
+    its config); a text model beside other parts (``Family.text_model``) is its text family's,
+    under the key the family names."""
     import transformers
 
     fam = FAMILIES[kind]
@@ -68,14 +68,15 @@ def hf_config(kind: str):
         text = hf_config(fam.text_model.family)
         return getattr(transformers, fam.config_class)(
             **{fam.text_model.config: text.to_dict()}, **FAMILY_CONFIG[kind])
-    return getattr(transformers, fam.config_class)(**SHAPE, **FAMILY_CONFIG[kind])
+    return getattr(transformers, fam.config_class)(**{**SHAPE, **FAMILY_CONFIG[kind], **changes})
 
 
-def hf_model(kind: str, seed: int = 0):
-    """A fresh transformers model of the family ``kind`` (fp32), its biases random too."""
+def hf_model(kind: str, seed: int = 0, **changes):
+    """A fresh transformers model of the family ``kind`` (fp32, ``hf_config(kind, **changes)``),
+    its biases random too."""
     import transformers
 
-    config = hf_config(kind)
+    config = hf_config(kind, **changes)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
@@ -87,8 +88,8 @@ def hf_model(kind: str, seed: int = 0):
     return model.eval()
 
 
-def save_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
-    hf_model(kind, seed).save_pretrained(path)
+def save_checkpoint(kind: str, path: Path, seed: int = 0, **changes) -> Path:
+    hf_model(kind, seed, **changes).save_pretrained(path)
     return path
 
 

@@ -23,13 +23,15 @@ import torch.nn.functional as F
 
 from _cli import run_commands
 from _export_runs import corpus
-from _pretrained import GEMMA_ROPE, HF_ONLY, KINDS, hf_logits, save_checkpoint, usp_logits
+from _pretrained import GEMMA_ROPE, KINDS, hf_logits, save_checkpoint, usp_logits
 
 L = 32
 YARN = "{rope_type:yarn,factor:4,original_max_position_embeddings:8}"
 # name -> (checkpoint, overrides, transformers' rope_parameters: None = the checkpoint's)
-# the mixtures of experts the built-in model computes: e2e/test_moe_commands.py
-RUNS = {kind: (kind, [], None) for kind in KINDS if kind not in ("gemma3_text", "qwen3_moe")}
+# through model.hf (the built-in gpt-oss and Qwen3-MoE, their experts: e2e/test_moe_commands.py)
+THROUGH_HF = ("gpt_oss",)
+RUNS = {kind: (kind, [], None) for kind in KINDS
+        if kind not in ("gemma3_text", "qwen3_moe", *THROUGH_HF)}
 RUNS["llama_yarn"] = ("llama", ["model.rope_theta=2000000", f"model.rope_scaling={YARN}"],
                       {"rope_theta": 2e6, "rope_type": "yarn", "factor": 4.0,
                        "original_max_position_embeddings": 8})
@@ -39,7 +41,7 @@ RUNS["qwen3"] = ("qwen3", TILED, None)
 RUNS["gemma3"] = ("gemma3", [*TILED, "model.rope_theta=2000000", "model.local_rope_theta=20000"],
                   {"full_attention": {**GEMMA_ROPE["full_attention"], "rope_theta": 2e6},
                    "sliding_attention": {"rope_type": "default", "rope_theta": 20000.0}})
-RUNS.update({kind: (kind, [f"model.hf={kind}"], None) for kind in HF_ONLY})
+RUNS.update({kind: (kind, [f"model.hf={kind}"], None) for kind in THROUGH_HF})
 # the same run at other layouts, dp 1 (the same batches): the first of each is at (2,2)
 LAYOUTS = {f"{kind}_{u}x{r}": (u, r) for kind in ("qwen3", "gemma3", "gpt_oss")
            for u, r in ((1, 1), (4, 1))}
@@ -62,7 +64,7 @@ def _args(root: Path, name: str, ckpt: Path, extra=()) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pretrained")
-    ckpts = {k: save_checkpoint(k, root / "ckpt" / k) for k in KINDS + HF_ONLY}
+    ckpts = {k: save_checkpoint(k, root / "ckpt" / k) for k in KINDS}
     corpus(root / "corpus", 4096)
     corpus(Path(f"{root / 'corpus'}.val"), 1024)
     calls = [("train_main", _args(root, name, ckpts[k], extra))
@@ -91,7 +93,7 @@ def test_step_0_val_loss_is_transformers_and_the_run_trains(runs, name):
     recs = [json.loads(x) for x in (root / name / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in recs] == [0, 1, 2]
     kind, _, rope = RUNS[name]
-    want = _hf_val_loss(root, ckpts[kind], rope, kind if kind in HF_ONLY else None)
+    want = _hf_val_loss(root, ckpts[kind], rope, kind if kind in THROUGH_HF else None)
     assert recs[0]["val_loss"] == pytest.approx(want, rel=1e-4)
     assert "step=0 val_loss=" in r.stdout
     assert all(np.isfinite(x["loss"]) for x in recs[1:])

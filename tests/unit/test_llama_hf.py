@@ -139,10 +139,13 @@ WINDOWS = {"none": dict(),  # every layer full
            "some": dict(sliding_window=8, full_attention_every=2)}  # layer 1 full
 # the window settings each family cannot hold (a family without an entry fails by name)
 REFUSED = {"llama": {"every", "some"}, "qwen2": set(), "mistral": {"some"}, "qwen3": set(),
-           "gemma3_text": set(), "gemma3": set(), "qwen3_moe": {"some"}}
-# what a family states beyond the shared decoder's shape: Qwen3-MoE's experts (layer 1 dense)
+           "gemma3_text": set(), "gemma3": set(), "qwen3_moe": {"some"}, "gpt_oss": set()}
+# what a family states beyond the shared decoder's shape: Qwen3-MoE's experts (layer 1 dense),
+# gpt-oss's (every layer), its o_proj bias and sinks
 STATED = {"qwen3_moe": dict(n_experts=4, experts_per_token=2, expert_ffn_dim=16,
-                            norm_topk_prob=True, sparse_layers=[0])}
+                            norm_topk_prob=True, sparse_layers=[0]),
+          "gpt_oss": dict(n_experts=4, experts_per_token=2, expert_ffn_dim=16, swiglu_limit=7.0,
+                          swiglu_alpha=1.702, o_bias=True, attention_sinks=True)}
 # the architecture a run from a checkpoint of a family exports as, where it is not the family
 # itself: a gemma3 checkpoint's text model alone
 EXPORTED = {"gemma3": "gemma3_text"}

@@ -38,7 +38,8 @@ def close(a, b, rel=1e-5):
 def test_checkpoint_logits_equal_transformers(ckpts, kind):
     """The checkpoint's own shape and RoPE (Llama: llama3 scaling and head_dim 32; Qwen2: q/k/v
     biases, tied, windowed layers 1-2; Mistral: a window of 5; Gemma 3: its norms around each
-    part, GeGLU, scaled embeddings, attention scale and a RoPE per layer type) give
+    part, GeGLU, scaled embeddings, attention scale and a RoPE per layer type; gpt-oss: sinks,
+    q/k/v/o biases, its experts, YaRN: more in test_gpt_oss.py) give
     transformers' logits. Every tensor moves over unchanged: a q/k permutation (Meta's
     original layout) would break this."""
     mc = pretrained_config(ckpts[kind])
@@ -114,45 +115,9 @@ def test_bad_checkpoints_are_refused_with_the_fix(ckpts, tmp_path):
     said = str(err.value)  # the path once, and no pointer to model.hf, which refuses it too
     assert said.startswith(f"model.pretrained={tmp_path} is a 'olmo3' model; usp maps "
                            + ", ".join(BUILTIN)) and said.count("model.pretrained=") == 1
-    assert ", ".join(HF_ONLY) + " as transformers' classes" in said
+    assert ("model.hf trains those" + "".join(f" and {k}" for k in HF_ONLY)
+            + " as transformers' classes") in said
     assert "usp-train cannot train it" in said and "usp.models.hf.patch" in said
-
-
-@pytest.mark.parametrize("kind", HF_ONLY)
-def test_a_family_only_transformers_computes_is_model_hf_from_its_checkpoint(kind, tmp_path):
-    """A gpt-oss checkpoint: the built-in model refuses it naming
-    model.hf=<its type>; with model.hf its shape is read (biases, a band on layers 0
-    and 2, YaRN; ffn_dim: the experts a token runs; Qwen3-MoE's: test_qwen3_moe.py); model.hf without a checkpoint
-    and a router loss usp would drop are refused by name."""
-    import json
-
-    from usp.models.families import check_model
-
-    ckpt = save_checkpoint(kind, tmp_path / kind)
-    with pytest.raises(ValueError, match=f"is a '{kind}' model, which the built-in model does "
-                                         f"not compute .*; add model.hf={kind} "):
-        pretrained_config(ckpt)
-    mc = pretrained_config(ckpt, hf=kind)
-    assert (mc.hf, mc.arch, mc.dim, mc.n_layers, mc.n_heads, mc.n_kv_heads) == (kind, None, 64, 3,
-                                                                               4, 2)
-    want = {"gpt_oss": dict(qk_norm=False, qkv_bias=True, ffn_dim=2 * 128, head_dim=16,
-                            sliding_window=6, rope_theta=150000.0,
-                            layer_types=["sliding_attention", "full_attention",
-                                         "sliding_attention"])}[kind]
-    assert {k: getattr(mc, k) for k in want} == want
-    if kind == "gpt_oss":
-        assert mc.rope_scaling["rope_type"] == "yarn" and mc.rope_scaling["factor"] == 4.0
-    with pytest.raises(ValueError, match=f"model.hf={kind} trains from a checkpoint: .*set "
-                                         "model=pretrained model.pretrained=DIR"):
-        check_model(replace(mc, pretrained=None))
-    config = json.loads((ckpt / "config.json").read_text())
-    (ckpt / "config.json").write_text(json.dumps({**config, "output_router_logits": True,
-                                                  "router_aux_loss_coef": 0.25}))
-    # transformers would add its router loss, which a model.hf run's loss leaves out: refused
-    with pytest.raises(ValueError, match=r"model.router_aux_loss_coef=0.25: a model.hf run's "
-                                         "loss is usp's LM loss alone"):
-        pretrained_config(ckpt, hf=kind)
-    assert mc.router_aux_loss_coef == 0.0  # output_router_logits=false: transformers' 0
 
 
 def test_what_a_qwen3_checkpoint_holds_is_read_and_its_o_proj_bias_refused(ckpts, tmp_path):

@@ -55,6 +55,9 @@ class ModelConfig:
     tie_embeddings: bool = _fixed(True)
     qkv_bias: bool = _fixed(False)  # biases on the q, k and v projections (Qwen2)
     qk_norm: bool = _fixed(False)  # RMSNorm of each q and k head before RoPE (Qwen3)
+    o_bias: bool = _fixed(False)  # a bias on the o projection too (gpt-oss)
+    # a learned logit per query head in each softmax that carries no value (gpt-oss's sinks)
+    attention_sinks: bool = _fixed(False)
     # attention scores scaled by query_pre_attn_scalar ** -0.5 (Gemma 3); None: head_dim's
     query_pre_attn_scalar: Optional[int] = _fixed(None)
     sliding_window: Optional[int] = _fixed(None)  # tokens a query sees (itself included); None: all
@@ -69,6 +72,12 @@ class ModelConfig:
     experts_per_token: Optional[int] = _fixed(None)
     expert_ffn_dim: Optional[int] = _fixed(None)
     norm_topk_prob: Optional[bool] = _fixed(None)
+    # gpt-oss's experts instead (usp.models.moe.GptOssMoeBlock): top-k of the router's logits
+    # (which has a bias) then softmax over the k, experts with biases computing
+    # (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g), g = clamp(gate, max=limit); None:
+    # Qwen3-MoE's (softmax then top-k, norm_topk_prob; SwiGLU experts without biases)
+    swiglu_limit: Optional[float] = _fixed(None)
+    swiglu_alpha: Optional[float] = _fixed(None)
     # the layers (0-based) whose MLP is the experts; None (with n_experts): every layer. The
     # others are dense SwiGLU MLPs of ffn_dim
     sparse_layers: Optional[List[int]] = _fixed(None)
@@ -147,10 +156,18 @@ class ModelConfig:
                                  "set model.n_experts (a mixture of experts) or "
                                  f"model.{given[0]}=null")
             return
-        missing = [k for k in MOE_FIELDS[:4] if moe[k] is None]
+        # the router's and experts' kind: Qwen3-MoE's (norm_topk_prob) or gpt-oss's (swiglu_*)
+        kind = ("swiglu_limit", "swiglu_alpha") if self.clamped_experts else ("norm_topk_prob",)
+        missing = [k for k in MOE_FIELDS[:3] + kind if moe[k] is None]
         if missing:
             raise ValueError(f"model.n_experts={self.n_experts} needs "
                              f"{', '.join('model.' + k for k in missing)} set too")
+        if self.clamped_experts and self.norm_topk_prob is not None:
+            raise ValueError(f"model.norm_topk_prob={self.norm_topk_prob} with model.swiglu_limit="
+                             f"{self.swiglu_limit}: gpt-oss's router takes the top-k logits then "
+                             "a softmax over them (nothing to renormalise); set "
+                             "model.norm_topk_prob=null, or model.swiglu_limit=null and "
+                             "model.swiglu_alpha=null for Qwen3-MoE's experts")
         at_least("model", 1, n_experts=self.n_experts, experts_per_token=self.experts_per_token,
                  expert_ffn_dim=self.expert_ffn_dim)
         if self.experts_per_token > self.n_experts:
@@ -163,6 +180,12 @@ class ModelConfig:
                 raise ValueError(f"model.sparse_layers={self.sparse_layers}: layers are 0 to "
                                  f"{self.n_layers - 1}")
 
+    @property
+    def clamped_experts(self) -> bool:
+        """The experts are gpt-oss's (``swiglu_limit`` or ``swiglu_alpha`` set), not
+        Qwen3-MoE's."""
+        return self.swiglu_limit is not None or self.swiglu_alpha is not None
+
     def sparse(self, layer: int) -> bool:
         """Layer ``layer``'s MLP is the experts (``n_experts``, ``sparse_layers``)."""
         return self.n_experts is not None and (self.sparse_layers is None
@@ -174,7 +197,10 @@ class ModelConfig:
         if not self.sparse(layer):
             return 3 * self.dim * self.ffn_dim
         experts = self.experts_per_token if active else self.n_experts
-        return self.dim * self.n_experts + 3 * self.dim * self.expert_ffn_dim * experts
+        weights = self.dim * self.n_experts + 3 * self.dim * self.expert_ffn_dim * experts
+        if self.clamped_experts and not active:  # biases: the router's, each expert's
+            weights += self.n_experts * (1 + 2 * self.expert_ffn_dim + self.dim)
+        return weights
 
     def layer_window(self, layer: int) -> Optional[int]:
         """The sliding window of layer ``layer`` (0-based), or None for full attention.
@@ -226,6 +252,7 @@ class ModelConfig:
             per_layer += (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
         if self.qk_norm:  # one weight of head_dim for every q head, one for every k head
             per_layer += 2 * self.head_dim
+        per_layer += self.dim * self.o_bias + self.n_heads * self.attention_sinks
         emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         mlps = sum(self.mlp_params(i) for i in range(self.n_layers))  # dense or experts
         return self.n_layers * per_layer + mlps + emb + self.dim
@@ -233,7 +260,7 @@ class ModelConfig:
 
 # a mixture of experts: the fields only such a model holds (ModelConfig._check_experts)
 MOE_FIELDS = ("n_experts", "experts_per_token", "expert_ffn_dim", "norm_topk_prob",
-              "sparse_layers")
+              "sparse_layers", "swiglu_limit", "swiglu_alpha")
 # the fields a checkpoint fixes, and those ``auto`` may take from one, in declaration order
 CHECKPOINT_SHAPE = tuple(f.name for f in fields(ModelConfig)
                          if f.metadata.get("checkpoint") == "fixed")

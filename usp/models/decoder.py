@@ -1,13 +1,15 @@
 """A Llama-style GQA decoder whose attention is a pluggable function.
 
-RMSNorm, RoPE, SwiGLU, q/k/v biases only with ``cfg.qkv_bias`` (Qwen2), an RMSNorm of each
+RMSNorm, RoPE, SwiGLU, q/k/v biases only with ``cfg.qkv_bias`` (Qwen2) and an o_proj bias only
+with ``cfg.o_bias`` (gpt-oss), an RMSNorm of each
 q and k head before RoPE only with ``cfg.qk_norm`` (Qwen3), tied or untied embeddings,
 ``cfg.head_dim`` wide heads, a RoPE base of their own on the sliding layers with
 ``cfg.local_rope_theta``. Attention is whatever
 ``attn_fn(q, k, v, **options) -> out`` the caller passes (q [B, n, Hq, hd], k/v [B, n, Hkv,
 hd], out [B, n, Hq, hd]; ``options``: ``segment_ids`` [B, n] when documents are packed,
 ``window`` on sliding-window layers and ``scale`` with ``cfg.query_pre_attn_scalar``, each
-passed only when set), e.g.
+passed only when set; ``sinks`` [Hq], a learned logit per query head, with
+``cfg.attention_sinks``), e.g.
 
 - one process: ``functools.partial(usp.attention.local_attention, causal=True)``;
 - sequence parallel: ``functools.partial(usp_attention, mesh=mesh, layout=layout,
@@ -64,7 +66,9 @@ class Attention(nn.Module):
     """GQA self-attention projections around ``attn_fn``: x [B, n, D] -> [B, n, D]. The
     scores are scaled by ``cfg.query_pre_attn_scalar ** -0.5`` when it is set (passed to
     ``attn_fn`` as ``scale``), else by ``attn_fn``'s default, ``head_dim ** -0.5``; the q/k
-    norms (``cfg.qk_norm``) are of class ``norm``."""
+    norms (``cfg.qk_norm``) are of class ``norm``. With ``cfg.attention_sinks`` each query
+    head's softmax has one more logit, ``sinks`` [Hq], that carries no value (gpt-oss's;
+    passed to ``attn_fn`` as ``sinks``)."""
 
     def __init__(self, cfg: ModelConfig, attn_fn: AttnFn, window: int | None = None,
                  norm: type[RMSNorm] = RMSNorm):
@@ -75,7 +79,8 @@ class Attention(nn.Module):
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=bias)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.o_bias)
+        self.sinks = nn.Parameter(torch.empty(cfg.n_heads)) if cfg.attention_sinks else None
         # one weight [hd] shared by all heads of q, one by all of k (Qwen3's q_norm, k_norm)
         self.q_norm = norm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = norm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
@@ -100,6 +105,8 @@ class Attention(nn.Module):
             options["window"] = self.window
         if self.scale is not None:
             options["scale"] = self.scale
+        if self.sinks is not None:
+            options["sinks"] = self.sinks  # [Hq], every head's: attn_fn picks a rank's own
         out = self.attn_fn(q, k, v, **options)  # [B, n, Hq, hd]
         return self.wo(out.reshape(b, n, self.n_heads * self.head_dim))  # -> [B, n, D]
 
@@ -231,11 +238,12 @@ class Transformer(nn.Module):
         the result does not depend on device, parameter order or the parallel layout.
         Matrices ~ N(0, 0.02); the projections that write into the residual stream
         (``attention.wo``, ``feed_forward.w2``) ~ N(0, 0.02 / sqrt(2 * n_layers));
-        RMSNorm weights = 1, biases = 0.
+        RMSNorm weights = 1, biases = 0 (gpt-oss's expert biases too), anything else (the
+        sinks) ~ N(0, 0.02).
         """
         out_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
-            if name.endswith(("norm.weight", ".bias")):
+            if name.endswith(("norm.weight", ".bias", "_proj_bias")):
                 p.fill_(1.0 if name.endswith("weight") else 0.0)
                 continue
             std = out_std if name.endswith(("wo.weight", "w2.weight")) else 0.02

@@ -18,8 +18,7 @@ from .family import Family, windows
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     llama.FAMILY, qwen2.FAMILY, mistral.FAMILY, qwen3.FAMILY,  # the built-in model computes
     gemma3_text.FAMILY, gemma3.FAMILY,  # ... on its own blocks (gemma3: the text model)
-    qwen3_moe.FAMILY,  # ... on its own blocks, a mixture of experts
-    gpt_oss.FAMILY)}  # transformers' class, model.hf
+    qwen3_moe.FAMILY, gpt_oss.FAMILY)}  # ... a mixture of experts
 # the families the built-in model computes (model=pretrained without model.hf, model.arch)
 BUILTIN: dict[str, Family] = {name: f for name, f in FAMILIES.items() if f.builtin}
 # those of the shared decoder: a built-in model without model.arch is one of them
@@ -85,10 +84,10 @@ def checkpoint_family(model_type: str | None, where: str = "the checkpoint") -> 
     """The family of a checkpoint whose config says ``model_type``; ValueError naming
     ``where`` and the families otherwise."""
     if model_type not in FAMILIES:
-        hf_only = [n for n in FAMILIES if n not in BUILTIN]
+        hf_only = "".join(f" and {n}" for n in FAMILIES if n not in BUILTIN)
         raise ValueError(f"{where} is a {model_type!r} model; usp maps {', '.join(BUILTIN)} "
-                         f"checkpoints onto its built-in model, and model.hf trains those and "
-                         f"{', '.join(hf_only)} as transformers' classes: usp-train cannot "
+                         f"checkpoints onto its built-in model, and model.hf trains those"
+                         f"{hf_only} as transformers' classes: usp-train cannot "
                          "train it. The library path patches any decoder transformers ships, "
                          "or refuses it by name (usp.models.hf.patch, docs/huggingface.md)")
     return FAMILIES[model_type]
@@ -139,10 +138,11 @@ def _shared_family(mc: ModelConfig) -> Family:
 
 
 def _check_holds(mc: ModelConfig, fam: Family, what: str) -> None:
-    """Refuse a setting of ``HELD`` (``local_rope_theta``, ...) set on ``mc`` whose family
+    """Refuse a setting of ``HELD`` (``local_rope_theta``, ..., None or false unset) set on
+    ``mc`` whose family
     ``fam`` does not hold it (its transformers config has no place for it)."""
     for key in HELD:
-        if getattr(mc, key) is not None and key not in fam.holds:
+        if getattr(mc, key) not in (None, False) and key not in fam.holds:
             holders = [f.name for f in FAMILIES.values() if key in f.holds]
             raise ValueError(f"model.{key}={getattr(mc, key)} but {what} has no such setting; "
                              f"set model.{key}=null, or train a family that has it "

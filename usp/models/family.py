@@ -92,7 +92,8 @@ def shape_fields(hc) -> dict:
                 head_dim=getattr(hc, "head_dim", None) or hc.hidden_size // heads,
                 rope_theta=float(theta), rope_scaling=check_rope_scaling(rope),
                 norm_eps=float(hc.rms_norm_eps), tie_embeddings=bool(hc.tie_word_embeddings),
-                qkv_bias=False, qk_norm=False, sliding_window=None, full_attention_every=0,
+                qkv_bias=False, qk_norm=False, o_bias=False, attention_sinks=False,
+                sliding_window=None, full_attention_every=0,
                 layer_types=None, local_rope_theta=None, query_pre_attn_scalar=None,
                 router_aux_loss_coef=router_aux_loss_coef(hc), **dict.fromkeys(MOE_FIELDS))
 
@@ -235,8 +236,8 @@ class Family:
     # a checkpoint's transformers config -> ValueError for what transformers' class computes
     # and the built-in model does not (model=pretrained without model.hf)
     check_builtin: Callable = _computes_any
-    # the ModelConfig fields (None unless set) only some families hold: a model whose family
-    # does not list one refuses it set (usp.models.families.check_model)
+    # the ModelConfig fields (None or false unless set) only some families hold: a model whose
+    # family does not list one refuses it set (usp.models.families.check_model)
     holds: tuple[str, ...] = ()
     # the built-in model class that computes it; None: transformers' class computes it, through
     # usp's attention (model.hf and a checkpoint of it only; the built-in model refuses it)

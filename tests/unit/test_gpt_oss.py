@@ -1,0 +1,203 @@
+"""gpt-oss on the built-in model (usp/models/gpt_oss, expert degree 1): a tiny checkpoint written
+by transformers (8 experts, top 2, 3 layers, a band on layers 0 and 2, YaRN without truncation,
+sinks, q/k/v and o_proj biases, a clamp of 0.1 that bites and a swiglu_alpha of its own) is
+read with its experts, loads whole or rank by rank, and gives transformers' GptOssForCausalLM's
+logits, loss and every parameter's gradient (eager, fp32), on usp's torch and reference
+kernels; the memory features change nothing; the export reloads as gpt_oss with the run's
+logits; model.hf=gpt_oss still trains transformers' class; what the family cannot hold is
+refused by name."""
+
+import json
+import shutil
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from usp.config import ModelConfig, RecallData
+from usp.models.export import export_checkpoint
+from usp.models.families import builtin_model, check_model, check_priced, hf_names
+from usp.models.hf_model import build_model
+from usp.models.pretrained import check_checkpoint, load_state, pretrained_config
+from usp.models.run_records import save_data_record, save_model_config
+from usp.models.shard_load import load_shards
+
+from _pretrained import LOCAL, REFERENCE, save_checkpoint
+
+pytest.importorskip("transformers")
+TOKENS = torch.randint(0, 128, (2, 25), generator=torch.Generator().manual_seed(1))
+POSITIONS = torch.arange(25)
+# beside _pretrained's gpt-oss: 8 experts, a clamp most gates and ups reach, another alpha
+CHANGES = dict(num_local_experts=8, swiglu_limit=0.1, swiglu_alpha=1.5)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_checkpoint("gpt_oss", tmp_path_factory.mktemp("gpt_oss") / "ckpt", **CHANGES)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def _model(mc: ModelConfig, attn=LOCAL, **options):
+    model = builtin_model(mc, attn, **options)
+    model.load_state_dict(load_state(mc))
+    return model
+
+
+def _hf(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                attn_implementation="eager")
+
+
+def test_the_checkpoint_is_read_with_its_experts_sinks_and_biases(ckpt):
+    mc = pretrained_config(ckpt)
+    check_checkpoint(mc)
+    assert (mc.arch, mc.qkv_bias, mc.o_bias, mc.attention_sinks, mc.n_experts,
+            mc.experts_per_token, mc.expert_ffn_dim, mc.norm_topk_prob, mc.sparse_layers,
+            mc.swiglu_limit, mc.swiglu_alpha) == ("gpt_oss", True, True, True, 8, 2, 128, None,
+                                                  None, 0.1, 1.5)
+    assert (mc.sliding_window, mc.layer_types[1], mc.rope_scaling["truncate"]) == (
+        6, "full_attention", False)
+    assert mc.ffn_dim == 2 * 128  # the experts a token runs: what a dense layer would count
+    state = load_state(mc)
+    assert state["layers.0.feed_forward.experts.gate_up_proj"].shape == (8, 64, 256)
+    assert state["layers.2.feed_forward.experts.down_proj_bias"].shape == (8, 64)
+    assert state["layers.1.attention.sinks"].shape == (4,)
+    assert "layers.1.feed_forward.w1.weight" not in state  # no dense MLP
+    assert replace(mc, pretrained=None).num_params() == sum(t.numel() for t in state.values())
+
+
+@pytest.mark.parametrize("attn", [LOCAL, REFERENCE], ids=["torch", "reference"])
+def test_logits_loss_and_every_gradient_are_transformers(ckpt, attn):
+    mc = pretrained_config(ckpt)
+    model, hf = _model(mc, attn), _hf(ckpt)
+    labels = torch.roll(TOKENS, -1, 1)
+    mine, _ = model(TOKENS, POSITIONS, labels=labels)
+    theirs = hf(input_ids=TOKENS)
+    with torch.no_grad():
+        assert _rel(model(TOKENS, POSITIONS), theirs.logits) < 1e-5
+    want = torch.nn.functional.cross_entropy(theirs.logits.flatten(0, 1), labels.flatten(),
+                                             reduction="sum")
+    assert abs(mine.item() - want.item()) / want.item() < 1e-5
+    mine.backward()
+    want.backward()
+    hf_params, params = dict(hf.named_parameters()), dict(model.named_parameters())
+    assert len(hf_names(mc)) == len(params) == len(hf_params)
+    for usp, name in hf_names(mc).items():
+        assert _rel(params[usp].grad, hf_params[name].grad) < 1e-5, usp
+
+
+def test_the_rank_by_rank_load_reads_the_same_weights(ckpt):
+    mc = pretrained_config(ckpt)
+    with torch.device("meta"):
+        model = builtin_model(mc, LOCAL)
+    load_shards(model, mc, "cpu")
+    want = load_state(mc)
+    assert all(torch.equal(t, want[k]) for k, t in model.state_dict().items())
+
+
+@pytest.mark.parametrize("options", [dict(mlp_tiles=3), dict(loss_chunk=7),
+                                     dict(part="block"), dict(part="attention"),
+                                     dict(part="mlp")])
+def test_the_memory_features_change_nothing(ckpt, options):
+    """In fp64: the tiled experts, the chunked LM head and each activation-checkpointed part
+    give the plain model's loss and gradients (the sinks' among them)."""
+    mc = pretrained_config(ckpt)
+    part = options.pop("part", None)
+    ckpts = dict(checkpoint_activations=True, checkpoint_part=part) if part else {}
+    plain = _model(mc, REFERENCE).double()
+    other = _model(replace(mc, **options), REFERENCE, **ckpts).double()
+    labels = torch.roll(TOKENS, -1, 1)
+    losses = []
+    for model in (plain, other):
+        loss, _ = model(TOKENS, POSITIONS, labels=labels)
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[1] == pytest.approx(losses[0], rel=1e-12)
+    for (name, p), q in zip(plain.named_parameters(), other.parameters()):
+        assert _rel(q.grad, p.grad) < 1e-10, name
+
+
+def test_the_export_reloads_as_gpt_oss_with_the_runs_logits(ckpt, tmp_path):
+    from transformers import AutoConfig
+
+    mc = pretrained_config(ckpt)
+    model = _model(mc).eval()
+    with torch.no_grad():  # the run's own weights, not the checkpoint's
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step_000001"
+    with warnings.catch_warnings():  # one process is assumed: it is meant
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(step), no_dist=True)
+    torch.save({"step": 1}, step / "extra.pt")
+    save_model_config(mc, run)
+    save_data_record(RecallData(seq_len=32, batch_per_dp_rank=1), run, None)
+    export_checkpoint(run, tmp_path / "out")
+    hc = AutoConfig.from_pretrained(tmp_path / "out")
+    assert (hc.model_type, hc.num_local_experts, hc.num_experts_per_tok, hc.intermediate_size,
+            hc.swiglu_limit, hc.swiglu_alpha, hc.attention_bias, hc.layer_types,
+            hc.sliding_window) == ("gpt_oss", 8, 2, 128, 0.1, 1.5, True,
+                                   ["sliding_attention", "full_attention", "sliding_attention"], 6)
+    assert hc.rope_parameters["rope_type"] == "yarn" and not hc.rope_parameters["truncate"]
+    with torch.no_grad():
+        got = _hf(tmp_path / "out").eval()(input_ids=TOKENS).logits
+        assert _rel(got, model(TOKENS, POSITIONS)) < 1e-5
+    back = pretrained_config(tmp_path / "out")  # and it reads back as the same model
+    assert replace(back, pretrained=None) == replace(mc, pretrained=None)
+
+
+def test_model_hf_gpt_oss_still_trains_transformers_class(ckpt, tmp_path):
+    """model.hf=gpt_oss: transformers' class from the checkpoint (the same shape read), whose
+    logits are the built-in model's; without a checkpoint, or with a router loss a model.hf
+    run would drop, refused by name (the built-in model keeps the loss's weight)."""
+    mc = pretrained_config(ckpt, hf="gpt_oss")
+    assert (mc.hf, mc.arch, mc.n_experts, mc.attention_sinks) == ("gpt_oss", None, 8, True)
+    check_model(mc)
+    with torch.no_grad():
+        assert _rel(build_model(mc, 0).eval()(input_ids=TOKENS).logits,
+                    _model(pretrained_config(ckpt)).eval()(TOKENS, POSITIONS)) < 1e-5
+    with pytest.raises(ValueError, match="model.hf=gpt_oss trains from a checkpoint"):
+        check_model(replace(mc, pretrained=None))
+    shutil.copytree(ckpt, tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "output_router_logits": True,
+                                "router_aux_loss_coef": 0.25}))
+    assert pretrained_config(tmp_path / "ckpt").router_aux_loss_coef == 0.25
+    with pytest.raises(ValueError, match=r"model.router_aux_loss_coef=0.25: a model.hf run's "
+                                         "loss is usp's LM loss alone"):
+        pretrained_config(tmp_path / "ckpt", hf="gpt_oss")
+
+
+def test_what_the_family_cannot_hold_is_refused_by_name(ckpt, tmp_path):
+    mc = pretrained_config(ckpt)
+    with pytest.raises(ValueError, match=r"model.arch=gpt_oss: model.sparse_layers=\[0, 2\] is "
+                                         "not a gpt-oss"):
+        check_model(replace(mc, sparse_layers=[0, 2]))
+    with pytest.raises(ValueError, match="model.arch=gpt_oss: model.attention_sinks=False"):
+        check_model(replace(mc, attention_sinks=False))
+    with pytest.raises(ValueError, match="model.o_bias=True but model.arch=llama has no such"):
+        check_model(replace(mc, arch="llama", n_experts=None, experts_per_token=None,
+                            expert_ffn_dim=None, swiglu_limit=None, swiglu_alpha=None,
+                            attention_sinks=False))
+    with pytest.raises(ValueError, match="model.norm_topk_prob=True with model.swiglu_limit=0.1"):
+        replace(mc, norm_topk_prob=True)
+    with pytest.raises(ValueError, match="model.n_experts=8 needs model.swiglu_alpha"):
+        replace(mc, swiglu_alpha=None)
+    with pytest.raises(ValueError, match="usp-plan prices a dense decoder; "
+                                         "model.arch=gpt_oss is a mixture of experts"):
+        check_priced(mc, "usp-plan")
+    shutil.copytree(ckpt, tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()),
+                                "quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(ValueError, match="quantization_config.quant_method='fp8': usp reads "
+                                         "gpt-oss weights unquantized or in MXFP4 only"):
+        pretrained_config(tmp_path / "ckpt")
