@@ -27,6 +27,7 @@ import torch
 
 from ..config import ModelConfig
 from ..config.model import CHECKPOINT_FIELDS, CHECKPOINT_SHAPE
+from . import mxfp4
 from .families import (FAMILIES, builtin_checkpoint, builtin_model, check_model,
                        check_whole, checkpoint_family, family)
 
@@ -201,7 +202,8 @@ def expected_tensors(mc: ModelConfig, stored=()) -> dict[str, tuple[str, tuple[i
     """checkpoint tensor name -> (built-in parameter name, its shape) for ``mc``, under the
     names of a checkpoint holding the tensors ``stored`` (``Family.stored_names``: a family's
     other layout). A fused expert weight the checkpoint stores per expert
-    (``Family.per_expert``) is its parts instead, each with its own shape (``stacked``)."""
+    (``Family.per_expert``) is its parts instead, each with its own shape (``stacked``); one it
+    stores in MXFP4 its blocks and scales (``usp.models.mxfp4``, ``packed``)."""
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in builtin_model(mc, None).state_dict().items()}
     fam = family(mc.arch, "model.arch")
@@ -213,6 +215,9 @@ def expected_tensors(mc: ModelConfig, stored=()) -> dict[str, tuple[str, tuple[i
             shape = shapes[usp][1:]  # [E, P*R, C] -> each part [R, C]
             for parts in experts:
                 out.update({p: (usp, (shape[0] // len(parts), *shape[1:])) for p in parts})
+        elif mxfp4.is_packed(hf, stored):  # [E, C, R] from blocks and scales
+            out.update(zip(mxfp4.packed_names(hf),
+                           ((usp, s) for s in mxfp4.packed_shapes(shapes[usp]))))
         else:
             out[hf] = (usp, shapes[usp])
     return out
@@ -225,6 +230,13 @@ def stacked(mc: ModelConfig, stored=()) -> dict[str, list[tuple[str, ...]]]:
     names = fam.stored_names(mc, stored)
     return {names[hf]: experts for hf, experts in fam.per_expert(mc).items()
             if hf in names and hf not in stored}
+
+
+def packed(mc: ModelConfig, stored) -> dict[str, str]:
+    """Each built-in expert weight the checkpoint holding the tensors ``stored`` has in MXFP4
+    -> its name there (without the ``_blocks`` / ``_scales`` suffix)."""
+    names = family(mc.arch, "model.arch").stored_names(mc, stored)
+    return {usp: hf for hf, usp in names.items() if mxfp4.is_packed(hf, stored)}
 
 
 def check_checkpoint(mc: ModelConfig) -> None:
@@ -278,20 +290,24 @@ def start_notes(mc: ModelConfig, seq_len: int) -> list[str]:
 
 def load_state(mc: ModelConfig) -> dict[str, torch.Tensor]:
     """The checkpoint's weights as the built-in model's state dict (fp32, whole tensors);
-    experts stored apart are stacked (``stacked``)."""
+    experts stored apart are stacked (``stacked``), those in MXFP4 dequantized (``packed``)."""
     from safetensors import safe_open
 
     stored = tensor_index(mc.pretrained)  # headers only
     names = {hf: usp for hf, (usp, _) in expected_tensors(mc, stored).items()}
-    apart = stacked(mc, stored)
+    apart, quantized = stacked(mc, stored), packed(mc, stored)
     out, parts = {}, {}
     for f in weight_files(mc.pretrained):
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
                 if name in names and names[name] in apart:  # one expert's part
                     parts[name] = st.get_tensor(name).float()
+                elif name in names and names[name] in quantized:  # MXFP4 blocks or scales
+                    parts[name] = st.get_tensor(name)
                 elif name in names:
                     out[names[name]] = st.get_tensor(name).float()
     for usp, experts in apart.items():  # E x [R, C] parts -> [E, P*R, C]
         out[usp] = torch.stack([torch.cat([parts[p] for p in each]) for each in experts])
+    for usp, name in quantized.items():  # blocks [E, R, C/32, 16], scales -> [E, C, R]
+        out[usp] = mxfp4.dequantize(*(parts[p] for p in mxfp4.packed_names(name)))
     return out
