@@ -7,7 +7,8 @@ Gemma 3 text model (a window on its local layers 0 and 2, an attention scale of 
 RoPE per layer type: its own bases, linear x 8 on the full layer), a Gemma 3 4B-27B layout
 (``gemma3``: that text model, untied, beside a tiny SigLIP vision tower and its projector),
 a Qwen3-MoE (8 experts, top 2, layer 1 dense), a gpt-oss (sinks, a band on layers 0 and 2,
-YaRN, 4 experts with biases, top 2). Every norm weight is drawn away from its init."""
+YaRN, 4 experts with biases, top 2), and a gpt-oss's MXFP4 copy (``save_mxfp4``: the tests' own
+e2m1 packer). Every norm weight is drawn away from its init."""
 
 import functools
 from pathlib import Path
@@ -91,6 +92,53 @@ def hf_model(kind: str, seed: int = 0, **changes):
 def save_checkpoint(kind: str, path: Path, seed: int = 0, **changes) -> Path:
     hf_model(kind, seed, **changes).save_pretrained(path)
     return path
+
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # the codes 0-7; 8-15 negative
+
+
+def pack_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fused expert weight w [E, C, R] (x @ w[e]) -> MXFP4 (blocks [E, R, C/32, 16] uint8,
+    scales [E, R, C/32] uint8) as released gpt-oss checkpoints store it: each row of w^T in
+    blocks of 32 under the smallest power of two that brings its largest magnitude to 6 or
+    less, each value the nearest e2m1 code (the low nibble the even element)."""
+    e, c, r = w.shape
+    t = w.transpose(1, 2).reshape(e, r, c // 32, 32)  # [E, R, G, 32]
+    exp = torch.ceil(torch.log2(t.abs().amax(-1) / 6)).clamp(min=-127)  # [E, R, G]
+    scaled = t / torch.exp2(exp)[..., None]
+    code = (scaled.abs()[..., None] - E2M1).abs().argmin(-1) | ((scaled < 0).long() << 3)
+    blocks = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)  # [E, R, G, 16]
+    return blocks, (exp + 127).to(torch.uint8)
+
+
+def save_mxfp4(ckpt: Path, out: Path, twin: Path | None = None) -> Path:
+    """A copy at ``out`` of the gpt-oss checkpoint ``ckpt`` with its expert weights in MXFP4
+    (``pack_mxfp4``; ``quantization_config`` mxfp4, as released checkpoints say); ``twin``: also
+    the unquantized checkpoint whose expert weights are transformers' dequantization of those
+    bytes (``convert_moe_packed_tensors``)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    quantized, dequantized = {}, {}
+    for name, t in load_file(ckpt / "model.safetensors").items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = pack_mxfp4(t)
+            quantized.update({f"{name}_blocks": blocks, f"{name}_scales": scales})
+            dequantized[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        else:
+            quantized[name] = dequantized[name] = t
+    config = json.loads((ckpt / "config.json").read_text())
+    keep = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+            "lm_head"]  # released checkpoints' modules_to_not_convert
+    mxfp4 = {"quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": keep}}
+    for path, tensors, extra in ((out, quantized, mxfp4), (twin, dequantized, {})):
+        if path is not None:
+            path.mkdir(parents=True)
+            save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+            (path / "config.json").write_text(json.dumps({**config, **extra}))
+    return out
 
 
 def hf_logits(path: Path, tokens: torch.Tensor, rope_parameters: dict | None = None):

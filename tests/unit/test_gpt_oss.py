@@ -5,9 +5,10 @@ read with its experts, loads whole or rank by rank, and gives transformers' GptO
 logits, loss and every parameter's gradient (eager, fp32), on usp's torch and reference
 kernels; the memory features change nothing; the export reloads as gpt_oss with the run's
 logits; model.hf=gpt_oss still trains transformers' class; what the family cannot hold is
-refused by name. An MXFP4 copy of the checkpoint (its expert weights packed by this test into
-e2m1 blocks and scales) loads, whole or rank by rank, as the unquantized checkpoint whose
-expert weights transformers' own dequantizer made from those bytes: bit for bit."""
+refused by name. An MXFP4 copy of the checkpoint (its expert weights packed into e2m1 blocks
+and scales by the tests' own packer, _pretrained.pack_mxfp4) loads, whole or rank by rank, as
+the unquantized checkpoint whose expert weights transformers' own dequantizer made from those
+bytes: bit for bit."""
 
 import json
 import shutil
@@ -19,15 +20,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from usp.config import ModelConfig, RecallData
-from usp.models.export import export_checkpoint
 from usp.models import mxfp4
+from usp.models.export import export_checkpoint
 from usp.models.families import builtin_model, check_model, check_priced, hf_names
 from usp.models.hf_model import build_model
 from usp.models.pretrained import check_checkpoint, load_state, pretrained_config
 from usp.models.run_records import save_data_record, save_model_config
 from usp.models.shard_load import load_shards
 
-from _pretrained import LOCAL, REFERENCE, save_checkpoint
+from _pretrained import LOCAL, REFERENCE, save_checkpoint, save_mxfp4
 
 pytest.importorskip("transformers")
 TOKENS = torch.randint(0, 128, (2, 25), generator=torch.Generator().manual_seed(1))
@@ -39,23 +40,6 @@ CHANGES = dict(num_local_experts=8, swiglu_limit=0.1, swiglu_alpha=1.5)
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return save_checkpoint("gpt_oss", tmp_path_factory.mktemp("gpt_oss") / "ckpt", **CHANGES)
-
-
-E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # the codes 0-7; 8-15 negative
-
-
-def pack_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A fused expert weight w [E, C, R] (x @ w[e]) -> MXFP4 (blocks [E, R, C/32, 16] uint8,
-    scales [E, R, C/32] uint8) as released gpt-oss checkpoints store it: each row of w^T in
-    blocks of 32 under the smallest power of two that brings its largest magnitude to 6 or
-    less, each value the nearest e2m1 code (the low nibble the even element)."""
-    e, c, r = w.shape
-    t = w.transpose(1, 2).reshape(e, r, c // 32, 32)  # [E, R, G, 32]
-    exp = torch.ceil(torch.log2(t.abs().amax(-1) / 6)).clamp(min=-127)  # [E, R, G]
-    scaled = t / torch.exp2(exp)[..., None]
-    code = (scaled.abs()[..., None] - E2M1).abs().argmin(-1) | ((scaled < 0).long() << 3)
-    blocks = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)  # [E, R, G, 16]
-    return blocks, (exp + 127).to(torch.uint8)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -229,29 +213,7 @@ def test_an_mxfp4_checkpoint_loads_as_its_dequantized_twin(ckpt, tmp_path):
     (convert_moe_packed_tensors): equal weights, transformers' logits within 1e-5; and
     within the format's rounding of the unquantized checkpoint's logits (e2m1 keeps 2
     significant bits; the logits here move by 1.6e-3 of their largest, asserted below 1e-2)."""
-    from safetensors.torch import load_file, save_file
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
-    state = load_file(ckpt / "model.safetensors")
-    quantized, twin = {}, {}
-    for name, t in state.items():
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            blocks, scales = pack_mxfp4(t)
-            quantized.update({f"{name}_blocks": blocks, f"{name}_scales": scales})
-            twin[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
-        else:
-            quantized[name] = twin[name] = t
-    config = json.loads((ckpt / "config.json").read_text())
-    for path, tensors, extra in (
-            (tmp_path / "mxfp4", quantized, {"quantization_config": {
-                "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
-                                                                    "model.layers.*.mlp.router",
-                                                                    "model.embed_tokens",
-                                                                    "lm_head"]}}),
-            (tmp_path / "twin", twin, {})):
-        path.mkdir()
-        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-        (path / "config.json").write_text(json.dumps({**config, **extra}))
+    save_mxfp4(ckpt, tmp_path / "mxfp4", tmp_path / "twin")
     mc = pretrained_config(tmp_path / "mxfp4")
     check_checkpoint(mc)
     assert replace(mc, pretrained=None) == replace(pretrained_config(ckpt), pretrained=None)
