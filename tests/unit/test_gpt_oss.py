@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from usp.config import ModelConfig, RecallData
+from usp.config import ModelConfig, ParallelConfig, RecallData, RunConfig
 from usp.models import mxfp4
 from usp.models.export import export_checkpoint
 from usp.models.families import builtin_model, check_model, check_priced, hf_names
@@ -27,6 +27,7 @@ from usp.models.hf_model import build_model
 from usp.models.pretrained import check_checkpoint, load_state, pretrained_config
 from usp.models.run_records import save_data_record, save_model_config
 from usp.models.shard_load import load_shards
+from usp.run import check_run_masks
 
 from _pretrained import LOCAL, REFERENCE, save_checkpoint, save_mxfp4
 
@@ -198,6 +199,12 @@ def test_what_the_family_cannot_hold_is_refused_by_name(ckpt, tmp_path):
     with pytest.raises(ValueError, match="usp-plan prices a dense decoder; "
                                          "model.arch=gpt_oss is a mixture of experts"):
         check_priced(mc, "usp-plan")
+    run = RunConfig(model=mc, parallel=ParallelConfig(ring_impl="ring_flash_attn"))
+    with pytest.raises(ValueError, match="model.attention_sinks=true with parallel.ring_impl="
+                                         "ring_flash_attn: ring_impl='ring_flash_attn' cannot "
+                                         "apply sinks"):
+        check_run_masks(run)  # before launch, as every mask the ring engine cannot apply
+    check_run_masks(replace(run, parallel=ParallelConfig()))
     shutil.copytree(ckpt, tmp_path / "ckpt")
     path = tmp_path / "ckpt" / "config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()),

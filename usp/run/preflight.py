@@ -12,6 +12,7 @@ import torch
 from ..config import ModelConfig, RunConfig
 from ..data.dataset import build_dataset, build_validation
 from ..dims.balance import choose_balance, sequence_balance
+from ..attention import check_sinks
 from ..masks import check_masks
 from ..models.families import check_model
 from ..models.hf_model import check_pretrained
@@ -145,8 +146,16 @@ def _installed(module: str) -> bool:
 
 def check_run_masks(cfg: RunConfig) -> None:
     """Refuse document ids (``data.packing=documents``) or a sliding window the attention
-    kernel and ring engine cannot apply (the rule is ``usp.masks.check_masks``'s)."""
+    kernel and ring engine cannot apply (the rule is ``usp.masks.check_masks``'s), and
+    attention sinks (``model.attention_sinks``, gpt-oss's) a ring engine cannot fold in
+    (``usp.attention.check_sinks``'s)."""
     mc, pc = cfg.model, cfg.parallel
+    if mc.attention_sinks:  # stand-ins of the shapes the model passes: q [1, 1, Hq, 1], [Hq]
+        try:
+            check_sinks(torch.zeros(mc.n_heads), torch.zeros(1, 1, mc.n_heads, 1), pc.ring_impl)
+        except ValueError as e:
+            raise ValueError(f"model.attention_sinks=true with parallel.ring_impl="
+                             f"{pc.ring_impl}: {e}") from None
     window = next((w for w in map(mc.layer_window, range(mc.n_layers)) if w), None)
     ids = torch.zeros(1, 1, dtype=torch.long) if cfg.data.packed else None  # a stand-in
     try:
