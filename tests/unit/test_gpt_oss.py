@@ -183,8 +183,8 @@ def test_model_hf_gpt_oss_still_trains_transformers_class(ckpt, tmp_path):
 
 def test_what_the_family_cannot_hold_is_refused_by_name(ckpt, tmp_path):
     mc = pretrained_config(ckpt)
-    with pytest.raises(ValueError, match=r"model.arch=gpt_oss: model.sparse_layers=\[0, 2\] is "
-                                         "not a gpt-oss"):
+    with pytest.raises(ValueError, match=r"model.sparse_layers=\[0, 2\] but model.arch=gpt_oss "
+                                         "has no such setting"):
         check_model(replace(mc, sparse_layers=[0, 2]))
     with pytest.raises(ValueError, match="model.arch=gpt_oss: model.attention_sinks=False"):
         check_model(replace(mc, attention_sinks=False))
@@ -240,3 +240,23 @@ def test_an_mxfp4_checkpoint_loads_as_its_dequantized_twin(ckpt, tmp_path):
         assert _rel(logits, _hf(tmp_path / "twin")(input_ids=TOKENS).logits) < 1e-5
         off = _rel(logits, _hf(ckpt)(input_ids=TOKENS).logits)  # the rounding: 1.6e-3
         assert 1e-5 < off < 1e-2
+
+
+def test_the_released_yarn_is_transformers():
+    """GptOssConfig's defaults are the released models' RoPE (base 150000, head_dim 64, YaRN x 32
+    over 4096 positions, beta 32 / 1, truncate false): the built-in frequencies and attention
+    factor equal transformers' (fp32)."""
+    from transformers import GptOssConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from usp.models.family import shape_fields
+    from usp.models.rope import inverse_frequencies
+
+    hc = GptOssConfig()
+    mc = shape_fields(hc)
+    assert (mc["rope_theta"], mc["rope_scaling"]["truncate"], mc["head_dim"]) == (
+        150000.0, False, 64)
+    want, factor = ROPE_INIT_FUNCTIONS["yarn"](hc, "cpu")
+    got, attention = inverse_frequencies(mc["head_dim"], mc["rope_theta"], mc["rope_scaling"])
+    assert torch.allclose(got.float(), want, rtol=1e-6, atol=0)
+    assert attention == pytest.approx(factor, rel=1e-12)

@@ -14,6 +14,6 @@ from .state_dict_adapter import names
 FAMILY = Family(name="gpt_oss", config_class="GptOssConfig", read=read, write=write,
                 biases=True, check_hf=check_hf, check_arch=check_arch,
                 check_builtin=check_builtin,
-                holds=("n_experts", "experts_per_token", "expert_ffn_dim", "sparse_layers",
-                       "o_bias", "attention_sinks", "swiglu_limit", "swiglu_alpha"),
+                holds=("n_experts", "experts_per_token", "expert_ffn_dim", "o_bias",
+                       "attention_sinks", "swiglu_limit", "swiglu_alpha"),
                 model=GptOss, names=names, experts=True)

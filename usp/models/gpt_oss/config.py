@@ -61,11 +61,10 @@ def check_hf(mc) -> None:
 
 def check_arch(mc) -> None:
     """A run from a gpt-oss checkpoint has what every ``GptOssForCausalLM`` has: sinks, q/k/v
-    biases if and only if an o_proj bias (one ``attention_bias``), gpt-oss's experts on every
-    layer."""
+    biases if and only if an o_proj bias (one ``attention_bias``), gpt-oss's experts (on every
+    layer: ``model.sparse_layers`` is not a gpt-oss setting, refused as such)."""
     for key, fine in (("attention_sinks", mc.attention_sinks), ("o_bias", mc.o_bias == mc.qkv_bias),
-                      ("n_experts", mc.n_experts is not None and mc.clamped_experts),
-                      ("sparse_layers", mc.sparse_layers is None)):
+                      ("n_experts", mc.n_experts is not None and mc.clamped_experts)):
         if not fine:
             raise ValueError(f"model.arch=gpt_oss: model.{key}={getattr(mc, key)} is not a "
                              "gpt-oss (sinks on every layer, q/k/v and o_proj biases together, "
