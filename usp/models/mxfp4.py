@@ -48,7 +48,7 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} "
                          f"do not pair: blocks are [..., G, {BLOCK // 2}] for scales [..., G]")
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
-    codes = blocks.to(torch.int64)
+    codes = blocks.to(torch.int32)  # indices into lut (int32: half int64's bytes)
     out = torch.stack((lut[codes & 0x0F], lut[codes >> 4]), dim=-1)  # [E, R, G, 16, 2]
     out = out.flatten(-2)  # [E, R, G, 32]: low nibble even, high nibble odd
     out = torch.ldexp(out, scales.to(torch.int32)[..., None] - 127)  # x 2 ** (scale - 127)
