@@ -122,8 +122,8 @@ def test_the_gemma3_recipe_plans_its_local_layers_before_the_checkpoint_exists()
 def test_the_moe_recipes_plan_their_experts_or_say_why_not():
     """recipes/qwen3_30b_a3b_extend_128k_h100x16 (128 experts, top-8, on 2 x 8 H100, degrees
     and expert degree auto): usp-plan ranks the expert degrees beside the layouts and prints
-    the experts' terms; recipes/gpt_oss_20b_extend_128k_h100x8 (model.hf=gpt_oss, whose config
-    states no experts) is refused by name."""
+    the experts' terms; recipes/gpt_oss_20b_extend_128k_h100x8 (the built-in gpt-oss: 32 experts,
+    top-4, on 1 x 8 H100) plans its experts too."""
     from usp.planner.report import plan_report
 
     absent = ["model.pretrained=/absent/ckpt", "data.path=/absent/tokens"]
@@ -144,8 +144,11 @@ def test_the_moe_recipes_plan_their_experts_or_say_why_not():
         decide_expert_degree(dataclasses.replace(run, parallel=dataclasses.replace(
             run.parallel, expert_degree=3)), 16)
     oss = _compose("plan", ["recipe=gpt_oss_20b_extend_128k_h100x8", *absent])
-    with pytest.raises(ValueError, match="model.hf=gpt_oss is one, but its config states no"):
-        cli._plan(oss)
+    assert (oss.model.arch, oss.model.n_experts, oss.model.attention_sinks) == ("gpt_oss", 32,
+                                                                               True)
+    text, _ = plan_report(oss)
+    assert "experts: 24 sparse layers x 32 experts of 2880, top-4" in text
+    assert "x expert " in text.split("choice: ")[1].splitlines()[0]
 
 
 def test_the_phases_recipe_plans_every_phase():
