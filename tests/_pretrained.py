@@ -7,7 +7,7 @@ Gemma 3 text model (a window on its local layers 0 and 2, an attention scale of 
 RoPE per layer type: its own bases, linear x 8 on the full layer), a Gemma 3 4B-27B layout
 (``gemma3``: that text model, untied, beside a tiny SigLIP vision tower and its projector),
 a Qwen3-MoE (8 experts, top 2, layer 1 dense), a gpt-oss (sinks, a band on layers 0 and 2,
-YaRN, 4 experts with biases, top 2), and a gpt-oss's MXFP4 copy (``save_mxfp4``: the tests' own
+YaRN, 8 experts with biases, top 2), and a gpt-oss's MXFP4 copy (``save_mxfp4``: the tests' own
 e2m1 packer). Every norm weight is drawn away from its init."""
 
 import functools
@@ -49,7 +49,7 @@ FAMILY_CONFIG = {
                                       num_attention_heads=2, image_size=28, patch_size=14),
                    mm_tokens_per_image=4, image_token_index=127, boi_token_index=125,
                    eoi_token_index=126, tie_word_embeddings=False),
-    "gpt_oss": dict(head_dim=16, sliding_window=6, num_local_experts=4, num_experts_per_tok=2,
+    "gpt_oss": dict(head_dim=16, sliding_window=6, num_local_experts=8, num_experts_per_tok=2,
                     rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0,
                                          beta_fast=32.0, beta_slow=1.0, truncate=False,
                                          original_max_position_embeddings=64)),

@@ -3,7 +3,9 @@ over expert groups of 2 and 4 of the 4 ranks (``usp.models.expert_placement.plac
 FSDP over the ranks outside the group) gives every rank's output and every gradient (router,
 each expert weight and bias, the input) of the same block run in one process on all the
 ranks' tokens, for Qwen3-MoE's and gpt-oss's blocks; routing is uneven (some experts get no
-row from some rank)."""
+row from some rank), and in one case every token goes to experts 0 and 1, so that the other
+ranks receive no rows at all (their backward exchanges still run, their experts get zero
+gradients)."""
 
 import copy
 
@@ -21,8 +23,11 @@ WORLD = 4
 
 def _blocks():
     torch.manual_seed(0)
+    skewed = GptOssMoeBlock(D, E, K, F, init_std=0.3)
+    with torch.no_grad():  # every token picks experts 0 and 1: the other ranks receive none
+        skewed.router.bias.copy_(torch.tensor([50.0, 40.0] + [0.0] * (E - 2)))
     return {"qwen3_moe": Qwen3MoeBlock(D, E, K, F, norm_topk_prob=True, init_std=0.3),
-            "gpt_oss": GptOssMoeBlock(D, E, K, F, init_std=0.3)}
+            "gpt_oss": GptOssMoeBlock(D, E, K, F, init_std=0.3), "gpt_oss_skewed": skewed}
 
 
 def _inputs():

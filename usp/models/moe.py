@@ -121,14 +121,16 @@ class Experts(nn.Module):
     """E experts in fused [E, ...] weights (or this rank's E/N of them, ``local_tensor``):
     ``forward(rows, sizes)`` runs rows [m, D] grouped by local expert (``sizes[e]`` rows for
     expert e) -> [m, D], each group through its expert (``expert(e, rows_e)``, which a
-    subclass defines); an expert with no rows is skipped. A module call, so that FSDP
-    gathers the weights of experts sharded apart (``usp.models.expert_parallel``)."""
+    subclass defines). An expert with no rows runs too, on none: every weight is in the
+    graph on every rank, so each gets a gradient (zero) and FSDP reduces the same tensors
+    everywhere, and a rank that received no rows still runs the backward exchanges. A module
+    call, so that FSDP gathers the weights of experts sharded apart
+    (``usp.models.expert_parallel``)."""
 
     grad_scale: float = 1.0  # the weights' gradients times this (expert parallelism: 1/N)
 
     def forward(self, rows: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        outs = [self.expert(e, group) for e, group in enumerate(rows.split(sizes)) if sizes[e]]
-        return torch.cat(outs) if outs else rows.new_zeros(rows.shape)
+        return torch.cat([self.expert(e, group) for e, group in enumerate(rows.split(sizes))])
 
     def local(self, name: str) -> torch.Tensor:
         """Weight ``name``'s local experts [E or E/N, ...] (``local_tensor``), its gradient
