@@ -19,7 +19,6 @@ from usp.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 NO_CLOSE_SCRIPT = ROOT / "tests" / "no_close_script.py"
-EXAMPLE_RUNS = 5  # torchrun launches of the example; each takes ~10 s on 2 cores
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
@@ -28,12 +27,15 @@ def test_library_example_exits_cleanly(tmp_path):
            if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
     cmd = ["torchrun", "--standalone", "--nproc-per-node", "4",
            str(ROOT / "examples" / "library_example.py")]
-    for run in range(EXAMPLE_RUNS):
-        res = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env,
-                             timeout=300, check=False)
-        assert "terminate called" not in res.stderr, (run, res.stderr[-3000:])
-        assert res.returncode == 0, (run, res.stderr[-3000:])
-        assert "matches dense attention" in res.stdout, (run, res.stdout)
+    # One launch (~8 s on 2 cores; five were run before). The exit is asserted
+    # deterministically rather than by repeating a race: distributed/test_clean_exit.py (close
+    # and ``with`` leave only the default group's gloo workers) and the test below (no worker
+    # alive at the last atexit handler after ``dist.destroy_process_group()``).
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env,
+                         timeout=300, check=False)
+    assert "terminate called" not in res.stderr, res.stderr[-3000:]
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "matches dense attention" in res.stdout, res.stdout
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc")
