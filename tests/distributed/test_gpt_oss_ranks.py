@@ -1,7 +1,8 @@
 """gpt-oss on the built-in model over 4 gloo ranks, as training builds it (``routed_model`` on
-the meta device, FSDP2 over dp x sp, ``load_shards``: each rank reads its rows, its 2 of the 8
-experts): the tiny checkpoint of unit/test_gpt_oss.py and its MXFP4 copy (each rank
-dequantizes its own experts' bytes), at (ulysses, ring) = (2, 2) zigzag and (4, 1): the
+the meta device, FSDP2 over dp x sp with the experts spread over expert groups,
+``load_shards``: each rank reads its rows, its 2 of the 8 experts): the tiny checkpoint of
+unit/test_gpt_oss.py at (ulysses, ring) = (2, 2) zigzag, expert degree 2, and its MXFP4 copy
+(each rank dequantizes its own experts' bytes) at (4, 1), expert degree 4: the
 gathered logits equal transformers' eager GptOssForCausalLM (of the MXFP4 copy: of its twin
 with transformers' dequantized experts) within 1e-5, the summed loss within 1e-5, and every
 parameter's gradient (the sinks' through ulysses and the ring, the experts' FSDP-reduced)
@@ -22,7 +23,8 @@ from usp.train.build import shard_model
 from _pretrained import save_checkpoint, save_mxfp4
 
 L, B = 32, 2
-LAYOUTS = ((2, 2, "zigzag"), (4, 1, "contiguous"))
+# (ulysses, ring, balance, expert degree) of the checkpoint, then of its MXFP4 copy
+LAYOUTS = ((2, 2, "zigzag", 2), (4, 1, "contiguous", 4))
 CHANGES = dict(num_local_experts=8, swiglu_limit=0.1, swiglu_alpha=1.5)  # unit/test_gpt_oss.py
 
 
@@ -41,15 +43,15 @@ def _reference(path, ids, labels) -> dict:
     return dict(logits=logits.detach(), loss=loss.item(), grads=grads)
 
 
-def _case(mesh: SPMesh, balance: str, path: str, ids, labels, want: dict) -> None:
+def _case(mesh: SPMesh, balance: str, experts: int, path: str, ids, labels, want: dict) -> None:
     mc = pretrained_config(path)
     layout = SequenceLayout(mesh, seq_len=L, balance=balance)
     model, _, _ = routed_model(mc, mesh, dict(kernel="torch"), 0, layout)
-    shard_model(model, mesh.submesh("fsdp"), "fp32")
+    shard_model(model, mesh.submesh("fsdp"), "fp32", experts=(mesh, experts))
     load_shards(model, mc, "cpu")  # this rank's rows: 2 of the 8 experts
     positions = layout.positions()
     logits = model(layout.shard(ids), positions)
-    where = f"{path} (u={mesh.ulysses}, r={mesh.ring}, {balance})"
+    where = f"{path} (u={mesh.ulysses}, r={mesh.ring}, {balance}, expert degree {experts})"
     err = (layout.gather(logits.detach(), dim=1) - want["logits"]).abs().max()
     assert err <= 1e-5 * want["logits"].abs().max(), f"{where}: logits off by {err:.2e}"
     loss, _ = model(layout.shard(ids), positions, labels=layout.shard(labels))
@@ -64,10 +66,9 @@ def _case(mesh: SPMesh, balance: str, path: str, ids, labels, want: dict) -> Non
 
 
 def _worker(cases: list, ids, labels) -> None:
-    for u, r, balance in LAYOUTS:
+    for (u, r, balance, experts), (path, want) in zip(LAYOUTS, cases):
         with SPMesh.build(ulysses=u, ring=r) as mesh:
-            for path, want in cases:
-                _case(mesh, balance, path, ids, labels, want)
+            _case(mesh, balance, experts, path, ids, labels, want)
 
 
 @pytest.mark.timeout(300)
