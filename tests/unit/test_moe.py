@@ -197,3 +197,18 @@ def test_each_ranks_share_carries_the_whole_losses_gradient(family):
     for blk, w in zip(blocks, want):
         assert w.abs().max() > 0
         assert rel(blk.router.weight.grad, w) <= 1e-6
+
+
+def test_the_start_line_says_the_expert_degree_and_how_the_router_loss_pools():
+    from usp.config import ModelConfig
+    from usp.run.resolve import router_loss_note
+
+    moe = dict(n_experts=8, experts_per_token=2, expert_ffn_dim=16, norm_topk_prob=True)
+    assert router_loss_note(ModelConfig(), 1, 1) is None  # a dense model
+    assert router_loss_note(ModelConfig(**moe), 1, 4) == (
+        "8 experts a sparse layer, expert degree 4; no router loss "
+        "(model.router_aux_loss_coef=0)")
+    note = router_loss_note(ModelConfig(**moe, router_aux_loss_coef=0.01,
+                                        router_balance_over="dp"), 3, 2)
+    assert note.startswith("8 experts a sparse layer, expert degree 2; router loss x 0.01 "
+                           "pooled over the global batch, formed per micro-batch (3 a step)")

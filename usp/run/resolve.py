@@ -59,6 +59,9 @@ def resolve_run(cfg: RunConfig, world: int, device: str, env=None, *,
     chunks = decide_a2a_chunks(cfg, world, u, r, dp, ranks_per_node, topology, balance)
     accum = grad_accum_steps(cfg.trainer, cfg.data.seq_len, cfg.data.batch_per_dp_rank, dp)
     experts = decide_expert_degree(cfg, world, u, r, dp, topology, balance)
+    note = router_loss_note(cfg.model, accum, experts)
+    if note:
+        say(f"usp: {note}")
     layout = RunLayout(world=world, dp=dp, ring=r, ulysses=u, placement=pc.placement,
                        ranks_per_node=ranks_per_node, balance=balance, kernel=pc.kernel,
                        ring_impl=pc.ring_impl, a2a_chunks=chunks, device=device,
@@ -68,6 +71,23 @@ def resolve_run(cfg: RunConfig, world: int, device: str, env=None, *,
     if table:
         say(table)
     return layout
+
+
+def router_loss_note(mc, accum: int, experts: int) -> str | None:
+    """The start line of a mixture of experts: its expert degree and router loss (weight,
+    whose tokens pool, and per micro-batch when a step has several); None for a dense
+    model."""
+    if mc.n_experts is None:
+        return None
+    loss = "no router loss (model.router_aux_loss_coef=0)"
+    if mc.router_aux_loss_coef:
+        over = "the batch of each dp rank" if mc.router_balance_over == "sp" else \
+            "the global batch"
+        loss = f"router loss x {mc.router_aux_loss_coef:g} pooled over {over}"
+        if accum > 1:
+            loss += (f", formed per micro-batch ({accum} a step) and averaged: later "
+                     "micro-batches' routing is not known in an earlier one's backward")
+    return f"{mc.n_experts} experts a sparse layer, expert degree {experts}; {loss}"
 
 
 def resolve_run_group(cfg: RunConfig, device_type: str, env=None, say=_print) -> RunLayout:
