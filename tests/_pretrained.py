@@ -175,3 +175,145 @@ def usp_logits(run_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
         dcp.load({"model": sd}, checkpoint_id=str(latest_checkpoint(run_dir)), no_dist=True)
     with torch.no_grad():
         return model.eval()(tokens, torch.arange(tokens.shape[1]))
+
+
+def memory_features_agree(model, mc, options: dict, tokens: torch.Tensor,
+                          positions: torch.Tensor) -> None:
+    """In fp64 on the reference kernel: the built-in model of ``mc`` with ``options`` (model
+    keys such as ``mlp_tiles`` or ``loss_chunk``; ``part``: activation checkpointing of that
+    part) gives the plain model's loss (1e-12) and every gradient (1e-10 relative).
+    ``model(mc, attn, **blocks)`` builds a model with the checkpoint's weights."""
+    from dataclasses import replace
+
+    import pytest
+
+    options = dict(options)
+    part = options.pop("part", None)
+    blocks = dict(checkpoint_activations=True, checkpoint_part=part) if part else {}
+    plain = model(mc, REFERENCE).double()
+    other = model(replace(mc, **options), REFERENCE, **blocks).double()
+    labels = torch.roll(tokens, -1, 1)
+    losses = []
+    for m in (plain, other):
+        loss, _ = m(tokens, positions, labels=labels)
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[1] == pytest.approx(losses[0], rel=1e-12)
+    for (name, p), q in zip(plain.named_parameters(), other.parameters()):
+        assert float((q.grad - p.grad).abs().max() / p.grad.abs().max()) < 1e-10, name
+
+
+def export_run(model, mc, root: Path) -> Path:
+    """``model``'s weights, moved away from the checkpoint's (the run's own), as the step-1
+    checkpoint of a one-process run directory ``root/run``, exported by ``usp-export`` to
+    ``root/out``; returns ``root/out``."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from usp.config import RecallData
+    from usp.models.export import export_checkpoint
+    from usp.models.run_records import save_data_record, save_model_config
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))
+    run = root / "run"
+    step = run / "checkpoints" / "step_000001"
+    with warnings.catch_warnings():  # one process is assumed: it is meant
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(step), no_dist=True)
+    torch.save({"step": 1}, step / "extra.pt")
+    save_model_config(mc, run)
+    save_data_record(RecallData(seq_len=32, batch_per_dp_rank=1), run, None)
+    export_checkpoint(run, root / "out")
+    return root / "out"
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest difference over the largest of ``b``."""
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def checkpoint_model(mc, attn=LOCAL, **options):
+    """The built-in model of ``mc`` (``options``: its activation checkpointing) holding the
+    checkpoint's weights (``load_state``)."""
+    from usp.models.families import builtin_model
+    from usp.models.pretrained import load_state
+
+    model = builtin_model(mc, attn, **options)
+    model.load_state_dict(load_state(mc))
+    return model
+
+
+def hf_eager(path):
+    """transformers' model of the checkpoint at ``path``, fp32, eager attention."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                attn_implementation="eager")
+
+
+def transformers_agree(mc, model, hf, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+    """The built-in ``model`` of ``mc`` and transformers' ``hf`` (the same weights): logits and
+    the summed loss within 1e-5 relative, every parameter's gradient (each of the built-in
+    model's, by ``hf_names``) within 1e-5 of its largest entry."""
+    from usp.models.families import hf_names
+
+    labels = torch.roll(tokens, -1, 1)
+    mine, _ = model(tokens, positions, labels=labels)
+    theirs = hf(input_ids=tokens)
+    with torch.no_grad():
+        assert rel_err(model(tokens, positions), theirs.logits) < 1e-5
+    want = torch.nn.functional.cross_entropy(theirs.logits.flatten(0, 1), labels.flatten(),
+                                             reduction="sum")
+    assert abs(mine.item() - want.item()) / want.item() < 1e-5
+    mine.backward()
+    want.backward()
+    hf_params, params = dict(hf.named_parameters()), dict(model.named_parameters())
+    assert len(hf_names(mc)) == len(params)
+    for usp, name in hf_names(mc).items():
+        assert rel_err(params[usp].grad, hf_params[name].grad) < 1e-5, usp
+
+
+def rank_by_rank_load_agrees(mc) -> None:
+    """``load_shards`` into a meta-device built-in model of ``mc`` (one process: all rows) gives
+    ``load_state``'s weights exactly."""
+    from usp.models.families import builtin_model
+    from usp.models.pretrained import load_state
+    from usp.models.shard_load import load_shards
+
+    with torch.device("meta"):
+        model = builtin_model(mc, LOCAL)
+    load_shards(model, mc, "cpu")
+    want = load_state(mc)
+    assert all(torch.equal(t, want[k]) for k, t in model.state_dict().items())
+
+
+def run_args(root: Path, name: str, ckpt: Path, seq_len: int, steps: int, extra=()) -> list[str]:
+    """usp-train's arguments for a short run of the checkpoint ``ckpt`` on the token files
+    ``root/corpus`` (and its ``.val`` split) at (2, 2), validated at its end (and step 0) on 4
+    windows, writing ``root/name``; ``extra`` overrides follow."""
+    return ["recipe=tiny_cpu", "model=pretrained", f"model.pretrained={ckpt}", "data=memmap",
+            f"data.path={root / 'corpus'}", f"data.seq_len={seq_len}", "data.batch_per_dp_rank=2",
+            "parallel.ulysses_degree=2", "parallel.ring_degree=2", f"trainer.steps={steps}",
+            f"trainer.eval_every={steps}", "trainer.eval_windows=4", "optim.warmup_steps=1",
+            "logging.wandb=disabled", "logging.plot=false", f"trainer.run_dir={root / name}",
+            f"hydra.run.dir={root / 'hydra' / name}", *extra]
+
+
+def hf_val_loss(root: Path, ckpt: Path, seq_len: int, rope=None, hf: str | None = None) -> float:
+    """transformers' mean loss per target on the first 4 windows of ``root/corpus``'s
+    validation split (``rope``: rope_parameters in place of the checkpoint's)."""
+    import numpy as np
+    import torch.nn.functional as F
+
+    from usp.config import MemmapData
+    from usp.data.dataset import build_validation
+    from usp.models.pretrained import pretrained_config
+
+    data = MemmapData(path=str(root / "corpus"), seq_len=seq_len, batch_per_dp_rank=2)
+    (_, _, val), = build_validation(data, pretrained_config(ckpt, hf=hf), 4)
+    b = val.model_windows(np.arange(4), torch.arange(seq_len))
+    logits = hf_logits(ckpt, b.tokens, rope)
+    return F.cross_entropy(logits.flatten(0, 1), b.labels.flatten(), ignore_index=-100).item()

@@ -19,14 +19,12 @@ import json
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from _cli import run_commands
 from _export_runs import corpus
-from _pretrained import hf_logits, save_checkpoint, usp_logits
+from _pretrained import hf_val_loss, run_args, save_checkpoint, usp_logits
 
 L = 32
 FEATURES = ["model.loss_chunk=4", "model.mlp_tiles=2", "trainer.activation_checkpointing=true",
@@ -45,12 +43,7 @@ RUNS = {f"{kind}_{name}": (kind, extra) for kind in KINDS for name, extra in LAY
 
 
 def _args(root: Path, name: str, ckpt: Path, extra=()) -> list[str]:
-    return ["recipe=tiny_cpu", "model=pretrained", f"model.pretrained={ckpt}", "data=memmap",
-            f"data.path={root / 'corpus'}", f"data.seq_len={L}", "data.batch_per_dp_rank=2",
-            "parallel.ulysses_degree=2", "parallel.ring_degree=2", "trainer.steps=3",
-            "trainer.eval_every=3", "trainer.eval_windows=4", "optim.warmup_steps=1",
-            "logging.wandb=disabled", "logging.plot=false", f"trainer.run_dir={root / name}",
-            f"hydra.run.dir={root / 'hydra' / name}", *FEATURES, *extra]
+    return run_args(root, name, ckpt, L, 3, [*FEATURES, *extra])
 
 
 @pytest.fixture(scope="module")
@@ -75,23 +68,10 @@ def _records(root: Path, name: str) -> list[dict]:
     return [json.loads(x) for x in (root / name / "metrics.jsonl").read_text().splitlines()]
 
 
-def _hf_val_loss(root: Path, ckpt: Path) -> float:
-    """transformers' mean loss per target on the validation split's first 4 windows."""
-    from usp.config import MemmapData
-    from usp.data.dataset import build_validation
-    from usp.models.pretrained import pretrained_config
-
-    data = MemmapData(path=str(root / "corpus"), seq_len=L, batch_per_dp_rank=2)
-    (_, _, val), = build_validation(data, pretrained_config(ckpt), 4)
-    b = val.model_windows(np.arange(4), torch.arange(L))
-    logits = hf_logits(ckpt, b.tokens)
-    return F.cross_entropy(logits.flatten(0, 1), b.labels.flatten(), ignore_index=-100).item()
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_step_0_val_loss_is_transformers_at_expert_degrees_1_and_4(runs, kind):
     root, ckpts, res = runs
-    want = _hf_val_loss(root, ckpts[kind])
+    want = hf_val_loss(root, ckpts[kind], L)
     for name in (f"{kind}_e1", f"{kind}_e4"):
         assert res[name].returncode == 0, res[name].stderr[-3000:]
         recs = _records(root, name)

@@ -18,11 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from _cli import run_commands
 from _export_runs import corpus
-from _pretrained import GEMMA_ROPE, KINDS, hf_logits, save_checkpoint, usp_logits
+from _pretrained import GEMMA_ROPE, KINDS, hf_val_loss, run_args, save_checkpoint, usp_logits
 
 L = 32
 YARN = "{rope_type:yarn,factor:4,original_max_position_embeddings:8}"
@@ -52,12 +51,7 @@ for name, (u, r) in LAYOUTS.items():
 
 
 def _args(root: Path, name: str, ckpt: Path, extra=()) -> list[str]:
-    return ["recipe=tiny_cpu", "model=pretrained", f"model.pretrained={ckpt}", "data=memmap",
-            f"data.path={root / 'corpus'}", f"data.seq_len={L}", "data.batch_per_dp_rank=2",
-            "parallel.ulysses_degree=2", "parallel.ring_degree=2", "trainer.steps=2",
-            "trainer.eval_every=2", "trainer.eval_windows=4", "optim.warmup_steps=1",
-            "logging.wandb=disabled", "logging.plot=false", f"trainer.run_dir={root / name}",
-            f"hydra.run.dir={root / 'hydra' / name}", *extra]
+    return run_args(root, name, ckpt, L, 2, extra)
 
 
 @pytest.fixture(scope="module")
@@ -71,19 +65,6 @@ def runs(tmp_path_factory):
     return root, ckpts, dict(zip(RUNS, run_commands(calls, root, timeout=900)))
 
 
-def _hf_val_loss(root: Path, ckpt: Path, rope, hf: str | None) -> float:
-    """transformers' mean loss per target on the validation split's first 4 windows."""
-    from usp.config import MemmapData
-    from usp.data.dataset import build_validation
-    from usp.models.pretrained import pretrained_config
-
-    data = MemmapData(path=str(root / "corpus"), seq_len=L, batch_per_dp_rank=2)
-    (_, _, val), = build_validation(data, pretrained_config(ckpt, hf=hf), 4)
-    b = val.model_windows(np.arange(4), torch.arange(L))
-    logits = hf_logits(ckpt, b.tokens, rope)
-    return F.cross_entropy(logits.flatten(0, 1), b.labels.flatten(), ignore_index=-100).item()
-
-
 @pytest.mark.parametrize("name", RUNS)
 def test_step_0_val_loss_is_transformers_and_the_run_trains(runs, name):
     root, ckpts, res = runs
@@ -92,7 +73,7 @@ def test_step_0_val_loss_is_transformers_and_the_run_trains(runs, name):
     recs = [json.loads(x) for x in (root / name / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in recs] == [0, 1, 2]
     kind, _, rope = RUNS[name]
-    want = _hf_val_loss(root, ckpts[kind], rope, kind if kind in THROUGH_HF else None)
+    want = hf_val_loss(root, ckpts[kind], L, rope, kind if kind in THROUGH_HF else None)
     assert recs[0]["val_loss"] == pytest.approx(want, rel=1e-4)
     assert "step=0 val_loss=" in r.stdout
     assert all(np.isfinite(x["loss"]) for x in recs[1:])

@@ -12,24 +12,22 @@ bytes: bit for bit."""
 
 import json
 import shutil
-import warnings
 from dataclasses import replace
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
-from usp.config import ModelConfig, ParallelConfig, RecallData, RunConfig
+from usp.config import ParallelConfig, RunConfig
 from usp.models import mxfp4
-from usp.models.export import export_checkpoint
 from usp.models.families import builtin_model, check_model, check_priced, hf_names
 from usp.models.hf_model import build_model
 from usp.models.pretrained import check_checkpoint, load_state, pretrained_config
-from usp.models.run_records import save_data_record, save_model_config
 from usp.models.shard_load import load_shards
 from usp.run import check_run_masks
 
-from _pretrained import LOCAL, REFERENCE, save_checkpoint, save_mxfp4
+from _pretrained import (LOCAL, REFERENCE, checkpoint_model, export_run, hf_eager,
+                         memory_features_agree, rank_by_rank_load_agrees, rel_err,
+                         save_checkpoint, save_mxfp4, transformers_agree)
 
 pytest.importorskip("transformers")
 TOKENS = torch.randint(0, 128, (2, 25), generator=torch.Generator().manual_seed(1))
@@ -43,21 +41,10 @@ def ckpt(tmp_path_factory):
     return save_checkpoint("gpt_oss", tmp_path_factory.mktemp("gpt_oss") / "ckpt", **CHANGES)
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
 
 
-def _model(mc: ModelConfig, attn=LOCAL, **options):
-    model = builtin_model(mc, attn, **options)
-    model.load_state_dict(load_state(mc))
-    return model
 
 
-def _hf(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                attn_implementation="eager")
 
 
 def test_the_checkpoint_is_read_with_its_experts_sinks_and_biases(ckpt):
@@ -81,30 +68,12 @@ def test_the_checkpoint_is_read_with_its_experts_sinks_and_biases(ckpt):
 @pytest.mark.parametrize("attn", [LOCAL, REFERENCE], ids=["torch", "reference"])
 def test_logits_loss_and_every_gradient_are_transformers(ckpt, attn):
     mc = pretrained_config(ckpt)
-    model, hf = _model(mc, attn), _hf(ckpt)
-    labels = torch.roll(TOKENS, -1, 1)
-    mine, _ = model(TOKENS, POSITIONS, labels=labels)
-    theirs = hf(input_ids=TOKENS)
-    with torch.no_grad():
-        assert _rel(model(TOKENS, POSITIONS), theirs.logits) < 1e-5
-    want = torch.nn.functional.cross_entropy(theirs.logits.flatten(0, 1), labels.flatten(),
-                                             reduction="sum")
-    assert abs(mine.item() - want.item()) / want.item() < 1e-5
-    mine.backward()
-    want.backward()
-    hf_params, params = dict(hf.named_parameters()), dict(model.named_parameters())
-    assert len(hf_names(mc)) == len(params) == len(hf_params)
-    for usp, name in hf_names(mc).items():
-        assert _rel(params[usp].grad, hf_params[name].grad) < 1e-5, usp
+    assert len(hf_names(mc)) == len(dict(hf_eager(ckpt).named_parameters()))
+    transformers_agree(mc, checkpoint_model(mc, attn), hf_eager(ckpt), TOKENS, POSITIONS)
 
 
 def test_the_rank_by_rank_load_reads_the_same_weights(ckpt):
-    mc = pretrained_config(ckpt)
-    with torch.device("meta"):
-        model = builtin_model(mc, LOCAL)
-    load_shards(model, mc, "cpu")
-    want = load_state(mc)
-    assert all(torch.equal(t, want[k]) for k, t in model.state_dict().items())
+    rank_by_rank_load_agrees(pretrained_config(ckpt))
 
 
 @pytest.mark.parametrize("options", [dict(mlp_tiles=3), dict(loss_chunk=7),
@@ -113,39 +82,15 @@ def test_the_rank_by_rank_load_reads_the_same_weights(ckpt):
 def test_the_memory_features_change_nothing(ckpt, options):
     """In fp64: the tiled experts, the chunked LM head and each activation-checkpointed part
     give the plain model's loss and gradients (the sinks' among them)."""
-    mc = pretrained_config(ckpt)
-    part = options.pop("part", None)
-    ckpts = dict(checkpoint_activations=True, checkpoint_part=part) if part else {}
-    plain = _model(mc, REFERENCE).double()
-    other = _model(replace(mc, **options), REFERENCE, **ckpts).double()
-    labels = torch.roll(TOKENS, -1, 1)
-    losses = []
-    for model in (plain, other):
-        loss, _ = model(TOKENS, POSITIONS, labels=labels)
-        loss.backward()
-        losses.append(loss.item())
-    assert losses[1] == pytest.approx(losses[0], rel=1e-12)
-    for (name, p), q in zip(plain.named_parameters(), other.parameters()):
-        assert _rel(q.grad, p.grad) < 1e-10, name
+    memory_features_agree(checkpoint_model, pretrained_config(ckpt), options, TOKENS, POSITIONS)
 
 
 def test_the_export_reloads_as_gpt_oss_with_the_runs_logits(ckpt, tmp_path):
     from transformers import AutoConfig
 
     mc = pretrained_config(ckpt)
-    model = _model(mc).eval()
-    with torch.no_grad():  # the run's own weights, not the checkpoint's
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))
-    run = tmp_path / "run"
-    step = run / "checkpoints" / "step_000001"
-    with warnings.catch_warnings():  # one process is assumed: it is meant
-        warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.save({"model": model.state_dict()}, checkpoint_id=str(step), no_dist=True)
-    torch.save({"step": 1}, step / "extra.pt")
-    save_model_config(mc, run)
-    save_data_record(RecallData(seq_len=32, batch_per_dp_rank=1), run, None)
-    export_checkpoint(run, tmp_path / "out")
+    model = checkpoint_model(mc).eval()
+    export_run(model, mc, tmp_path)  # the run's own weights, exported
     hc = AutoConfig.from_pretrained(tmp_path / "out")
     assert (hc.model_type, hc.num_local_experts, hc.num_experts_per_tok, hc.intermediate_size,
             hc.swiglu_limit, hc.swiglu_alpha, hc.attention_bias, hc.layer_types,
@@ -153,8 +98,8 @@ def test_the_export_reloads_as_gpt_oss_with_the_runs_logits(ckpt, tmp_path):
                                    ["sliding_attention", "full_attention", "sliding_attention"], 6)
     assert hc.rope_parameters["rope_type"] == "yarn" and not hc.rope_parameters["truncate"]
     with torch.no_grad():
-        got = _hf(tmp_path / "out").eval()(input_ids=TOKENS).logits
-        assert _rel(got, model(TOKENS, POSITIONS)) < 1e-5
+        got = hf_eager(tmp_path / "out").eval()(input_ids=TOKENS).logits
+        assert rel_err(got, model(TOKENS, POSITIONS)) < 1e-5
     back = pretrained_config(tmp_path / "out")  # and it reads back as the same model
     assert replace(back, pretrained=None) == replace(mc, pretrained=None)
 
@@ -167,8 +112,8 @@ def test_model_hf_gpt_oss_still_trains_transformers_class(ckpt, tmp_path):
     assert (mc.hf, mc.arch, mc.n_experts, mc.attention_sinks) == ("gpt_oss", None, 8, True)
     check_model(mc)
     with torch.no_grad():
-        assert _rel(build_model(mc, 0).eval()(input_ids=TOKENS).logits,
-                    _model(pretrained_config(ckpt)).eval()(TOKENS, POSITIONS)) < 1e-5
+        assert rel_err(build_model(mc, 0).eval()(input_ids=TOKENS).logits,
+                    checkpoint_model(pretrained_config(ckpt)).eval()(TOKENS, POSITIONS)) < 1e-5
     with pytest.raises(ValueError, match="model.hf=gpt_oss trains from a checkpoint"):
         check_model(replace(mc, pretrained=None))
     shutil.copytree(ckpt, tmp_path / "ckpt")
@@ -235,8 +180,8 @@ def test_an_mxfp4_checkpoint_loads_as_its_dequantized_twin(ckpt, tmp_path):
                            want["layers.1.feed_forward.experts.down_proj"][3:5])
     with torch.no_grad():
         logits = model.eval()(TOKENS, POSITIONS)
-        assert _rel(logits, _hf(tmp_path / "twin")(input_ids=TOKENS).logits) < 1e-5
-        off = _rel(logits, _hf(ckpt)(input_ids=TOKENS).logits)  # the rounding: 1.6e-3
+        assert rel_err(logits, hf_eager(tmp_path / "twin")(input_ids=TOKENS).logits) < 1e-5
+        off = rel_err(logits, hf_eager(ckpt)(input_ids=TOKENS).logits)  # the rounding: 1.6e-3
         assert 1e-5 < off < 1e-2
 
 

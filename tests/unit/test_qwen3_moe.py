@@ -6,22 +6,19 @@ checkpointing change nothing; the export reloads with equal logits; model.hf=qwe
 reads the checkpoint; what the family cannot hold is refused by name."""
 
 import json
-import warnings
 from dataclasses import replace
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
-from usp.config import ModelConfig, RecallData
-from usp.models.export import export_checkpoint
-from usp.models.families import builtin_model, check_model, check_priced, hf_names
+from usp.config import ModelConfig
+from usp.models.families import check_model, check_priced
 from usp.models.hf_model import build_model, check_pretrained
 from usp.models.pretrained import load_state, pretrained_config
-from usp.models.run_records import save_data_record, save_model_config
-from usp.models.shard_load import load_shards
 
-from _pretrained import LOCAL, REFERENCE, hf_config, save_checkpoint
+from _pretrained import (checkpoint_model, export_run, hf_config, hf_eager,
+                         memory_features_agree, rank_by_rank_load_agrees, rel_err,
+                         save_checkpoint, transformers_agree)
 
 pytest.importorskip("transformers")
 TOKENS = torch.randint(0, 128, (2, 25), generator=torch.Generator().manual_seed(1))
@@ -32,21 +29,10 @@ def ckpt(tmp_path_factory):
     return save_checkpoint("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe") / "ckpt")
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max())
 
 
-def _model(mc: ModelConfig, attn=LOCAL, **options):
-    model = builtin_model(mc, attn, **options)
-    model.load_state_dict(load_state(mc))
-    return model
 
 
-def _hf(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                attn_implementation="eager")
 
 
 def test_the_checkpoint_is_read_with_its_experts_and_sparse_layers(ckpt):
@@ -78,30 +64,12 @@ def test_logits_loss_and_every_gradient_are_transformers(ckpt, tmp_path, norm_to
         AutoModelForCausalLM.from_config(hc).save_pretrained(path)
     mc = pretrained_config(path)
     assert mc.norm_topk_prob == norm_topk_prob
-    model, hf = _model(mc), _hf(path)
-    labels = torch.roll(TOKENS, -1, 1)
-    mine, _ = model(TOKENS, torch.arange(TOKENS.shape[1]), labels=labels)
-    theirs = hf(input_ids=TOKENS, labels=labels)  # transformers' loss: a mean over L-1 shifted
-    with torch.no_grad():
-        assert _rel(model(TOKENS, torch.arange(25)), theirs.logits) < 1e-5
-    want = torch.nn.functional.cross_entropy(theirs.logits.flatten(0, 1), labels.flatten(),
-                                             reduction="sum")
-    assert abs(mine.item() - want.item()) / want.item() < 1e-5
-    mine.backward()
-    want.backward()
-    hf_params = dict(hf.named_parameters())
-    for usp, name in hf_names(mc).items():
-        got, ref = dict(model.named_parameters())[usp].grad, hf_params[name].grad
-        assert _rel(got, ref) < 1e-5, usp
+    transformers_agree(mc, checkpoint_model(mc), hf_eager(path), TOKENS,
+                       torch.arange(TOKENS.shape[1]))
 
 
 def test_the_rank_by_rank_load_stacks_the_same_experts(ckpt):
-    mc = pretrained_config(ckpt)
-    with torch.device("meta"):
-        model = builtin_model(mc, LOCAL)
-    load_shards(model, mc, "cpu")
-    want = load_state(mc)
-    assert all(torch.equal(t, want[k]) for k, t in model.state_dict().items())
+    rank_by_rank_load_agrees(pretrained_config(ckpt))
 
 
 @pytest.mark.parametrize("options", [dict(mlp_tiles=3), dict(loss_chunk=7),
@@ -110,46 +78,23 @@ def test_the_rank_by_rank_load_stacks_the_same_experts(ckpt):
 def test_the_memory_features_change_nothing(ckpt, options):
     """In fp64: the tiled sparse MLP, the chunked LM head and each activation-checkpointed
     part give the plain model's loss and gradients."""
-    mc = pretrained_config(ckpt)
-    part = options.pop("part", None)
-    ckpts = dict(checkpoint_activations=True, checkpoint_part=part) if part else {}
-    plain = _model(mc, REFERENCE).double()
-    other = _model(replace(mc, **options), REFERENCE, **ckpts).double()
-    labels = torch.roll(TOKENS, -1, 1)
-    losses = []
-    for model in (plain, other):
-        loss, _ = model(TOKENS, torch.arange(25), labels=labels)
-        loss.backward()
-        losses.append(loss.item())
-    assert losses[1] == pytest.approx(losses[0], rel=1e-12)
-    for (name, p), q in zip(plain.named_parameters(), other.parameters()):
-        assert _rel(q.grad, p.grad) < 1e-10, name
+    memory_features_agree(checkpoint_model, pretrained_config(ckpt), options, TOKENS,
+                          torch.arange(25))
 
 
 def test_the_export_reloads_as_qwen3_moe_with_the_runs_logits(ckpt, tmp_path):
     from transformers import AutoConfig
 
     mc = pretrained_config(ckpt)
-    model = _model(mc).eval()
-    with torch.no_grad():  # the run's own weights, not the checkpoint's
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(5)))
-    run = tmp_path / "run"
-    step = run / "checkpoints" / "step_000001"
-    with warnings.catch_warnings():  # one process is assumed: it is meant
-        warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.save({"model": model.state_dict()}, checkpoint_id=str(step), no_dist=True)
-    torch.save({"step": 1}, step / "extra.pt")
-    save_model_config(mc, run)
-    save_data_record(RecallData(seq_len=32, batch_per_dp_rank=1), run, None)
-    export_checkpoint(run, tmp_path / "out")
+    model = checkpoint_model(mc).eval()
+    export_run(model, mc, tmp_path)  # the run's own weights, exported
     hc = AutoConfig.from_pretrained(tmp_path / "out")
     assert (hc.model_type, hc.num_experts, hc.num_experts_per_tok, hc.moe_intermediate_size,
             hc.intermediate_size, hc.mlp_only_layers, hc.norm_topk_prob) == (
         "qwen3_moe", 8, 2, 48, 128, [1], False)
     with torch.no_grad():
-        got = _hf(tmp_path / "out").eval()(input_ids=TOKENS).logits
-        assert _rel(got, model(TOKENS, torch.arange(25))) < 1e-5
+        got = hf_eager(tmp_path / "out").eval()(input_ids=TOKENS).logits
+        assert rel_err(got, model(TOKENS, torch.arange(25))) < 1e-5
     assert pretrained_config(tmp_path / "out").sparse_layers == [0, 2]  # and it reads back
 
 
@@ -163,8 +108,8 @@ def test_model_hf_qwen3_moe_reads_the_checkpoint_and_refuses_the_router_loss(ckp
         "qwen3_moe", None, 128, 8, [0, 2])
     check_model(mc)
     with torch.no_grad():
-        assert _rel(build_model(mc, 0).eval()(input_ids=TOKENS).logits,
-                    _model(pretrained_config(ckpt)).eval()(TOKENS, torch.arange(25))) < 1e-5
+        assert rel_err(build_model(mc, 0).eval()(input_ids=TOKENS).logits,
+                    checkpoint_model(pretrained_config(ckpt)).eval()(TOKENS, torch.arange(25))) < 1e-5
     with pytest.raises(ValueError, match="moe_intermediate_size: 48 there, 32 from model.expert_ffn_dim"):
         check_pretrained(replace(mc, expert_ffn_dim=32))
     with pytest.raises(ValueError, match="model.hf=qwen3_moe trains from a checkpoint"):
