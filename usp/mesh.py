@@ -152,8 +152,12 @@ class SPMesh:
         if device_type is None:
             device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         dm = DeviceMesh(device_type, ranks, mesh_dim_names=AXES)
+        # dp_sp (FSDP's, the loss's) in rank order: FSDP shards by its group's rank, and a
+        # DTensor labels its shard by the mesh coordinate; under ring_inner the flattened
+        # [dp, ring, ulysses] order is not the rank order, and DCP and the rank-by-rank load
+        # would read the shards under each other's labels
         flat = {"sp": flatten_mesh(dm[("ring", "ulysses")], "sp"),
-                "dp_sp": flatten_mesh(dm, "dp_sp")}
+                "dp_sp": DeviceMesh(device_type, torch.arange(world), mesh_dim_names=("dp_sp",))}
         mesh = cls(dims, ranks, hosts, dm, flat)
         mesh._warn_if_ulysses_spans_nodes()
         return mesh

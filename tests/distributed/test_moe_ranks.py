@@ -76,6 +76,28 @@ def _worker(degrees):
                         grad /= WORLD
                     torch.testing.assert_close(grad, ref_grads[pname], rtol=1e-10,
                                                atol=1e-12, msg=f"{where}: {pname}")
+    for degree in degrees:
+        _check_labels(degree)
+
+
+def _check_labels(degree: int) -> None:
+    """Under ``placement=ring_inner`` (the [dp, ring, ulysses] order is not the rank order): the
+    rows a DTensor says this rank holds (what DCP saves and the rank-by-rank load fills) are
+    the rows it holds, for a dense weight FSDP shards over dp x sp and for an expert weight."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    with SPMesh.build(ulysses=2, ring=2, placement="ring_inner", ranks_per_node=2) as mesh:
+        dense = torch.nn.Linear(D, 8, dtype=torch.float64)
+        block = _blocks()["qwen3_moe"].double()
+        wants = (dense.weight.detach().clone(), block.experts.gate_up_proj.detach().clone())
+        fully_shard(dense, mesh=mesh.submesh("fsdp"))
+        place_experts(block, mesh, degree, mp_policy=_fp64())
+        for p, want in zip((dense.weight, block.experts.gate_up_proj), wants):
+            shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh,
+                                                                  p.placements)
+            rows = want[offset[0]:offset[0] + shape[0]]
+            assert torch.equal(p.to_local(), rows), (dist.get_rank(), p.placements, offset)
 
 
 def _check_bytes(ep, x, sent: int, degree: int, where: str) -> None:

@@ -62,7 +62,8 @@ def _exchange(rows: torch.Tensor, send: list[int], recv: list[int], group,
     out = rows.new_empty((sum(recv), *rows.shape[1:]))
     me = dist.get_rank(group)
     row_bytes = rows[:1].numel() * rows.element_size()
-    with _timed(stats, (sum(send) - send[me]) * row_bytes, device):  # what leaves
+    # timed on the clock of where the exchange runs (the host copy when staged)
+    with _timed(stats, (sum(send) - send[me]) * row_bytes, rows.device):  # what leaves
         dist.all_to_all_single(out, rows, output_split_sizes=recv, input_split_sizes=send,
                                group=group)
     return out.to(device)
@@ -128,11 +129,13 @@ class ExpertGroup:
         send_counts = on_wire(torch.tensor(sizes, dtype=torch.int64, device=rows.device),
                               self.group).view(self.size, self.local)  # NCCL: on the device
         recv_counts = torch.empty_like(send_counts)  # [N source, E/N local expert]
-        with _timed(self.stats, tensor_bytes(send_counts), rows.device):  # one host sync
+        with _timed(self.stats, tensor_bytes(send_counts), send_counts.device):
             dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        recv_counts = recv_counts.cpu()  # the one host sync
+        send = [sum(sizes[p * self.local:(p + 1) * self.local]) for p in range(self.size)]
+        recv = recv_counts.sum(1).tolist()
         got = _AllToAll.apply(rows, send, recv, self.group, self.stats)  # by source, expert
-        order = _by_expert(recv_counts.cpu()).to(rows.device)
+        order = _by_expert(recv_counts).to(rows.device)
         out = experts(got[order], recv_counts.sum(0).tolist())  # through the local experts
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)

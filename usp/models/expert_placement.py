@@ -15,12 +15,15 @@ AXES = ("expert_fsdp", "expert")  # the expert mesh: [W/N, N]
 
 def expert_mesh(mesh, degree: int) -> DeviceMesh:
     """The [W/N, N] DeviceMesh (``AXES``) of ``mesh`` (an ``SPMesh``) at expert degree N:
-    its rows are the expert groups, N consecutive ranks of the [dp, ring, ulysses] order.
-    Collective (every rank creates every group); kept with the mesh's other DeviceMeshes,
+    its rows are the expert groups, N consecutive ranks of the [dp, ring, ulysses] order
+    (each in rank order). Collective (every rank creates every group); kept with the mesh's other DeviceMeshes,
     so ``mesh.close()`` releases it."""
     key = f"expert_{degree}"
     if key not in mesh.flat_meshes:
-        ranks = mesh.ranks.reshape(-1, degree)  # [W/N, N]
+        # each group in rank order, so that the mesh coordinate of a rank (which labels its
+        # DTensor shard of the experts) is its rank in the group (which the exchange uses)
+        rows = mesh.ranks.reshape(-1, degree).sort(dim=1).values  # [W/N, N]
+        ranks = rows[rows[:, 0].argsort()]  # and the groups by their first rank
         device = mesh.device_mesh.device_type
         mesh.flat_meshes[key] = DeviceMesh(device, ranks, mesh_dim_names=AXES)
     return mesh.flat_meshes[key]
@@ -36,6 +39,11 @@ def place_experts(model, mesh, degree: int, mp_policy) -> int:
     from torch.distributed.fsdp import fully_shard
 
     em = expert_mesh(mesh, degree)
+    for axis in AXES:  # the shard a DTensor names is the shard FSDP and the exchange use
+        if em[axis].get_coordinate()[0] != em[axis].get_local_rank():
+            raise RuntimeError(f"expert mesh {em.mesh.tolist()}: this rank's place on "
+                               f"{axis} is not its rank in that group; usp lays the experts "
+                               "out in rank order and cannot place them on this mesh")
     index = em["expert"].get_local_rank()
     blocks = [m for m in model.modules() if isinstance(m, MoeBlock)]
     for block in blocks:

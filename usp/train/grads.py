@@ -14,18 +14,22 @@ from torch.distributed.tensor import DTensor
 
 
 def clip_grad_norm(parameters, max_norm: float, group=None) -> torch.Tensor:
-    """The 2-norm of all gradients of ``parameters`` (a plain fp32 scalar, the same on every
-    rank of ``group``, default the world) after scaling them by ``min(1, max_norm / (norm +
+    """The 2-norm of all gradients of ``parameters`` (a plain scalar, fp64 when a parameter is,
+    else fp32; the same on every rank of ``group``, default the world) after scaling them by ``min(1, max_norm / (norm +
     1e-6))`` in place, as ``clip_grad_norm_`` does. Every gradient is a ``DTensor`` whose
     shards over ``group`` are disjoint (FSDP's, the experts'); a plain one, the same on
     every rank, counts once."""
+    parameters = list(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]
     ranks = dist.get_world_size(group)
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    device = local[0].device if local else torch.device("cpu")
-    square = torch.zeros((), dtype=torch.float32, device=device)
+    device = local[0].device if local else _device(group)
+    # from the parameters, which every rank has alike (a rank may lack some gradients)
+    dtype = torch.float64 if any(p.dtype == torch.float64 for p in parameters) else \
+        torch.float32
+    square = torch.zeros((), dtype=dtype, device=device)
     for g, t in zip(grads, local):
-        part = t.float().pow(2).sum()
+        part = t.to(dtype).pow(2).sum()
         square += part if isinstance(g, DTensor) else part / ranks
     dist.all_reduce(square, group=group)
     total = square.sqrt()
@@ -33,3 +37,10 @@ def clip_grad_norm(parameters, max_norm: float, group=None) -> torch.Tensor:
     for t in local:
         t.mul_(factor.to(t.dtype))
     return total
+
+
+def _device(group) -> torch.device:
+    """Where ``group``'s backend takes tensors: the current GPU under NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -38,6 +38,7 @@ class RouterBalance:
     def __init__(self, model, mc, mesh):
         self.ledger = attach_ledger(model)
         self.comm = mesh.comm
+        self.spread = any(getattr(m, "ep", None) is not None for m in model.modules())
         self.exchanged = (0, 0.0)  # the expert axis's bytes and seconds before this step
         self.weight = float(mc.router_aux_loss_coef or 0.0)
         world, dp = mesh.sp_size * mesh.dp, mesh.dp
@@ -81,7 +82,7 @@ class RouterBalance:
             both /= self.dp
         out = {"aux_loss": both[0].item(), "expert_load": both[1].item()}
         sent = self.comm.bytes[AXIS] - self.exchanged[0]
-        if sent or self.comm.calls[AXIS]:  # expert parallelism: its exchanges, busiest rank
+        if self.spread:  # expert parallelism (every rank alike): its exchanges, busiest rank
             most = torch.tensor([sent / 2**20, self.comm.seconds[AXIS] - self.exchanged[1]],
                                 dtype=torch.float64, device=device)
             dist.all_reduce(most, op=dist.ReduceOp.MAX)
