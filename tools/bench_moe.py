@@ -11,6 +11,7 @@ everything to ``OUT/results.json``.
 
     python -m tools.bench_moe                                     # 300mbit / 2700mbit, L=4096
     python -m tools.bench_moe --plan-only                         # the planner's figures alone
+    python -m tools.bench_moe --report-only --out runs/bench_moe  # the table again
     python -m tools.bench_moe --seq-len 256 --layers 1 --steps 3 --skip 1 --passes 1 --out /tmp/bm
 """
 
@@ -20,7 +21,7 @@ import argparse
 import signal
 import sys
 
-from tools.lab.moe_bench import MoeBench, plan_lines, prepare, run
+from tools.lab.moe_bench import MoeBench, plan_lines, prepare, report_saved, run
 from tools.lab.simcluster import SimClusterError, interrupt_on_signal, preflight
 
 
@@ -63,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=d.timeout, help="per usp-train run, s")
     ap.add_argument("--plan-only", action="store_true",
                     help="print the planner's figures and start nothing")
+    ap.add_argument("--report-only", action="store_true",
+                    help="the table again from OUT/results.json (same settings)")
     return ap.parse_args(argv)
 
 
@@ -84,6 +87,9 @@ def main(argv=None) -> int:
         plan = prepare(config(args))
         if args.plan_only:
             print("\n".join(plan_lines(plan)))
+            return 0
+        if args.report_only:
+            print("\n".join(report_saved(plan)[1]))
             return 0
         preflight()
     except (SimClusterError, ValueError) as e:

@@ -88,7 +88,19 @@ def test_report_ratios_to_degree_one(small):
     assert [b[0] for b in body] == ["1", "2", "4"]
     assert body[2][1:5] == ["inter", str(round(tokens / 1.0)), "1000", "4.00"]
     assert body[2][5:7] == ["3.25", "(2.50-4.00)"] and body[2][7] == "1000/2000"
+    assert body[2][-1] == "1.50"  # expert load
     assert any(f"expert_degree=auto picks {small.pick}" in ln for ln in lines)
+
+
+def test_report_again_from_the_saved_runs(tmp_path):
+    p = mb.prepare(mb.MoeBench(out=str(tmp_path), **SMALL))
+    fig = dict(median_s=2.0, attn_comm_share=0.2, expert_load=4.0, loss=5.0)
+    (tmp_path / "results.json").write_text(json.dumps(dict(runs={"1": [fig], "2": [fig],
+                                                                 "4": [fig]})))
+    summary, lines = mb.report_saved(p)
+    assert [r["vs_1"] for r in summary["rows"]] == [1.0, 1.0, 1.0]
+    assert main(["--report-only", "--out", str(tmp_path), "--seq-len", "256", "--layers", "1",
+                 "--steps", "3", "--skip", "1", "--passes", "2"]) == 0
 
 
 def test_cli_flags_reach_the_config_and_refuse_before_any_namespace(monkeypatch, capsys):

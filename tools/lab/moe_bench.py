@@ -232,18 +232,29 @@ def report(p: Prepared, summary: dict) -> list[str]:
         f"order, {c.steps} steps a run, first {c.skip} dropped",
         ["expert degree", "expert link", "tokens/s", "step ms", "vs 1", "vs 1 paired (range)",
          "pass medians ms", "planner ms", "planner vs 1", "planner expert a2a ms",
-         "planner/measured"],
+         "planner/measured", "expert load"],
         [[r["degree"], r["expert_link"], f"{r['tokens_per_s']:.0f}",
           f"{r['median_s'] * 1e3:.0f}", f"{r['vs_1']:.2f}",
           f"{r['vs_1_paired']:.2f} ({r['vs_1_paired_range'][0]:.2f}-"
           f"{r['vs_1_paired_range'][1]:.2f})",
           "/".join(f"{x * 1e3:.0f}" for x in r["pass_median_s"]),
           f"{r['predicted_s'] * 1e3:.0f}", f"{r['predicted_vs_1']:.2f}",
-          f"{r['predicted_expert_a2a_s'] * 1e3:.0f}", f"{r['predicted_over_measured']:.2f}"]
+          f"{r['predicted_expert_a2a_s'] * 1e3:.0f}", f"{r['predicted_over_measured']:.2f}",
+          f"{max(r['expert_load']):.2f}"]
          for r in summary["rows"]])
     lines.append(f"planner: usp.planner.cost.estimate on {p.spec.name} (cpu_local's compute); "
                  f"parallel.expert_degree=auto picks {summary['pick']}")
+    lines.append("expert load: the busiest expert's token assignments over the mean, the "
+                 "largest over the sparse layers, at a run's last step (1: even; the planner "
+                 "assumes even routing)")
     return lines
+
+
+def report_saved(p: Prepared) -> tuple[dict, list[str]]:
+    """``summarize`` and ``report`` again from ``OUT/results.json``'s runs."""
+    saved = json.loads((Path(p.cfg.out) / "results.json").read_text())
+    summary = summarize(p, {int(d): r for d, r in saved["runs"].items()})
+    return summary, report(p, summary)
 
 
 def plan_lines(p: Prepared) -> list[str]:
