@@ -262,9 +262,11 @@ def plan_lines(p: Prepared) -> list[str]:
     c = p.cfg
     base = p.predicted[1].step_s
     lines = table(f"planner only ({p.spec.name}), L={c.seq_len}, (u,r)=({c.ulysses},{c.ring})",
-                  ["expert degree", "expert link", "step ms", "vs 1", "expert a2a ms",
-                   "expert a2a MiB/seq"],
+                  ["expert degree", "expert link", "step ms", "vs 1", "compute ms",
+                   "weight sync ms (exposed)", "expert a2a ms", "expert a2a MiB/seq"],
                   [[d, s.expert_link, f"{s.step_s * 1e3:.0f}", f"{base / s.step_s:.2f}",
+                    f"{s.compute_s * 1e3:.0f}",
+                    f"{s.grad_s * 1e3:.0f} ({s.grad_exposed_s * 1e3:.0f})",
                     f"{s.expert_a2a_s * 1e3:.0f}", f"{s.expert_a2a_bytes / 2**20:.1f}"]
                    for d, s in p.predicted.items()])
     return lines + [f"parallel.expert_degree=auto picks {p.pick}"]
