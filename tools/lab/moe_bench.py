@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -290,9 +291,10 @@ def run(p: Prepared, log=say) -> tuple[dict, list[str]]:
                 raise RuntimeError(f"bench_moe: usp-train at expert degree {degree} failed "
                                    f"({r.returncode}):\n{r.output[-3000:]}")
             got = run_figures((run_dir / "metrics.jsonl").read_text(), c.skip)
+            got["load_avg_1m"] = os.getloadavg()[0]  # the box's load as the run ends
             log(f"bench_moe: pass {pas} expert degree {degree}: median step "
                 f"{got['median_s']:.3f} s ({len(got['step_s'])} steps), expert load "
-                f"{got['expert_load']}")
+                f"{got['expert_load']}, load average {got['load_avg_1m']:.1f}")
             runs.setdefault(degree, []).append(got)
     summary = summarize(p, runs)
     lines = report(p, summary)
