@@ -224,7 +224,7 @@ def report(p: Prepared, summary: dict) -> list[str]:
     """The printed table and the lines around it."""
     c, m = p.cfg, p.cfg.model
     lines = table(
-        f"usp-train step (fwd+bwd+router loss+AdamW, FSDP over 4 ranks), {NODES} nodes x "
+        f"usp-train step (fwd+bwd+clip+AdamW, FSDP over 4 ranks), {NODES} nodes x "
         f"{PER_NODE} ranks, inter-node {c.rate}, intra-node {c.intra_rate or 'loopback'}, "
         f"queue {c.queue_ms:g} ms; Qwen3-MoE dim {m.dim} Hq {m.n_heads} Hkv {m.n_kv_heads} "
         f"layers {m.n_layers} (all sparse), {m.n_experts} experts of {m.expert_ffn_dim}, "
