@@ -181,12 +181,13 @@ def active_ffn(hc, width: int) -> int:
 
 
 def from_checkpoint(mc: ModelConfig, name: str, what: str) -> None:
-    """``model.hf`` of a family the built-in model does not compute, without a checkpoint:
-    its config holds what no model option states (``what``)."""
+    """``model.hf`` of a mixture of experts without a checkpoint: transformers' class is
+    built from the checkpoint's config.json, whose ``what`` usp does not write for it."""
     if mc.pretrained is None:
-        raise ValueError(f"model.hf={name} trains from a checkpoint: its {what} are not model "
-                         f"options; set model=pretrained model.pretrained=DIR (a {name} "
-                         "directory written by save_pretrained)")
+        raise ValueError(f"model.hf={name} trains from a checkpoint: transformers' class is "
+                         f"built from its config.json ({what}); set model=pretrained "
+                         f"model.pretrained=DIR (a {name} directory written by save_pretrained), "
+                         "or train the built-in model (model.hf=null)")
 
 
 def _no_zeros(mc: ModelConfig) -> list[str]:
