@@ -159,25 +159,26 @@ def test_large_hf_recipe_passes_preflight_and_plans(recipe, tmp_path, capsys):
     assert f"choice: dp 1 x ring {r} x ulysses {u}" in out
 
 
-def test_a_mixture_of_experts_is_not_priced_as_a_dense_model(tmp_path, capsys):
-    """model.hf=gpt_oss (experts): usp-plan and parallel degrees left to the planner are
-    refused (it would price a dense MLP, not the experts' weights); stated degrees resolve.
-    A Gemma 3 text checkpoint (dense) plans."""
+def test_a_mixture_of_experts_is_priced_by_its_experts(tmp_path, capsys):
+    """model.hf=gpt_oss (experts): usp-plan prices the checkpoint's experts (read into the
+    model keys), and parallel degrees left to the planner resolve; expert parallelism is the
+    built-in model's, refused here by name. A Gemma 3 text checkpoint (dense) plans."""
     from _pretrained import save_checkpoint
 
     for kind in ("gpt_oss", "gemma3_text"):
         save_checkpoint(kind, tmp_path / kind)
     args = ["model=pretrained", f"model.pretrained={tmp_path / 'gpt_oss'}", "model.hf=gpt_oss",
             "data.seq_len=128"]
-    with pytest.raises(ValueError, match="usp-plan prices a dense decoder; model.hf=gpt_oss "
-                                         "is a mixture of experts"):
-        cli._plan(_compose("plan", args))
+    cli._plan(_compose("plan", args))
+    assert "experts: 3 sparse layers x 8 experts of 128, top-2" in capsys.readouterr().out
     cfg = _compose("train", [*args, "parallel.ulysses_degree=auto", "parallel.ring_degree=auto"])
-    with pytest.raises(ValueError, match="parallel.ulysses_degree/ring_degree=auto prices a "
-                                         "dense decoder; model.hf=gpt_oss"):
+    layout = resolve_run(cfg, 4, "cpu")
+    assert layout.ulysses * layout.ring * layout.dp == 4 and layout.expert_degree == 1
+    cfg = _compose("train", [*args, "parallel.ulysses_degree=2", "parallel.ring_degree=2",
+                             "parallel.expert_degree=2"])
+    with pytest.raises(ValueError, match="parallel.expert_degree=2: model.hf=gpt_oss computes "
+                                         "transformers' own experts"):
         resolve_run(cfg, 4, "cpu")
-    cfg = _compose("train", [*args, "parallel.ulysses_degree=2", "parallel.ring_degree=2"])
-    assert (resolve_run(cfg, 4, "cpu").ulysses, resolve_run(cfg, 4, "cpu").ring) == (2, 2)
     cli._plan(_compose("plan", ["model=pretrained", "model.hf=gemma3_text", "data.seq_len=128",
                                 f"model.pretrained={tmp_path / 'gemma3_text'}"]))
     assert "choice: dp" in capsys.readouterr().out

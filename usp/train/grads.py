@@ -2,9 +2,9 @@
 
 ``torch.nn.utils.clip_grad_norm_`` stacks every parameter's norm, which DTensors on two meshes
 cannot do: with expert parallelism (``usp.models.expert_parallel``) the experts' weights live on
-the expert mesh and the rest of the model on the dp x sp mesh, both over every rank. Each
-rank sums the squares of its own shards, one all-reduce over the ranks adds them up, and
-every gradient is scaled by the same factor."""
+the expert mesh and the rest of the model on the dp x sp mesh, both over every rank. Then
+each rank sums the squares of its own shards, one all-reduce over the ranks adds them up,
+and every gradient is scaled by the same factor; on one mesh it is torch's own function."""
 
 from __future__ import annotations
 
@@ -15,11 +15,15 @@ from torch.distributed.tensor import DTensor
 
 def clip_grad_norm(parameters, max_norm: float, group=None) -> torch.Tensor:
     """The 2-norm of all gradients of ``parameters`` (a plain scalar, fp64 when a parameter is,
-    else fp32; the same on every rank of ``group``, default the world) after scaling them by ``min(1, max_norm / (norm +
-    1e-6))`` in place, as ``clip_grad_norm_`` does. Every gradient is a ``DTensor`` whose
+    else fp32; the same on every rank of ``group``, default the world) after scaling them by
+    ``min(1, max_norm / (norm + 1e-6))`` in place, as ``clip_grad_norm_`` does. Every gradient is a ``DTensor`` whose
     shards over ``group`` are disjoint (FSDP's, the experts'); a plain one, the same on
     every rank, counts once."""
     parameters = list(parameters)
+    meshes = {id(p.device_mesh) for p in parameters if isinstance(p, DTensor)}
+    if len(meshes) <= 1:  # one mesh: torch's own, bit for bit what every dense run had
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
     grads = [p.grad for p in parameters if p.grad is not None]
     ranks = dist.get_world_size(group)
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
