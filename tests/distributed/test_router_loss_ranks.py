@@ -1,5 +1,5 @@
 """The router's load-balancing loss under sequence parallelism against transformers, on 4 gloo
-ranks at (ulysses, ring) = (2, 2) and (1, 4): the built-in model of tiny Qwen3-MoE and gpt-oss
+ranks, Qwen3-MoE at (ulysses, ring) = (2, 2) and gpt-oss at (1, 4): the built-in model of tiny Qwen3-MoE and gpt-oss
 checkpoints saved by transformers, their tokens spread over the ranks and each sparse layer's
 statistics pooled by ``RouterLedger.settle``, gives the ``aux_loss`` of transformers' own
 class run with ``output_router_logits=True`` on the same batch (1e-6 relative), and the
@@ -47,32 +47,31 @@ def _reference(ckpt):
 
 
 def _worker(ckpts, layouts):
-    for kind, ckpt in ckpts.items():
+    for (kind, ckpt), (u, r) in zip(ckpts.items(), layouts):
         aux_ref, grads_ref = _reference(ckpt)
         mc = pretrained_config(ckpt)
         theirs = hf_names(mc)  # the built-in model's names -> transformers'
-        for u, r in layouts:
-            with SPMesh.build(ulysses=u, ring=r) as mesh:
-                layout = SequenceLayout(mesh, seq_len=L, balance="zigzag")
-                model = builtin_model(mc, functools.partial(usp_attention, mesh=mesh,
-                                                            layout=layout, causal=True))
-                model.load_state_dict(load_state(mc))
-                ledger = attach_ledger(model)
-                tokens, labels = _data(mc.vocab_size)
-                ledger.open()
-                loss_sum, _ = model(layout.shard(tokens), layout.positions(),
-                                    labels=layout.shard(labels))
-                ledger.settle(WEIGHT, mesh.group("sp"))  # no FSDP here: each rank's share
-                (loss_sum / (labels != IGNORE_INDEX).sum()).backward()
-                where = f"{kind} at (u, r) = ({u}, {r})"
-                assert abs(ledger.loss() - aux_ref) < 1e-6 * aux_ref, (where, ledger.loss(),
-                                                                       aux_ref)
-                assert ledger.busiest() >= 1.0
-                for name, p in model.named_parameters():
-                    grad = p.grad.clone()
-                    dist.all_reduce(grad)
-                    torch.testing.assert_close(grad, grads_ref[theirs[name]], rtol=1e-4,
-                                               atol=1e-6, msg=f"{where}: {name}")
+        with SPMesh.build(ulysses=u, ring=r) as mesh:
+            layout = SequenceLayout(mesh, seq_len=L, balance="zigzag")
+            model = builtin_model(mc, functools.partial(usp_attention, mesh=mesh,
+                                                        layout=layout, causal=True))
+            model.load_state_dict(load_state(mc))
+            ledger = attach_ledger(model)
+            tokens, labels = _data(mc.vocab_size)
+            ledger.open()
+            loss_sum, _ = model(layout.shard(tokens), layout.positions(),
+                                labels=layout.shard(labels))
+            ledger.settle(WEIGHT, mesh.group("sp"))  # no FSDP here: each rank's share
+            (loss_sum / (labels != IGNORE_INDEX).sum()).backward()
+            where = f"{kind} at (u, r) = ({u}, {r})"
+            assert abs(ledger.loss() - aux_ref) < 1e-6 * aux_ref, (where, ledger.loss(),
+                                                                   aux_ref)
+            assert ledger.busiest() >= 1.0
+            for name, p in model.named_parameters():
+                grad = p.grad.clone()
+                dist.all_reduce(grad)
+                torch.testing.assert_close(grad, grads_ref[theirs[name]], rtol=1e-4,
+                                           atol=1e-6, msg=f"{where}: {name}")
 
 
 @pytest.fixture(scope="module")

@@ -2,10 +2,9 @@
 Llama (llama3 scaling), Qwen2 (biases, windowed layers), Mistral (a window), Qwen3 (q/k
 norms, its own head_dim) and Gemma 3 4B-27B layout (``gemma3``: its text model beside a vision
 tower; its own blocks, a RoPE per layer type, raised on both) checkpoints saved by
-transformers, the last two with the LM head in chunks and the MLP in tiles, and through
-``model.hf`` a gpt-oss (sinks, YaRN, experts) one (the built-in Qwen3-MoE and gpt-oss, their
-experts at several expert degrees and layouts: e2e/test_moe_commands.py; the 1B Gemma 3
-layout, ``gemma3_text``, the same model under other names, is covered in one process, its
+transformers, the last two with the LM head in chunks and the MLP in tiles (the built-in
+Qwen3-MoE and gpt-oss, their experts at several expert degrees and layouts:
+e2e/test_moe_commands.py; the 1B Gemma 3 layout, ``gemma3_text``, the same model under other names, is covered in one process, its
 export included: unit/test_gemma3_text.py, unit/test_gemma3.py): step 0's val_loss is
 transformers' mean loss on the same windows (with the checkpoint's RoPE, a raised rope_theta,
 YaRN), a few steps train (the Qwen3 and the Gemma 3 the same at (1,1) and (4,1)), and bad
@@ -26,10 +25,11 @@ from _pretrained import GEMMA_ROPE, KINDS, hf_val_loss, run_args, save_checkpoin
 L = 32
 YARN = "{rope_type:yarn,factor:4,original_max_position_embeddings:8}"
 # name -> (checkpoint, overrides, transformers' rope_parameters: None = the checkpoint's)
-# through model.hf (the built-in gpt-oss and Qwen3-MoE, their experts: e2e/test_moe_commands.py)
-THROUGH_HF = ("gpt_oss",)
+# the mixtures of experts on the built-in model: e2e/test_moe_commands.py; through model.hf,
+# transformers' classes: distributed/test_hf_ranks.py (gpt-oss's sinks and experts at three
+# layouts against the unpatched model) and test_hf_train_ranks.py (usp-train's path)
 RUNS = {kind: (kind, [], None) for kind in KINDS
-        if kind not in ("gemma3_text", "qwen3_moe", *THROUGH_HF)}
+        if kind not in ("gemma3_text", "qwen3_moe", "gpt_oss")}
 RUNS["llama_yarn"] = ("llama", ["model.rope_theta=2000000", f"model.rope_scaling={YARN}"],
                       {"rope_theta": 2e6, "rope_type": "yarn", "factor": 4.0,
                        "original_max_position_embeddings": 8})
@@ -39,7 +39,6 @@ RUNS["qwen3"] = ("qwen3", TILED, None)
 RUNS["gemma3"] = ("gemma3", [*TILED, "model.rope_theta=2000000", "model.local_rope_theta=20000"],
                   {"full_attention": {**GEMMA_ROPE["full_attention"], "rope_theta": 2e6},
                    "sliding_attention": {"rope_type": "default", "rope_theta": 20000.0}})
-RUNS.update({kind: (kind, [f"model.hf={kind}"], None) for kind in THROUGH_HF})
 # the same run at other layouts, dp 1 (the same batches): the first of each is at (2,2)
 LAYOUTS = {f"{kind}_{u}x{r}": (u, r) for kind in ("qwen3", "gemma3")
            for u, r in ((1, 1), (4, 1))}
@@ -73,7 +72,7 @@ def test_step_0_val_loss_is_transformers_and_the_run_trains(runs, name):
     recs = [json.loads(x) for x in (root / name / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in recs] == [0, 1, 2]
     kind, _, rope = RUNS[name]
-    want = hf_val_loss(root, ckpts[kind], L, rope, kind if kind in THROUGH_HF else None)
+    want = hf_val_loss(root, ckpts[kind], L, rope)
     assert recs[0]["val_loss"] == pytest.approx(want, rel=1e-4)
     assert "step=0 val_loss=" in r.stdout
     assert all(np.isfinite(x["loss"]) for x in recs[1:])
