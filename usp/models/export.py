@@ -298,7 +298,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="usp-export",
-        description="Export a usp checkpoint (built-in Llama or a transformers model) as a "
+        description="Export a usp checkpoint (the built-in model, as its family's transformers "
+                    "class, or a transformers model) as a "
                     "directory AutoModelForCausalLM.from_pretrained loads, with the run's "
                     "tokenizer when it has one.")
     ap.add_argument("checkpoint", help="run_dir (its newest checkpoint) or run_dir/checkpoints/step_K")
