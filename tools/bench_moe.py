@@ -21,6 +21,7 @@ import argparse
 import signal
 import sys
 
+from tools.lab.cli import add_cluster_args
 from tools.lab.moe_bench import MoeBench, plan_lines, prepare, report_saved, run
 from tools.lab.simcluster import SimClusterError, interrupt_on_signal, preflight
 
@@ -38,15 +39,7 @@ def parse_degrees(text: str) -> tuple[int, ...]:
 def parse_args(argv=None) -> argparse.Namespace:
     d = MoeBench()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=d.out)
-    ap.add_argument("--rate", default=d.rate, help="inter-node tc rate, e.g. 300mbit")
-    ap.add_argument("--intra-rate", default=d.intra_rate,
-                    help="shaped loopback inside a node, tc rate; 'none': unshaped")
-    ap.add_argument("--queue-ms", type=float, default=d.queue_ms)
-    ap.add_argument("--dim", type=int, default=d.dim)
-    ap.add_argument("--heads", type=int, default=d.n_heads)
-    ap.add_argument("--kv-heads", type=int, default=d.n_kv_heads)
-    ap.add_argument("--layers", type=int, default=d.n_layers)
+    add_cluster_args(ap, d)
     ap.add_argument("--experts", type=int, default=d.n_experts)
     ap.add_argument("--top-k", type=int, default=d.experts_per_token)
     ap.add_argument("--expert-ffn-dim", type=int, default=d.expert_ffn_dim)

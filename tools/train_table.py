@@ -18,6 +18,7 @@ import argparse
 import signal
 import sys
 
+from tools.lab.cli import add_cluster_args
 from tools.lab.simcluster import SimClusterError, interrupt_on_signal, preflight
 from tools.lab.train_table import TrainTable, check_deepspeed, prepare, run
 
@@ -25,15 +26,7 @@ from tools.lab.train_table import TrainTable, check_deepspeed, prepare, run
 def parse_args(argv=None) -> argparse.Namespace:
     d = TrainTable()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=d.out)
-    ap.add_argument("--rate", default=d.rate, help="inter-node tc rate, e.g. 300mbit")
-    ap.add_argument("--intra-rate", default=d.intra_rate,
-                    help="shaped loopback inside a node, tc rate; 'none': unshaped")
-    ap.add_argument("--queue-ms", type=float, default=d.queue_ms)
-    ap.add_argument("--dim", type=int, default=d.dim)
-    ap.add_argument("--heads", type=int, default=d.n_heads)
-    ap.add_argument("--kv-heads", type=int, default=d.n_kv_heads)
-    ap.add_argument("--layers", type=int, default=d.n_layers)
+    add_cluster_args(ap, d)
     ap.add_argument("--ffn-dim", type=int, default=d.ffn_dim)
     ap.add_argument("--vocab", type=int, default=d.vocab_size)
     ap.add_argument("--seq-len", type=int, default=d.seq_len)

@@ -22,6 +22,22 @@ def add_timing_args(p: argparse.ArgumentParser, full: dict, quick: dict) -> None
                    help=f"smoke-test size {quick} (explicit flags still win)")
 
 
+def add_cluster_args(p: argparse.ArgumentParser, d) -> None:
+    """What a benchmark on the simulated cluster takes of its links and model, defaults from
+    its config ``d`` (``out``, ``rate``, ``intra_rate``, ``queue_ms``, ``dim``, ``n_heads``,
+    ``n_kv_heads``, ``n_layers``): ``--out``, ``--rate``, ``--intra-rate``, ``--queue-ms``,
+    ``--dim``, ``--heads``, ``--kv-heads``, ``--layers``."""
+    p.add_argument("--out", default=d.out)
+    p.add_argument("--rate", default=d.rate, help="inter-node tc rate, e.g. 300mbit")
+    p.add_argument("--intra-rate", default=d.intra_rate,
+                   help="shaped loopback inside a node, tc rate; 'none': unshaped")
+    p.add_argument("--queue-ms", type=float, default=d.queue_ms)
+    p.add_argument("--dim", type=int, default=d.dim)
+    p.add_argument("--heads", type=int, default=d.n_heads)
+    p.add_argument("--kv-heads", type=int, default=d.n_kv_heads)
+    p.add_argument("--layers", type=int, default=d.n_layers)
+
+
 def parse_sized(p: argparse.ArgumentParser, argv, full: dict, quick: dict) -> argparse.Namespace:
     """Parse ``argv``; every preset key left unset takes the ``--quick`` or full value."""
     args = p.parse_args(argv)
