@@ -17,7 +17,7 @@ class EvalConfig:
     """``eval.*``. ``lengths`` empty: the data's ``seq_len``. ``during_training``: usp-train
     scores the passkey grid at its validations (``passkey_acc/<L>`` in its metrics). ``haystack``: ``auto`` (the
     validation split's text when the data has one, else the protocol's filler),
-    ``filler`` or ``text``. ``tokenizer``: None (the run's, or the data's), ``bytes``, or a
+    ``filler`` or ``text``. ``chat``: the passkey asked in chat form. ``tokenizer``: None (the run's, or the data's), ``bytes``, or a
     tokenizer directory."""
 
     run_dir: Optional[str] = None  # a usp run directory: its newest checkpoint is scored
@@ -33,6 +33,9 @@ class EvalConfig:
     windows: int = 4  # validation windows per length for position_loss
     haystack: str = "auto"
     tokenizer: Optional[str] = None
+    # passkey as a conversation: haystack, needle and question the user's turn, the key the
+    # assistant's, through the tokenizer's chat template (usp.eval.chat)
+    chat: bool = False
     # usp-train: the passkey grid (lengths, depths, per_cell, key_digits, seed, haystack,
     # tokenizer above) scored at every validation (trainer.eval_every and the last step)
     during_training: bool = False

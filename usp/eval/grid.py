@@ -13,6 +13,7 @@ from ..config import MemmapData, RunConfig
 from ..data.dataset import validation_prefix
 from ..data.files import DTYPES, data_paths, read_meta, tokenizer_dir
 from ..models.run_records import TOKENIZER_DIR, run_root
+from .chat import chat_frame
 from .passkey import ByteTokenizer, Case, HFTokenizer, filler_haystack, passkey_cases, text_haystack
 
 
@@ -80,9 +81,11 @@ def grid_cases(cfg: RunConfig, lengths: list[int], data_path: str | None,
         raise ValueError("eval.haystack=text needs a validation split (PREFIX.val of "
                          "data.path); none found: use eval.haystack=filler")
     hay = text_haystack(val) if text else filler_haystack(tok)
+    frame = chat_frame(tok) if ec.chat else None
     cases = passkey_cases(tok, lengths, ec.depths, ec.per_cell, ec.key_digits, ec.seed,
-                          cfg.model.vocab_size, hay)
-    return cases, f"passkey haystack: {'validation text' if text else 'filler sentences'}"
+                          cfg.model.vocab_size, hay, frame)
+    form = ", asked in chat form" if ec.chat else ""
+    return cases, f"passkey haystack: {'validation text' if text else 'filler sentences'}{form}"
 
 
 def passkey_lengths(cfg: RunConfig, train_len: int) -> list[int]:

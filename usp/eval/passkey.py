@@ -22,6 +22,7 @@ FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. T
           "back again. ")
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = " What is the pass key? The pass key is"
+CHAT_QUESTION = " What is the pass key?"  # chat form: the assistant's turn answers it
 SCORING = ("teacher-forced exact match: a case passes when the argmax at every key-token "
            "position is the key's token; key_logprob is the key tokens' mean log-likelihood")
 
@@ -74,12 +75,13 @@ class Case:
         return self.length - self.key_start
 
 
-def answer_ids(tok: Tokenizer, key: str, vocab_size: int) -> tuple[list[int], int]:
-    """(the ids of the answer " KEY", how many of its last ids are scored: all, less a
-    leading id that is the space alone, as the byte tokenizer's). ValueError when the
+def answer_ids(tok: Tokenizer, key: str, vocab_size: int,
+               lead: str = " ") -> tuple[list[int], int]:
+    """(the ids of the answer ``lead + KEY``, how many of its last ids are scored: all, less
+    a leading id that is the space alone, as the byte tokenizer's). ValueError when the
     tokenizer cannot encode the key (it does not decode back, or an id is past the model's
-    vocabulary)."""
-    ids = tok.encode(" " + key)
+    vocabulary). ``lead=""``: the key alone (the chat form's assistant turn)."""
+    ids = tok.encode(lead + key)
     space = tok.encode(" ")
     scored = ids[1:] if len(space) == 1 and len(ids) > 1 and ids[0] == space[0] else ids
     back = tok.decode(scored).strip()
@@ -128,28 +130,44 @@ def text_haystack(text: np.ndarray, what: str = "the validation split"):
     return haystack
 
 
+@dataclass(frozen=True)
+class ChatFrame:
+    """The chat form of a case (``usp.eval.chat.chat_frame``): the ids a chat template puts
+    before the user's turn's content (``opening``) and between it and the assistant's
+    content (``turn``)."""
+
+    opening: tuple[int, ...]
+    turn: tuple[int, ...]
+
+
 def make_case(tok: Tokenizer, length: int, depth: float, key: str, haystack, vocab_size: int,
-              rng) -> Case:
-    """The case of ``key`` at ``depth`` in ``length`` tokens (see the module docstring)."""
-    answer, scored = answer_ids(tok, key, vocab_size)
+              rng, frame: ChatFrame | None = None) -> Case:
+    """The case of ``key`` at ``depth`` in ``length`` tokens (see the module docstring).
+    ``frame``: in chat form, the haystack, needle and ``CHAT_QUESTION`` are the user's turn
+    and the key alone the assistant's."""
+    if frame is None:
+        answer, scored = answer_ids(tok, key, vocab_size)
+        before, question = [], tok.encode(QUESTION)
+    else:
+        answer, scored = answer_ids(tok, key, vocab_size, lead="")
+        before, question = list(frame.opening), tok.encode(CHAT_QUESTION) + list(frame.turn)
     needle = tok.encode(NEEDLE.format(key=key))
-    question = tok.encode(QUESTION)
-    n = length - len(needle) - len(question) - len(answer)
+    n = length - len(before) - len(needle) - len(question) - len(answer)
     if n < 0:
         raise ValueError(f"eval.lengths has {length}: a passkey case needs at least "
                          f"{length - n} tokens (needle, question and key); use longer lengths")
     hay = haystack(n, rng)
     at = round(depth * n)  # a token boundary of the haystack
-    tokens = hay[:at] + needle + hay[at:] + question + answer
-    return Case(length, depth, key, tuple(tokens), length - scored, at)
+    tokens = before + hay[:at] + needle + hay[at:] + question + answer
+    return Case(length, depth, key, tuple(tokens), length - scored, len(before) + at)
 
 
 def passkey_cases(tok: Tokenizer, lengths: Sequence[int], depths: Sequence[float],
                   per_cell: int, key_digits: int, seed: int, vocab_size: int,
-                  haystack=None) -> list[Case]:
+                  haystack=None, frame: ChatFrame | None = None) -> list[Case]:
     """Every case of the grid, lengths outer, then depths, then ``per_cell`` keys; seeded by
     ``seed`` (the same cases every time). ``haystack``: ``text_haystack``/``filler_haystack``
-    (default: the filler). ValueError for a depth outside [0, 1] or a key the tokenizer
+    (default: the filler); ``frame``: the chat form (``make_case``). ValueError for a depth outside [0, 1] or a key the tokenizer
     cannot encode, before any model runs."""
     bad = [d for d in depths if not 0.0 <= d <= 1.0]
     if bad:
@@ -161,7 +179,8 @@ def passkey_cases(tok: Tokenizer, lengths: Sequence[int], depths: Sequence[float
             for i in range(per_cell):
                 rng = np.random.default_rng(_cell_seed(seed, length, depth, i, 1))
                 key = random_key(key_digits, seed, length, depth, i)
-                cases.append(make_case(tok, length, depth, key, haystack, vocab_size, rng))
+                cases.append(make_case(tok, length, depth, key, haystack, vocab_size, rng,
+                                       frame))
     return cases
 
 
