@@ -9,6 +9,7 @@ BOS or template); ``usp-prepare`` appends the EOS id after each document.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 from itertools import chain
@@ -31,7 +32,8 @@ class TokenizerSpec:
     ``name``: ``"bytes+eos"`` or ``"hf:<path>"``; ``vocab_size``: every id it can produce,
     special tokens included; ``eos_id``: appended after each document (None: ``--no-eos``);
     ``state``: ``None`` for bytes, else the tokenizer's JSON (``tokenizers``' ``to_str``);
-    ``source``: the path given (None for bytes); ``eos_token``: the EOS token's text."""
+    ``source``: the path given (None for bytes); ``eos_token``: the EOS token's text;
+    ``chat_template``: a template that replaces the tokenizer's own (``--chat-template``)."""
 
     name: str
     vocab_size: int
@@ -39,6 +41,7 @@ class TokenizerSpec:
     state: str | None
     source: str | None = None
     eos_token: str | None = None
+    chat_template: str | None = None
 
     @property
     def is_bytes(self) -> bool:
@@ -52,10 +55,12 @@ class TokenizerSpec:
             return self.name
         return hashlib.sha256(f"{self.state}\0{self.eos_id}".encode()).hexdigest()[:16]
 
-    def save(self, out_dir: Path) -> None:
-        """Write files ``AutoTokenizer.from_pretrained(out_dir)`` loads (nothing for bytes)."""
-        if self.is_bytes:
-            return
+    def with_template(self, template: str) -> TokenizerSpec:
+        """This tokenizer with ``template`` as its chat template."""
+        return dataclasses.replace(self, chat_template=template)
+
+    def hf_tokenizer(self):
+        """The transformers tokenizer (with its chat template: ``chat_template`` when set)."""
         from tokenizers import Tokenizer
         from transformers import PreTrainedTokenizerFast
 
@@ -63,12 +68,19 @@ class TokenizerSpec:
         if src.is_dir():  # the user's own files: config, special tokens, chat template
             from transformers import AutoTokenizer
 
-            AutoTokenizer.from_pretrained(str(src), local_files_only=True).save_pretrained(
-                str(out_dir))
-            return
-        tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(self.state),
-                                      eos_token=self.eos_token)
-        tok.save_pretrained(str(out_dir))
+            tok = AutoTokenizer.from_pretrained(str(src), local_files_only=True)
+        else:
+            tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(self.state),
+                                          eos_token=self.eos_token)
+        if self.chat_template is not None:
+            tok.chat_template = self.chat_template
+        return tok
+
+    def save(self, out_dir: Path) -> None:
+        """Write files ``AutoTokenizer.from_pretrained(out_dir)`` loads, chat template
+        included (nothing for bytes)."""
+        if not self.is_bytes:
+            self.hf_tokenizer().save_pretrained(str(out_dir))
 
 
 def _need(module: str):
