@@ -15,6 +15,7 @@ from usp.data import prepare as prep
 from usp.data import sources
 from usp.data.prepare import prepare
 from usp.data.sources import in_validation
+from usp.data.tokenize import Encoder
 
 pytest.importorskip("tokenizers")
 
@@ -211,9 +212,9 @@ def test_an_interrupted_run_keeps_the_previous_output(tmp_path, tokdir, monkeypa
             raise KeyboardInterrupt
         return real(self, texts_)
 
-    real = prep.Encoder.encode
+    real = Encoder.encode
     monkeypatch.setattr(prep, "TASK_PIECES", 50)  # several tasks, the second one interrupted
-    monkeypatch.setattr(prep.Encoder, "encode", interrupted)
+    monkeypatch.setattr(Encoder, "encode", interrupted)
     with pytest.raises(KeyboardInterrupt):
         prepare(src, "*.jsonl", out, val_fraction=0.1, **_quiet())  # bytes this time
     after = {p.name: p.read_bytes() for p in tmp_path.glob("c*") if p.is_file()}
@@ -221,7 +222,7 @@ def test_an_interrupted_run_keeps_the_previous_output(tmp_path, tokdir, monkeypa
     assert (tmp_path / "c.tokenizer" / "tokenizer.json").is_file()
     assert not list(tmp_path.rglob("*.tmp"))
     # a finished byte-level run replaces the lot: no stale tokenizer, no stale split
-    monkeypatch.setattr(prep.Encoder, "encode", real)
+    monkeypatch.setattr(Encoder, "encode", real)
     prepare(src, "*.jsonl", out, val_fraction=0, **_quiet())
     assert not (tmp_path / "c.tokenizer").exists() and not (tmp_path / "c.val.bin").exists()
     assert json.loads((tmp_path / "c.json").read_text())["tokenizer"] == "bytes+eos"

@@ -3,7 +3,8 @@
 ::
 
     usp-prepare --src DIR --glob '**/*.jsonl' --out PREFIX [--tokenizer PATH|bytes]
-                [--text-key text] [--val-fraction 0.01] [--workers N] [--no-eos]
+                [--text-key text] [--messages-key messages] [--chat-template FILE]
+                [--val-fraction 0.01] [--workers N] [--no-eos]
                 [--eos-token TOKEN] [--strict] [--max-bytes N] [--quiet]
 
 Inputs (``usp.data.sources``): ``.jsonl``/``.jsonl.gz`` (a document per line, the text under
@@ -11,6 +12,17 @@ Inputs (``usp.data.sources``): ``.jsonl``/``.jsonl.gz`` (a document per line, th
 file. Tokenizer (``usp.data.tokenize``): ``bytes`` (the default: ids are the UTF-8 bytes,
 EOS 256, vocab 257), a ``tokenizer.json``, or a tokenizer directory; EOS is appended to
 every document.
+
+Conversations (``usp.data.chat``): when the corpus's first record holds ``--messages-key``
+(a list of ``{role, content}``), every record is a conversation, rendered with the
+tokenizer's chat template (``--chat-template FILE`` gives or replaces it) and written as one
+document (EOS after it, no loss on it), with ``PREFIX.loss`` (and ``PREFIX.val.loss``): 1 on
+each token an assistant turn holds, its end-of-turn token included; the ``.json`` says
+``loss_kind: "assistant"``, ``chat: true`` and where the template came from. A corpus mixing
+text and conversations is refused; a conversation without an assistant turn, with an unknown
+role, not a list of ``{role, content}`` strings or that the template cannot render is a bad
+line (skipped and counted, or refused under ``--strict``). The saved tokenizer keeps the
+template, so it travels to ``usp-train``'s run and ``usp-export``'s tokenizer.
 
 Outputs, all or nothing: ``PREFIX.{bin,json,docs}`` the training split,
 ``PREFIX.val.{bin,json,docs}`` the validation split (documents chosen by a hash of their
@@ -38,9 +50,10 @@ from pathlib import Path
 
 import numpy as np
 
+from .chat import chat_spec, encoder_for, template_hash
 from .files import TokenWriter, data_paths, docs_path, tokenizer_dir
-from .sources import Corpus, Piece, Problems, list_files
-from .tokenize import BYTE_EOS, BYTE_VOCAB, Encoder, TokenizerSpec, load_tokenizer
+from .sources import Corpus, Piece, Problems, is_chat, list_files
+from .tokenize import BYTE_EOS, BYTE_VOCAB, TokenizerSpec, load_tokenizer
 
 __all__ = ["prepare", "main", "list_files", "EOS", "VOCAB_SIZE"]
 
@@ -54,14 +67,16 @@ VAL_SUFFIX = ".val"
 def prepare(src: str | Path, pattern: str, out: str | Path, max_bytes: int | None = None, *,
             tokenizer: str | Path = "bytes", text_key: str = "text", val_fraction: float = 0.01,
             workers: int | None = 1, no_eos: bool = False, eos_token: str | None = None,
-            strict: bool = False, progress: bool = False, log=print) -> dict:
+            strict: bool = False, progress: bool = False, messages_key: str = "messages",
+            chat_template: str | Path | None = None, log=print) -> dict:
     """Tokenize the documents of ``src`` matching ``pattern`` into ``out``'s files (see the
     module docstring); returns the training split's metadata, with ``val`` (the validation
     split's, or None) and ``problems``.
 
     Raises ``ValueError`` before writing anything for a bad argument, a missing folder or
-    tokenizer, no matching file; and after reading, with nothing written, for a corpus
-    without documents or (``strict``) a bad line. ``log`` gets the summary lines."""
+    tokenizer, no matching file, conversations without a chat template; and after reading,
+    with nothing written, for a corpus without documents, one mixing text and conversations
+    or (``strict``) a bad line. ``log`` gets the summary lines."""
     src = Path(src)
     asked, workers = workers is not None, default_workers() if workers is None else workers
     _check_args(src, max_bytes, val_fraction, workers)
@@ -70,14 +85,17 @@ def prepare(src: str | Path, pattern: str, out: str | Path, max_bytes: int | Non
     if not files:
         raise ValueError(f"no files under {src} match the pattern {pattern!r}; pick a pattern "
                          "relative to src such as '**/*.jsonl' or '**/*.txt' (--glob)")
+    chat = is_chat(src, files, text_key, messages_key)
+    spec, extra = _template(spec, chat, chat_template)
     problems = Problems(strict=strict)
     corpus = Corpus(src, files, text_key, val_fraction, problems, raw=spec.is_bytes,
-                    max_bytes=max_bytes)
+                    max_bytes=max_bytes, messages_key=messages_key, chat=chat)
     source = {"src": str(src), "glob": pattern, "text_key": text_key, "max_bytes": max_bytes,
-              "val_fraction": val_fraction}
-    splits = {"train": TokenWriter(out, spec.vocab_size, spec.name, source)}
-    if val_fraction > 0:
-        splits["val"] = TokenWriter(f"{out}{VAL_SUFFIX}", spec.vocab_size, spec.name, source)
+              "val_fraction": val_fraction, **({"messages_key": messages_key} if chat else {})}
+    splits = {name: TokenWriter(f"{out}{suffix}", spec.vocab_size, spec.name, source,
+                                loss_mask=chat)
+              for name, suffix in (("train", ""), ("val", VAL_SUFFIX))
+              if name == "train" or val_fraction > 0}
     tok_tmp = tokenizer_dir(out).with_name(tokenizer_dir(out).name + ".tmp")
     t0 = time.perf_counter()
     total = sum(f.stat().st_size for f in files)
@@ -87,13 +105,8 @@ def prepare(src: str | Path, pattern: str, out: str | Path, max_bytes: int | Non
                 f"start only from {POOL_BYTES / 1e6:.0f} MB, where they pay for their start)")
         workers = 1
     try:
-        bar = _Bar(total, progress)
-        for pieces, ids, lengths in _encoded(corpus, spec, workers):
-            for name, (tokens, starts) in _blocks(pieces, ids, lengths, spec.eos_id).items():
-                splits[name].write_documents(tokens, starts)
-            bar.update(corpus.bytes_read, sum(w.num_documents for w in splits.values()),
-                       sum(w.num_tokens for w in splits.values()))
-        bar.close()
+        _write(corpus, spec if chat else spec.state, workers, spec.eos_id, splits, progress,
+               total)
         train = splits["train"]
         if not train.num_documents:
             raise ValueError(_no_documents(src, pattern, corpus, problems, splits))
@@ -106,8 +119,8 @@ def prepare(src: str | Path, pattern: str, out: str | Path, max_bytes: int | Non
             log(f"note: no document fell in the validation split ({train.num_documents} "
                 f"documents x {val_fraction} = {train.num_documents * val_fraction:.2f}); no "
                 f"{out}{VAL_SUFFIX}.* written; raise --val-fraction for one")
-        extra = {"eos_id": spec.eos_id, "problems": problems.as_dict(),
-                 "tokenizer_hash": spec.fingerprint}
+        extra.update(eos_id=spec.eos_id, problems=problems.as_dict(),
+                     tokenizer_hash=spec.fingerprint)
         if not spec.is_bytes:
             extra["tokenizer_dir"] = tokenizer_dir(out).name
         val_meta = (splits["val"].finish(split="validation", **extra) if "val" in splits
@@ -126,6 +139,42 @@ def prepare(src: str | Path, pattern: str, out: str | Path, max_bytes: int | Non
     meta.update(val=val_meta, seconds=seconds)
     _summary(meta, val_meta, problems, corpus, out, spec, seconds, log)
     return meta
+
+
+def _template(spec: TokenizerSpec, chat: bool, template: str | Path | None):
+    """The tokenizer with the chat template it renders with and saves, and the metadata a
+    corpus of conversations adds (``loss_kind``, ``chat``, ``chat_template``: where the
+    template came from, and its hash); a given template also travels with a text corpus."""
+    if chat:
+        spec, where = chat_spec(spec, template)
+        return spec, {"loss_kind": "assistant", "chat": True, "chat_template": where,
+                      "chat_template_hash": template_hash(spec)}
+    if template is not None:
+        if spec.is_bytes:
+            raise ValueError("--chat-template goes with a Hugging Face tokenizer, which saves "
+                             "it; the byte tokenizer saves no files; drop it or pass --tokenizer")
+        spec, _ = chat_spec(spec, template)
+    return spec, {}
+
+
+def _write(corpus: Corpus, state, workers: int, eos_id, splits: dict, progress: bool,
+           total: int) -> None:
+    """Encode the corpus and write each task's blocks to its split, in corpus order."""
+    bar = _Bar(total, progress)
+    for pieces, ids, lengths, *chat in _encoded(corpus, state, workers):
+        loss = None
+        if chat:  # conversations: their masks, and the skipped ones recorded
+            loss, reasons = chat
+            for piece, why in zip(pieces, reasons):
+                if why is not None:
+                    corpus.problems.add(f"conversation skipped, {why}", piece.where)
+            kept = np.asarray([why is None for why in reasons], bool)
+            pieces, lengths = [p for p, k in zip(pieces, kept) if k], lengths[kept]
+        for name, block in _blocks(pieces, ids, lengths, eos_id, loss).items():
+            splits[name].write_documents(*block)
+        bar.update(corpus.bytes_read, sum(w.num_documents for w in splits.values()),
+                   sum(w.num_tokens for w in splits.values()))
+    bar.close()
 
 
 def default_workers() -> int:
@@ -173,11 +222,12 @@ def _publish(out, splits: dict, tok_tmp: Path, spec: TokenizerSpec) -> None:
     splits["train"].publish()
 
 
-def _encoded(corpus: Corpus, spec: TokenizerSpec, workers: int):
-    """(pieces, ids, lengths) per task, in corpus order; ``workers`` processes encode."""
+def _encoded(corpus: Corpus, state, workers: int):
+    """(pieces, ids, lengths[, loss, reasons]) per task, in corpus order (``encoder_for``
+    ``state``: a ``TokenizerSpec`` for conversations); ``workers`` processes encode."""
     tasks = _tasks(corpus)
     if workers == 1:
-        enc = Encoder(spec.state)
+        enc = encoder_for(state)
         for pieces in tasks:
             yield (pieces, *enc.encode([p.text for p in pieces]))
         return
@@ -185,7 +235,7 @@ def _encoded(corpus: Corpus, spec: TokenizerSpec, workers: int):
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"),
-                             initializer=_init_worker, initargs=(spec.state,)) as pool:
+                             initializer=_init_worker, initargs=(state,)) as pool:
         pending: deque = deque()  # at most 2 per worker in flight: memory stays bounded
         try:
             for pieces in tasks:
@@ -205,7 +255,7 @@ def _tasks(corpus: Corpus):
     batch, size = [], 0
     for piece in corpus:
         batch.append(piece)
-        size += len(piece.text)
+        size += piece.size
         if size >= TASK_BYTES or len(batch) >= TASK_PIECES:
             yield batch
             batch, size = [], 0
@@ -213,13 +263,13 @@ def _tasks(corpus: Corpus):
         yield batch
 
 
-_ENCODER: Encoder | None = None
+_ENCODER = None
 
 
-def _init_worker(state: str | None) -> None:
+def _init_worker(state) -> None:
     global _ENCODER
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # this process is one of the workers
-    _ENCODER = Encoder(state)
+    _ENCODER = encoder_for(state)
 
 
 def _encode(texts: list):
@@ -227,12 +277,14 @@ def _encode(texts: list):
 
 
 def _blocks(pieces: list[Piece], ids: np.ndarray, lengths: np.ndarray,
-            eos_id: int | None) -> dict:
-    """One task's tokens per split: {"train"/"val": (tokens, document starts)}, EOS after
-    each document's last piece."""
+            eos_id: int | None, loss: np.ndarray | None = None) -> dict:
+    """One task's tokens per split: {"train"/"val": (tokens, document starts[, loss])}, EOS
+    after each document's last piece (no loss on it)."""
     last = np.fromiter((p.last for p in pieces), bool, len(pieces))
     if eos_id is not None and last.any():
-        ids = np.insert(ids, np.cumsum(lengths)[last], eos_id)  # after each finished document
+        at = np.cumsum(lengths)[last]  # after each finished document
+        ids = np.insert(ids, at, eos_id)
+        loss = None if loss is None else np.insert(loss, at, 0)
         lengths = lengths + last
     val = np.fromiter((p.val for p in pieces), bool, len(pieces))
     first = np.fromiter((p.first for p in pieces), bool, len(pieces))
@@ -241,7 +293,8 @@ def _blocks(pieces: list[Piece], ids: np.ndarray, lengths: np.ndarray,
         if mine.any():
             kept = np.where(mine, lengths, 0)
             starts = (np.cumsum(kept) - kept)[mine & first]  # offsets in this split's block
-            out[name] = (ids[np.repeat(mine, lengths)], starts)
+            take = np.repeat(mine, lengths)
+            out[name] = (ids[take], starts) + (() if loss is None else (loss[take],))
     return out
 
 
@@ -278,6 +331,11 @@ def _summary(meta, val_meta, problems: Problems, corpus: Corpus, out, spec, seco
             f"{val_meta['num_documents']} documents")
     if not spec.is_bytes:
         log(f"  tokenizer: {tokenizer_dir(out)}/")
+    if meta.get("chat"):
+        masked = meta["loss_tokens"] + (val_meta["loss_tokens"] if val_meta else 0)
+        log(f"  chat: {docs} conversations, template from {meta['chat_template']}; assistant "
+            f"tokens (the loss mask, {out}.loss): {masked} of {tokens} "
+            f"({masked / max(tokens, 1):.1%})")
     if corpus.empty:
         log(f"  {corpus.empty} empty documents skipped")
     for line in problems.lines():
@@ -300,6 +358,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", default="bytes",
                     help="'bytes' (default), a tokenizer.json file or a tokenizer directory")
     ap.add_argument("--text-key", default="text", help="JSON key / Parquet column of the text")
+    ap.add_argument("--messages-key", default="messages",
+                    help="JSON key / Parquet column of a conversation (a list of {role, "
+                         "content}); a corpus whose first record holds it is chat")
+    ap.add_argument("--chat-template", default=None, metavar="FILE",
+                    help="a Jinja chat template that gives or replaces the tokenizer's; it "
+                         "renders the conversations and is saved with the tokenizer")
     ap.add_argument("--val-fraction", type=float, default=0.01,
                     help="share of documents in the validation split (default 0.01; 0: none)")
     ap.add_argument("--workers", type=int, default=None,
@@ -315,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         prepare(args.src, args.glob, args.out, args.max_bytes, tokenizer=args.tokenizer,
                 text_key=args.text_key, val_fraction=args.val_fraction, workers=args.workers,
                 no_eos=args.no_eos, eos_token=args.eos_token, strict=args.strict,
-                progress=not args.quiet)
+                progress=not args.quiet, messages_key=args.messages_key,
+                chat_template=args.chat_template)
     except ValueError as e:
         print(f"usp-prepare: error: {e}", file=sys.stderr)
         return 2

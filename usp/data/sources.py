@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from .chat import check_messages, content_bytes
+
 PIECE_BYTES = 4 << 20  # longest piece of one document handed to a tokenizer
 EXAMPLES = 5  # file:line examples kept per reason
 _PARQUET_ROWS = 1024
@@ -79,10 +81,16 @@ class Piece:
     """Part of a document: ``text`` (``str``, or ``bytes`` for raw files under the byte
     tokenizer), whether it starts and ends its document, and the document's split."""
 
-    text: str | bytes
+    text: str | bytes | list
     first: bool
     last: bool
     val: bool
+    where: str = ""  # ``path:line`` of its document
+
+    @property
+    def size(self) -> int:
+        """Its length in characters (bytes), or a conversation's content bytes."""
+        return content_bytes(self.text) if isinstance(self.text, list) else len(self.text)
 
 
 def in_validation(ident: str, fraction: float) -> bool:
@@ -100,12 +108,18 @@ class Corpus:
 
     ``raw``: hand whole files out as bytes (the byte tokenizer: its ids are the bytes, so
     invalid UTF-8 stays as it is); else text files are decoded as UTF-8 (invalid bytes
-    replaced and counted). ``max_bytes`` caps the document bytes taken (the document that
-    crosses it is cut). ``bytes_read`` counts the input bytes consumed from disk so far."""
+    replaced and counted). ``chat``: the records are conversations under ``messages_key``
+    (``check_messages``; each one ``Piece`` whose text is the messages); a record holding
+    the other kind (or a text file) is refused as a mixed corpus. ``max_bytes`` caps the
+    document bytes taken (the document that crosses it is cut). ``bytes_read`` counts the
+    input bytes consumed from disk so far."""
 
     def __init__(self, src: Path, files: list[Path], text_key: str, val_fraction: float,
-                 problems: Problems, raw: bool = False, max_bytes: int | None = None):
+                 problems: Problems, raw: bool = False, max_bytes: int | None = None,
+                 messages_key: str = "messages", chat: bool = False):
         self.src, self.files, self.text_key = src, files, text_key
+        self.messages_key, self.chat = messages_key, chat
+        self.key, self.other = (messages_key, text_key) if chat else (text_key, messages_key)
         self.val_fraction, self.problems, self.raw = val_fraction, problems, raw
         self.max_bytes = max_bytes
         self.taken = 0  # document bytes handed out (what max_bytes caps)
@@ -124,6 +138,8 @@ class Corpus:
                 docs = ((ident, [text]) for ident, text in self._jsonl(path, rel))
             elif kind == "parquet":
                 docs = ((ident, [text]) for ident, text in self._parquet(path, rel))
+            elif self.chat:
+                raise ValueError(_mixed(f"{rel}:1", "a text file", True))
             else:
                 docs = [(f"{rel}:1", self._text(path, rel))]
             try:
@@ -141,8 +157,14 @@ class Corpus:
 
     def _pieces(self, ident: str, chunks) -> Iterator[Piece]:
         """The pieces of one document from its ``chunks`` (str, or bytes when raw), each at
-        most ``PIECE_BYTES``, the last one marked; nothing for an empty document."""
+        most ``PIECE_BYTES``, the last one marked; nothing for an empty document. A
+        conversation is one piece."""
         val = in_validation(ident, self.val_fraction)
+        if self.chat:
+            (messages,) = chunks
+            self.taken += content_bytes(messages)
+            yield Piece(messages, True, True, val, ident)
+            return
         pending, first = None, True  # one piece held back, so the last can say so
         for chunk in chunks:
             try:
@@ -195,7 +217,7 @@ class Corpus:
                     return
 
     def _jsonl(self, path: Path, rel: str):
-        key = self.text_key
+        key = self.key
         with _open(path) as f:
             for n, line in enumerate(f, 1):
                 if not line.strip():
@@ -207,17 +229,30 @@ class Corpus:
                     why = e.msg if isinstance(e, json.JSONDecodeError) else e.reason
                     self.problems.add("line skipped, not JSON", where, f" ({why})")
                     continue
+                if isinstance(obj, dict) and key not in obj and self.other in obj:
+                    raise ValueError(_mixed(where, f"the key {self.other!r}", self.chat))
                 if not isinstance(obj, dict) or key not in obj:
                     keys = sorted(obj)[:6] if isinstance(obj, dict) else type(obj).__name__
-                    self.problems.add(f"line skipped, no key {key!r} (--text-key)", where,
+                    flag = "--messages-key" if self.chat else "--text-key"
+                    self.problems.add(f"line skipped, no key {key!r} ({flag})", where,
                                       f" (has {keys})")
                     continue
-                text = obj[key]
-                if not isinstance(text, str):
-                    self.problems.add(f"line skipped, {key!r} is not a string", where,
-                                      f" ({type(text).__name__})")
-                    continue
-                yield where, text
+                if self._valid(obj[key], where, "line"):
+                    yield where, obj[key]
+
+    def _valid(self, value, where: str, unit: str) -> bool:
+        """Whether ``value`` is a text (a string) or, for chat, a conversation; a problem
+        entry when it is not."""
+        if self.chat:
+            why = check_messages(value)
+            if why is not None:
+                self.problems.add(f"conversation skipped, {why}", where)
+            return why is None
+        if not isinstance(value, str):
+            self.problems.add(f"{unit} skipped, {self.key!r} is not a string", where,
+                              f" ({type(value).__name__})")
+            return False
+        return True
 
     def _parquet(self, path: Path, rel: str):
         try:
@@ -233,23 +268,66 @@ class Corpus:
         except Exception as e:  # pyarrow's own errors: not a Parquet file, a damaged footer
             raise ValueError(f"{rel} cannot be read as Parquet ({e}); fix or remove the file, "
                              "or narrow --glob") from None
-        names = pf.schema_arrow.names
-        if self.text_key not in names and pf.metadata.num_rows == 0:
+        names, key = pf.schema_arrow.names, self.key
+        if key not in names and pf.metadata.num_rows == 0:
             return
-        if self.text_key not in names:
-            self.problems.add(f"rows skipped, no column {self.text_key!r} (--text-key)",
+        if key not in names and self.other in names:
+            raise ValueError(_mixed(f"{rel}:1", f"the column {self.other!r}", self.chat))
+        if key not in names:
+            flag = "--messages-key" if self.chat else "--text-key"
+            self.problems.add(f"rows skipped, no column {key!r} ({flag})",
                               f"{rel}:1", f" (columns {names[:6]}; all "
                               f"{pf.metadata.num_rows} rows)", n=pf.metadata.num_rows)
             return
         row = 0
-        for batch in pf.iter_batches(columns=[self.text_key], batch_size=_PARQUET_ROWS):
-            for text in batch.column(0).to_pylist():
+        for batch in pf.iter_batches(columns=[key], batch_size=_PARQUET_ROWS):
+            for value in batch.column(0).to_pylist():
                 row += 1
-                if not isinstance(text, str):
-                    self.problems.add(f"row skipped, {self.text_key!r} is not a string",
-                                      f"{rel}:{row}", f" ({type(text).__name__})")
-                    continue
-                yield f"{rel}:{row}", text
+                if self._valid(value, f"{rel}:{row}", "row"):
+                    yield f"{rel}:{row}", value
+
+
+def is_chat(src: Path, files: list[Path], text_key: str, messages_key: str) -> bool:
+    """Whether the corpus holds conversations: its first record (in file order) holding
+    ``messages_key`` or ``text_key`` holds ``messages_key`` (a text file is a text record)."""
+    for path in files:
+        kind = file_format(path)
+        if kind == "text":
+            return False
+        if kind == "parquet":
+            names = _parquet_names(path)
+            if messages_key in names or text_key in names:
+                return messages_key in names
+            continue
+        try:
+            with _open(path) as f:
+                for line in f:
+                    try:
+                        obj = json.loads(line)
+                    except (json.JSONDecodeError, UnicodeDecodeError):
+                        continue
+                    if isinstance(obj, dict) and (messages_key in obj or text_key in obj):
+                        return messages_key in obj
+        except (OSError, EOFError, zlib.error):
+            continue  # the reading says why
+    return False
+
+
+def _parquet_names(path: Path) -> list[str]:
+    """A Parquet file's columns; none when it cannot be read (the reading says why)."""
+    try:
+        import pyarrow.parquet as pq
+
+        return pq.read_schema(path).names
+    except (ImportError, OSError, ValueError):  # pyarrow's ArrowInvalid is a ValueError
+        return []
+
+
+def _mixed(where: str, what: str, chat: bool) -> str:
+    kinds = ("conversations", "text") if chat else ("text", "conversations")
+    return (f"{where} holds {what} but the corpus is {kinds[0]} (its first record says so); "
+            f"usp-prepare takes one kind a run: prepare the {kinds[1]} with their own --glob "
+            "or --out and mix the two with data.blend")
 
 
 def _open(path: Path):
