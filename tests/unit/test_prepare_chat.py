@@ -128,6 +128,8 @@ BAD = [
     ("the cat sat", "conversation skipped, messages not a list of {role, content} strings"),
     ([{"role": "user", "content": "a"}, {"role": "assistant", "content": 7}],
      "conversation skipped, messages not a list of {role, content} strings"),
+    ([{"role": "assistant", "content": "a"}],
+     "conversation skipped, starts with an assistant turn (no prompt before it)"),
 ]
 
 
@@ -138,14 +140,45 @@ def test_bad_conversations_are_counted_with_file_and_line(tmp_path, toks):
     lines = []
     meta = prepare(tmp_path / "src", "*.jsonl", tmp_path / "out" / "c", tokenizer=toks["chatml"],
                    val_fraction=0, **_quiet(log=lines.append))
-    assert meta["num_documents"] == 2
+    assert meta["num_documents"] == 2 and meta["problems"]["counts"]
     counts, examples = meta["problems"]["counts"], meta["problems"]["examples"]
-    assert counts == {BAD[0][1]: 1, BAD[1][1]: 1, BAD[2][1]: 2}
+    assert counts == {BAD[0][1]: 1, BAD[1][1]: 1, BAD[2][1]: 2, BAD[4][1]: 1}
+    assert examples[BAD[4][1]] == ["a.jsonl:6"]
     assert examples[BAD[0][1]] == ["a.jsonl:2"] and examples[BAD[1][1]] == ["a.jsonl:3"]
     assert examples[BAD[2][1]] == ["a.jsonl:4", "a.jsonl:5"]
     assert f"  {BAD[2][1]}: 2 (e.g. a.jsonl:4, a.jsonl:5)" in lines
     assert any(line.startswith("  chat: 2 conversations, template from tokenizer ")
                for line in lines)
+
+
+def test_conversations_the_template_refuses_or_renders_unlike_its_prefix_are_skipped(
+        tmp_path, toks):
+    """A template that raises on a content, and marks a user turn that ends the messages (so
+    the messages before an assistant turn, rendered alone, are no prefix of the whole)."""
+    (tmp_path / "t.jinja").write_text(
+        "{% for m in messages %}{% if m.content == 'forbidden' %}{{ raise_exception('no') }}"
+        "{% endif %}<|im_start|>{{ m.role }}{% if loop.last and m.role == 'user' %} last"
+        "{% endif %}{{ '\\n' }}{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    write_jsonl(tmp_path / "src" / "a.jsonl", [
+        {"messages": [{"role": "user", "content": "forbidden"},
+                      {"role": "assistant", "content": "the cat"}]},
+        {"messages": [{"role": "user", "content": "the"}, {"role": "assistant", "content": "a"}]},
+        {"messages": [{"role": "system", "content": "the"},
+                      {"role": "assistant", "content": "the cat sat"}]}])
+    meta = prepare(tmp_path / "src", "*.jsonl", tmp_path / "out" / "c", tokenizer=toks["none"],
+                   chat_template=tmp_path / "t.jinja", val_fraction=0, **_quiet())
+    examples = meta["problems"]["examples"]
+    assert meta["num_documents"] == 1 and meta["problems"]["counts"] == {
+        "conversation skipped, the chat template refused it (TemplateError: no)": 1,
+        "conversation skipped, the chat template renders the messages before assistant turn 1 "
+        "with the generation prompt differently from the whole conversation": 1}
+    assert sorted(v for vs in examples.values() for v in vs) == ["a.jsonl:1", "a.jsonl:2"]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(toks["none"]))
+    (ids, loss), = _split(tmp_path / "out" / "c")
+    assert _runs(ids, loss, tok) == ["the cat sat<|im_end|>"]
 
 
 @pytest.mark.parametrize("record,needle", [(m, why) for m, why in BAD[:2]])

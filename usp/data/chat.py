@@ -38,6 +38,8 @@ def check_messages(messages) -> str | None:
         return f"unknown role {unknown[0]!r} (known: {', '.join(ROLES)})"
     if not any(m["role"] == "assistant" for m in messages):
         return "no assistant turn"
+    if messages[0]["role"] == "assistant":  # transformers renders no empty prompt before it
+        return "starts with an assistant turn (no prompt before it)"
     return None
 
 

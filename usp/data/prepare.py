@@ -204,7 +204,7 @@ def _no_documents(src, pattern, corpus: Corpus, problems: Problems, splits) -> s
                 "lower --val-fraction")
     why = "; ".join(problems.lines()) or f"{corpus.empty} empty documents"
     return (f"no documents in the {corpus.files_used} files under {src} matching {pattern!r}: "
-            f"{why}; check --glob and --text-key")
+            f"{why}; check --glob and {'--messages-key' if corpus.chat else '--text-key'}")
 
 
 def _publish(out, splits: dict, tok_tmp: Path, spec: TokenizerSpec) -> None:
@@ -347,14 +347,17 @@ def _summary(meta, val_meta, problems: Problems, corpus: Corpus, out, spec, seco
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="usp-prepare",
-                                 description="Tokenize a folder of documents into token files "
-                                             "for data=memmap (training and validation splits).")
+                                 description="Tokenize a folder of documents (or of "
+                                             "conversations, with the assistant's loss mask) into "
+                                             "token files for data=memmap (training and "
+                                             "validation splits).")
     ap.add_argument("--src", required=True, help="folder to read documents from")
     ap.add_argument("--glob", default="**/*.txt",
                     help="pattern relative to --src (default '**/*.txt'); .jsonl(.gz) and "
                          ".parquet files hold a document per line/row, others one per file")
     ap.add_argument("--out", required=True,
-                    help="output prefix: OUT.bin/.json/.docs, OUT.val.*, OUT.tokenizer/")
+                    help="output prefix: OUT.bin/.json/.docs (conversations: .loss), OUT.val.*, "
+                         "OUT.tokenizer/")
     ap.add_argument("--tokenizer", default="bytes",
                     help="'bytes' (default), a tokenizer.json file or a tokenizer directory")
     ap.add_argument("--text-key", default="text", help="JSON key / Parquet column of the text")
