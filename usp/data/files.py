@@ -4,7 +4,8 @@ atomically) and their metadata. No torch: ``usp-prepare`` and its workers import
 ``{prefix}.bin`` holds the raw ids (uint16, or uint32 for a vocabulary over 65536),
 ``{prefix}.json`` the metadata: ``dtype``, ``num_tokens``, ``vocab_size``, ``tokenizer``,
 ``source``, and optionally ``max_token``, ``eos_id``, ``num_documents`` and what
-``usp-prepare`` adds (``split``, ``val``, ``problems``, ``tokenizer_dir``). With
+``usp-prepare`` adds (``split``, ``val``, ``problems``, ``tokenizer_dir``; for conversations
+``loss_kind: "assistant"``, ``chat``, ``chat_template``, ``chat_template_hash``). With
 ``num_documents``, ``{prefix}.docs`` holds the document start offsets (raw int64,
 increasing, the first 0). With ``loss_mask`` (and ``loss_tokens``, how many are 1),
 ``{prefix}.loss`` holds one byte per token: 1 where the token counts as a target of the
