@@ -61,16 +61,20 @@ def sentence(rng: random.Random, lo: int = 2, hi: int = 8) -> str:
 
 
 def conversation(rng: random.Random, turns: int, think: bool = False,
-                 system: bool = False) -> list[dict]:
+                 system: bool = False, tool: bool = False) -> list[dict]:
     """``turns`` user/assistant pairs (an assistant content with a <think> block when
-    ``think``), after a system turn when ``system``."""
+    ``think``), after a system turn when ``system``; ``tool``: each assistant turn is
+    followed by a tool's answer and a second assistant turn."""
     msgs = [{"role": "system", "content": sentence(rng)}] if system else []
     for _ in range(turns):
         msgs.append({"role": "user", "content": sentence(rng)})
-        answer = sentence(rng)
-        if think:
-            answer = f"<think>\n{sentence(rng)}\n</think>\n\n{answer}"
-        msgs.append({"role": "assistant", "content": answer})
+        for step in range(1 + tool):
+            if step:
+                msgs.append({"role": "tool", "content": sentence(rng)})
+            answer = sentence(rng)
+            if think:
+                answer = f"<think>\n{sentence(rng)}\n</think>\n\n{answer}"
+            msgs.append({"role": "assistant", "content": answer})
     return msgs
 
 

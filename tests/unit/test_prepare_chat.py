@@ -78,7 +78,8 @@ def test_the_mask_is_each_assistant_turn_and_its_end_token(tmp_path, toks, name,
     from transformers import AutoTokenizer
 
     rng = random.Random(3)
-    convs = [conversation(rng, 1 + i % 3, think=think, system=i % 2 == 0) for i in range(24)]
+    convs = [conversation(rng, 1 + i % 3, think=think, system=i % 2 == 0, tool=i % 4 == 3)
+             for i in range(24)]
     write_jsonl(tmp_path / "src" / "a.jsonl", [{"messages": c} for c in convs])
     meta = prepare(tmp_path / "src", "*.jsonl", tmp_path / "out" / "c", tokenizer=toks[name],
                    val_fraction=FRACTION, **_quiet())
@@ -151,34 +152,31 @@ def test_bad_conversations_are_counted_with_file_and_line(tmp_path, toks):
                for line in lines)
 
 
-def test_conversations_the_template_refuses_or_renders_unlike_its_prefix_are_skipped(
+def test_conversations_the_template_refuses_or_prompts_unlike_it_renders_are_skipped(
         tmp_path, toks):
-    """A template that raises on a content, and marks a user turn that ends the messages (so
-    the messages before an assistant turn, rendered alone, are no prefix of the whole)."""
+    """A template that raises on a content, and prompts one message with a generation
+    prompt its renderings never hold (so no assistant turn can be found after it)."""
     (tmp_path / "t.jinja").write_text(
         "{% for m in messages %}{% if m.content == 'forbidden' %}{{ raise_exception('no') }}"
-        "{% endif %}<|im_start|>{{ m.role }}{% if loop.last and m.role == 'user' %} last"
-        "{% endif %}{{ '\\n' }}{{ m.content }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+        "{% endif %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>{% if messages|length == 1 %}bot"
+        "{% else %}assistant{% endif %}{{ '\\n' }}{% endif %}")
+    user, answer = {"role": "user", "content": "the"}, {"role": "assistant", "content": "the cat"}
     write_jsonl(tmp_path / "src" / "a.jsonl", [
-        {"messages": [{"role": "user", "content": "forbidden"},
-                      {"role": "assistant", "content": "the cat"}]},
-        {"messages": [{"role": "user", "content": "the"}, {"role": "assistant", "content": "a"}]},
-        {"messages": [{"role": "system", "content": "the"},
-                      {"role": "assistant", "content": "the cat sat"}]}])
+        {"messages": [{"role": "user", "content": "forbidden"}, answer]},
+        {"messages": [user, answer]},
+        {"messages": [{"role": "system", "content": "sat"}, user, answer]}])
     meta = prepare(tmp_path / "src", "*.jsonl", tmp_path / "out" / "c", tokenizer=toks["none"],
                    chat_template=tmp_path / "t.jinja", val_fraction=0, **_quiet())
-    examples = meta["problems"]["examples"]
-    assert meta["num_documents"] == 1 and meta["problems"]["counts"] == {
-        "conversation skipped, the chat template refused it (TemplateError: no)": 1,
-        "conversation skipped, the chat template renders the messages before assistant turn 1 "
-        "with the generation prompt differently from the whole conversation": 1}
-    assert sorted(v for vs in examples.values() for v in vs) == ["a.jsonl:1", "a.jsonl:2"]
+    assert meta["num_documents"] == 1 and meta["problems"]["examples"] == {
+        "conversation skipped, the chat template refused it (TemplateError: no)": ["a.jsonl:1"],
+        "conversation skipped, the chat template renders no generation prompt before "
+        "assistant turn 1 that the whole conversation holds": ["a.jsonl:2"]}
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(toks["none"]))
     (ids, loss), = _split(tmp_path / "out" / "c")
-    assert _runs(ids, loss, tok) == ["the cat sat<|im_end|>"]
+    assert _runs(ids, loss, tok) == ["the cat<|im_end|>"]
 
 
 @pytest.mark.parametrize("record,needle", [(m, why) for m, why in BAD[:2]])

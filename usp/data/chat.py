@@ -6,7 +6,8 @@ keys, such as ``reasoning_content``, reach the template as they are). It is rend
 the tokenizer's chat template (transformers' ``apply_chat_template(messages, tokenize=False)``)
 and the rendering is tokenized with character offsets. The template needs no generation
 markers: assistant turn i starts where the rendering of the messages before it with the
-generation prompt ends (that rendering must be a prefix of the whole one), and ends with the
+generation prompt ends, when that rendering is a prefix of the whole one (else after the first
+generation prompt in the whole rendering past the previous assistant turn), and ends with the
 template's end-of-turn token (the first special token the template writes after an assistant's
 content, e.g. ``<|im_end|>``), found by rendering a probe conversation once. What lies between
 is what the whole rendering holds of the turn, so a template that rewrites earlier turns once
@@ -123,8 +124,8 @@ class _Skip(Exception):
 
 def assistant_spans(tok, messages: list, end: str) -> tuple[str, list[tuple[int, int]]]:
     """The whole rendering of ``messages`` and each assistant turn's character span in it:
-    from the end of the rendering of the messages before it with the generation prompt,
-    through the first ``end`` token after that."""
+    from the end of its generation prompt (``_turn_start``) through the first ``end`` token
+    after that."""
     try:
         full = _render(tok, messages)
     except _errors() as e:
@@ -134,19 +135,39 @@ def assistant_spans(tok, messages: list, end: str) -> tuple[str, list[tuple[int,
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        try:
-            head = _render(tok, messages[:i], prompt=True)
-        except _errors():
-            head = None
-        if head is None or not full.startswith(head) or len(head) < last:
-            raise _Skip(f"the chat template renders the messages before assistant turn {i} "
-                        "with the generation prompt differently from the whole conversation")
-        stop = full.find(end, len(head))
+        start = _turn_start(tok, messages, i, full, last)
+        stop = full.find(end, start)
         if stop < 0:
             raise _Skip(f"assistant turn {i} has no {end} in the rendering")
-        spans.append((len(head), stop + len(end)))
+        spans.append((start, stop + len(end)))
         last = spans[-1][1]
     return full, spans
+
+
+def _turn_start(tok, messages: list, i: int, full: str, last: int) -> int:
+    """Where assistant turn i's text starts in ``full``: after the rendering of the messages
+    before it with the generation prompt, when that is a prefix of ``full``; else (a template
+    that renders an earlier turn differently once later turns exist, e.g. Qwen3's reasoning
+    kept through tool calls until the next user turn) after the first generation prompt in
+    ``full`` past the previous assistant turn (``last``)."""
+    head = _try_render(tok, messages[:i], True)
+    if head is not None and full.startswith(head) and len(head) >= last:
+        return len(head)
+    bare = None if head is None else _try_render(tok, messages[:i], False)
+    if bare is not None and head.startswith(bare) and head != bare:
+        prompt = head[len(bare):]
+        at = full.find(prompt, last)
+        if at >= 0:
+            return at + len(prompt)
+    raise _Skip(f"the chat template renders no generation prompt before assistant turn {i} "
+                "that the whole conversation holds")
+
+
+def _try_render(tok, messages: list, prompt: bool) -> str | None:
+    try:
+        return _render(tok, messages, prompt)
+    except _errors():
+        return None
 
 
 def token_mask(offsets, spans) -> np.ndarray:
