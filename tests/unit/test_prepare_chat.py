@@ -15,7 +15,7 @@ import pytest
 from _chat import CHATML, END, QWEN3_LIKE, chat_tokenizer, conversation, write_jsonl
 
 from usp.data.chat import encoder_for
-from usp.data.prepare import prepare
+from usp.data.prepare import main, prepare
 from usp.data.sources import in_validation
 from usp.data.tokenize import load_tokenizer
 
@@ -201,8 +201,25 @@ def _refused(tmp_path, records, needle, **kw):
 CHAT = [{"messages": conversation(random.Random(7), 2)}]
 
 
-def test_the_byte_tokenizer_is_refused_for_conversations(tmp_path):
+def test_the_byte_tokenizer_is_refused_for_conversations(tmp_path, capsys):
     _refused(tmp_path, CHAT, "the byte tokenizer has no chat template")
+    assert main(["--src", str(tmp_path / "src"), "--glob", "*.jsonl", "--out",
+                 str(tmp_path / "out" / "c"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usp-prepare: error: the byte tokenizer has no chat template")
+    assert err.count("\n") == 1
+
+
+def test_the_command_takes_messages_key_and_chat_template(tmp_path, toks, capsys):
+    (tmp_path / "t.jinja").write_text(CHATML)
+    write_jsonl(tmp_path / "src" / "a.jsonl", [{"conv": CHAT[0]["messages"]}])
+    assert main(["--src", str(tmp_path / "src"), "--glob", "*.jsonl", "--out",
+                 str(tmp_path / "out" / "c"), "--tokenizer", str(toks["none"]),
+                 "--messages-key", "conv", "--chat-template", str(tmp_path / "t.jinja"),
+                 "--val-fraction", "0", "--quiet"]) == 0
+    meta = json.loads((tmp_path / "out" / "c.json").read_text())
+    assert meta["chat_template"] == str(tmp_path / "t.jinja") and meta["num_documents"] == 1
+    assert "  chat: 1 conversations, template from " in capsys.readouterr().out
 
 
 def test_a_tokenizer_without_a_template_is_refused_unless_one_is_given(tmp_path, toks):

@@ -111,7 +111,8 @@ class Corpus:
     replaced and counted). ``chat``: the records are conversations under ``messages_key``
     (``check_messages``; each one ``Piece`` whose text is the messages); a record holding
     the other kind (or a text file) is refused as a mixed corpus. ``max_bytes`` caps the
-    document bytes taken (the document that crosses it is cut). ``bytes_read`` counts the
+    document bytes taken (the document that crosses it is cut; a conversation is kept
+    whole). ``bytes_read`` counts the
     input bytes consumed from disk so far."""
 
     def __init__(self, src: Path, files: list[Path], text_key: str, val_fraction: float,
