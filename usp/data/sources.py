@@ -112,8 +112,7 @@ class Corpus:
     (``check_messages``; each one ``Piece`` whose text is the messages); a record holding
     the other kind (or a text file) is refused as a mixed corpus. ``max_bytes`` caps the
     document bytes taken (the document that crosses it is cut; a conversation is kept
-    whole). ``bytes_read`` counts the
-    input bytes consumed from disk so far."""
+    whole). ``bytes_read`` counts the input bytes consumed from disk so far."""
 
     def __init__(self, src: Path, files: list[Path], text_key: str, val_fraction: float,
                  problems: Problems, raw: bool = False, max_bytes: int | None = None,
