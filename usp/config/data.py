@@ -8,7 +8,9 @@ option's values, except what the option file sets.
 ``packing`` says what the model sees of the documents in a row: ``none``, the row is one
 sequence (attention and RoPE span it whole); ``documents``, each token attends only within
 its document, labels crossing a boundary are ignored, and ``model.rope=per_document``
-restarts RoPE positions at each document.
+restarts RoPE positions at each document; ``whole`` (token files only), as ``documents``
+but each row holds whole documents only, never one cut across rows, the rest of the row
+padding (``usp.data.whole``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from typing import List, Optional, Union
 
 from .checks import at_least, one_of
 
-PACKINGS = ("none", "documents")
+PACKINGS = ("none", "documents", "whole")
+LOSS_ON = ("auto", "assistant", "all")
+ON_LONG = ("drop", "error")
 MISSING_PATH = ""
 
 
@@ -47,8 +51,9 @@ class _Batches:
 
     @property
     def packed(self) -> bool:
-        """Whether the model sees the document boundaries (``packing="documents"``)."""
-        return self.packing == "documents"
+        """Whether the model sees the document boundaries (``packing`` documents or
+        whole)."""
+        return self.packing in ("documents", "whole")
 
 
 @dataclass
@@ -67,6 +72,10 @@ class RecallData(_Batches):
 
     def __post_init__(self) -> None:
         self._check("recall")
+        if self.packing == "whole":
+            raise ValueError("data.packing=whole packs the documents of token files; the "
+                             "recall task makes its own rows: use data.packing=documents "
+                             "with data.documents_per_row > 1, or data=memmap")
         at_least("data", 0, eval_batches=self.eval_batches)
         at_least("data", 1, n_pairs=self.n_pairs, n_queries=self.n_queries,
                  documents_per_row=self.documents_per_row)
@@ -96,12 +105,15 @@ class MemmapData(_Batches):
     blend: Optional[List[BlendSource]] = None  # [{path, weight}, ...] instead of path
     seed: int = 1234
     packing: str = "none"  # documents: needs the {path}.docs boundaries usp-prepare writes
-    # auto: no loss on the tokens a file's loss mask ({path}.loss) leaves out; all: every one
+    # auto: no loss on the tokens a file's loss mask ({path}.loss) leaves out; assistant: the
+    # same, refused unless every file's mask is the assistant's (chat data); all: every token
     loss_on: str = "auto"
+    on_long: str = "drop"  # packing=whole: a document longer than seq_len is dropped | error
 
     def __post_init__(self) -> None:
         self._check("memmap")
-        one_of("data.loss_on", self.loss_on, ("auto", "all"))
+        one_of("data.loss_on", self.loss_on, LOSS_ON)
+        one_of("data.on_long", self.on_long, ON_LONG)
         if self.path and self.blend:
             raise ValueError(f"data.path={self.path} and data.blend ({len(self.blend)} sources) "
                              "are exclusive: a run reads one corpus or a blend; set "

@@ -14,6 +14,7 @@ from .phases import PhaseConfig, check_phases
 # trainer.dtype -> the dtype forward and backward compute in; master weights, gradients and
 # optimizer state stay fp32 (FSDP2 mixed precision)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+LOSS_NORMS = ("token", "document")
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -63,6 +64,9 @@ class TrainerConfig:
     global_batch_tokens: Optional[int] = None  # T: tokens per optimizer step; sets grad_accum_steps
     eval_every: int = 0  # steps between validation-loss evaluations (0: only after the last)
     eval_windows: Optional[int] = None  # validation windows scored; None: up to 16 if a split exists
+    # token: every labelled token of a step weighs the same; document: every document
+    # (conversation) with a labelled token does, its tokens averaged inside it
+    loss_norm: str = "token"
     # length phases (usp/config/phases.py): [{seq_len, steps | tokens, ...}, ...]; None or
     # empty: one phase of the keys above. With phases, steps is derived as the phases' total
     # (usp.run.resolve_phases), and stop_after is checked against that total there
@@ -76,6 +80,7 @@ class TrainerConfig:
         above("trainer", 0, timeout_s=self.timeout_s)
         torch_dtype(self.dtype)
         one_of("trainer.on_nonfinite", self.on_nonfinite, ("stop", "skip"))
+        one_of("trainer.loss_norm", self.loss_norm, LOSS_NORMS)
         one_of("trainer.checkpoint_part", self.checkpoint_part, ("block", "attention", "mlp"))
         at_least("trainer", 1, checkpoint_every=self.checkpoint_every)
         if self.activation_offload and not self.activation_checkpointing:

@@ -93,7 +93,7 @@ class Blend:
             where.append(sel)
         back = torch.from_numpy(np.argsort(np.concatenate(where), kind="stable"))
         fields = {}
-        for name in ("tokens", "labels", "segment_ids", "doc_positions"):
+        for name in ("tokens", "labels", "segment_ids", "doc_positions", "weights"):
             got = [getattr(p, name) for p in parts]
             fields[name] = None if got[0] is None else torch.cat(got)[back]
         return Batch(**fields)

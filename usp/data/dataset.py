@@ -70,6 +70,21 @@ class TrainingData:
         order = getattr(self.source, "order", None)
         return {} if order is None else {"epoch": order.epochs(consumed)}
 
+    def _packs(self) -> list:
+        """The sources that pack whole documents (``usp.data.whole.WholeRows``)."""
+        return [s for s in getattr(self.source, "sources", [self.source]) if hasattr(s, "note")]
+
+    def packing_notes(self) -> list[str]:
+        """What a run says at its start of its whole-document packing (padding, dropped)."""
+        return [s.note() for s in self._packs()]
+
+    def padding(self, samples) -> dict[str, float]:
+        """``{"pad_share": p}``: the padding share of the rows of global samples
+        ``samples`` (``data.packing=whole``, one token file); ``{}`` otherwise."""
+        if self.source is not None and hasattr(self.source, "row_padding"):
+            return {"pad_share": self.source.row_padding(samples)}
+        return {}
+
     def _model(self, b: Batch) -> Batch:
         if not self.packed:
             return Batch(b.tokens, b.labels)
@@ -167,7 +182,7 @@ def loss_notes(dc: DataConfig) -> list[str]:
     """What a run says once at its start of the loss masks it reads: for each source whose
     token files carry one (``{path}.loss``) under ``data.loss_on=auto``, the share of tokens
     its loss counts (from the metadata alone)."""
-    if not isinstance(dc, MemmapData) or dc.loss_on != "auto":
+    if not isinstance(dc, MemmapData) or dc.loss_on == "all":
         return []
     from .files import data_paths, loss_path, read_meta
 
@@ -196,14 +211,11 @@ def build_validation(dc: DataConfig, mc: ModelConfig,
                              f"of token files, and data={dc.kind} has none (it scores "
                              f"data.eval_batches); set trainer.eval_windows=null")
         return []
-    from .memmap import MemmapTokens
-
     out = []
     for name, (path, weight) in zip(source_names(dc), dc.sources()):
         prefix = validation_prefix(path)
         try:
-            ds = MemmapTokens(prefix, dc.seq_len, seed=dc.seed, documents=dc.packed,
-                              loss=dc.loss_on == "auto")
+            ds = open_tokens(prefix, dc, dc.seed)
         except (FileNotFoundError, ValueError) as e:
             if eval_windows is None:
                 continue
@@ -224,10 +236,48 @@ def build_validation(dc: DataConfig, mc: ModelConfig,
     return out
 
 
-def build_dataset(dc: DataConfig, mc: ModelConfig, phase: int = 0) -> TrainingData:
+def open_tokens(path: str, dc: MemmapData, seed: int, phase: int = 0,
+                weights: bool = False):
+    """The token files at ``path`` as ``dc`` reads them: ``MemmapTokens`` windows, or under
+    ``data.packing=whole`` its ``usp.data.whole.WholeRows`` (``weights``: with each
+    labelled token's loss weight, ``trainer.loss_norm=document``). ``data.loss_on=assistant``
+    refuses files whose loss mask is not the assistant's (metadata ``loss_kind``)."""
+    from .memmap import MemmapTokens
+
+    ds = MemmapTokens(path, dc.seq_len, seed=seed, documents=dc.packed, phase=phase,
+                      loss=dc.loss_on != "all")
+    if dc.loss_on == "assistant" and not (ds.loss is not None
+                                          and ds.meta.get("loss_kind") == "assistant"):
+        has = (f"a loss mask of kind {ds.meta.get('loss_kind')!r}" if ds.loss is not None
+               else "no loss mask")
+        raise ValueError(f"data.loss_on=assistant but {ds.json_path} has {has} (no "
+                         "loss_kind: assistant): the files carry no assistant spans; prepare "
+                         "conversations (usp-prepare on records with messages) or set "
+                         "data.loss_on=auto")
+    if dc.packing != "whole":
+        return ds
+    from .whole import WholeRows
+
+    return WholeRows(ds, dc.seq_len, seed, phase, on_long=dc.on_long, weights=weights)
+
+
+def check_loss_norm(dc: DataConfig, loss_norm: str) -> None:
+    """Refuse ``trainer.loss_norm=document`` where a document can be cut across rows: it
+    needs token files under ``data.packing=whole``."""
+    if loss_norm == "document" and not (isinstance(dc, MemmapData) and dc.packing == "whole"):
+        raise ValueError(f"trainer.loss_norm=document weighs every document the same, which "
+                         f"needs each one whole in one row, but data.kind={dc.kind} "
+                         f"data.packing={dc.packing}; set data.packing=whole (token files) or "
+                         "trainer.loss_norm=token")
+
+
+def build_dataset(dc: DataConfig, mc: ModelConfig, phase: int = 0,
+                  loss_norm: str = "token") -> TrainingData:
     """The dataset ``dc`` describes, for a model of ``mc``'s vocabulary and RoPE, as length
     phase ``phase`` reads it: its own passes, in the order ``(seed, phase, epoch)`` fixes
-    (``usp.data.order``; phase 0 is a run without phases)."""
+    (``usp.data.order``; phase 0 is a run without phases). ``loss_norm=document``: its
+    batches carry loss weights (``check_loss_norm``)."""
+    check_loss_norm(dc, loss_norm)
     if mc.rope == "per_document" and not dc.packed:
         raise ValueError(f"model.rope=per_document restarts positions at each document, but "
                          f"data.packing={dc.packing} gives the model no documents; set "
@@ -242,10 +292,7 @@ def build_dataset(dc: DataConfig, mc: ModelConfig, phase: int = 0) -> TrainingDa
         return TrainingData(task, answers_per_sequence=dc.n_queries * dc.documents_per_row,
                             eval_batches=dc.eval_batches, **packing)
     if isinstance(dc, MemmapData):
-        from .memmap import MemmapTokens
-
-        sources = [MemmapTokens(path, dc.seq_len, seed=dc.seed + i, documents=dc.packed,
-                                phase=phase, loss=dc.loss_on == "auto")
+        sources = [open_tokens(path, dc, dc.seed + i, phase, loss_norm == "document")
                    for i, (path, _) in enumerate(dc.sources())]
         check_vocab(dc, mc)
         if dc.blend:

@@ -85,8 +85,9 @@ class MemmapTokens:
         fix = f"re-run usp-prepare, which records them: {PREPARE_HINT.format(prefix=prefix)}"
         if n is None or not docs.is_file():
             raise ValueError(f"{self.json_path} records no document boundaries (no "
-                             f"num_documents / {docs.name}), so data.packing=documents cannot "
-                             f"tell documents apart; {fix}; or use data.packing=none")
+                             f"num_documents / {docs.name}), so data.packing=documents or "
+                             f"whole cannot tell documents apart; {fix}; or use "
+                             "data.packing=none")
         if docs.stat().st_size != int(n) * DOC_DTYPE.itemsize or int(n) < 1:
             raise ValueError(f"{docs} has {docs.stat().st_size} bytes but {self.json_path} says "
                              f"num_documents={n} x {DOC_DTYPE.itemsize}: truncated or stale; {fix}")

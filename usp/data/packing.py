@@ -26,12 +26,16 @@ class Batch:
 
     ``segment_ids`` and ``doc_positions`` are None when documents are not packed
     (``packing="none"``): attention then sees the whole row and RoPE uses the row positions.
+    ``weights`` (float32, ``trainer.loss_norm=document``): each labelled token's weight in
+    the loss, 1 / the labelled tokens of its document, decided on the global row; None:
+    every labelled token weighs 1.
     """
 
     tokens: torch.Tensor
     labels: torch.Tensor
     segment_ids: torch.Tensor | None = None
     doc_positions: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
 
     def to(self, device) -> "Batch":
         move = {k: (v if v is None else v.to(device)) for k, v in vars(self).items()}

@@ -252,7 +252,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
                 segment_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                per_token: bool = False):
+                per_token: bool = False, weights: torch.Tensor | None = None):
         """tokens [B, n] long; positions [n] or [B, n] long (the RoPE positions of these
         tokens); segment_ids [B, n] long or None (packed documents: a token attends only
         within its document) -> logits [B, n, V] in the parameter dtype.
@@ -263,7 +263,8 @@ class Transformer(nn.Module):
         whole (``usp.models.tiling.chunked_lm_loss``); the head weight is used here, inside the
         root module, so a root FSDP wrap has it gathered. ``per_token`` (with labels, no
         gradients): each token's loss [B, n] instead of the sum
-        (``usp.models.tiling.hidden_token_losses``, chunked as the loss is).
+        (``usp.models.tiling.hidden_token_losses``, chunked as the loss is). ``weights``
+        [B, n] (with labels): each token's loss weight in the sum (``trainer.loss_norm``).
         """
         b, n = tokens.shape if tokens.dim() == 2 else (None, None)
         if n is None or positions.shape not in ((n,), (b, n)):
@@ -285,9 +286,9 @@ class Transformer(nn.Module):
         if labels is not None and per_token:
             return hidden_token_losses(h, head, labels, self.cfg.loss_chunk)
         if labels is not None and self.cfg.loss_chunk > 0:
-            return chunked_lm_loss(h, head, labels, self.cfg.loss_chunk)
+            return chunked_lm_loss(h, head, labels, self.cfg.loss_chunk, weights)
         logits = F.linear(h, head)  # [B, n, D] -> [B, n, V]
-        return logits if labels is None else lm_loss(logits, labels)
+        return logits if labels is None else lm_loss(logits, labels, weights)
 
     def make_block(self, cfg: ModelConfig, attn_fn: AttnFn, layer: int) -> Block:
         """Layer ``layer``'s block: a ``block`` with the layer's window."""

@@ -45,10 +45,15 @@ def loss_and_predictions(model, batch: Batch, positions: torch.Tensor):
     labelled tokens (0-dim fp32) and each token's argmax [B, L/P] long. The built-in model
     (``usp.models.families.is_builtin``) computes both itself (so ``model.loss_chunk`` can keep whole logits from
     existing); any other model's logits (``forward``) go through the same loss
-    (``usp.models.tiling.lm_loss``)."""
+    (``usp.models.tiling.lm_loss``). A batch with ``weights`` (``trainer.loss_norm=document``)
+    sums each token's loss times its weight; without them (token) the call is unchanged."""
     if not is_builtin(model):
-        return lm_loss(forward(model, batch, positions), batch.labels)
-    return model(batch.tokens, _rope(batch, positions), batch.segment_ids, labels=batch.labels)
+        return lm_loss(forward(model, batch, positions), batch.labels, batch.weights)
+    if batch.weights is None:
+        return model(batch.tokens, _rope(batch, positions), batch.segment_ids,
+                     labels=batch.labels)
+    return model(batch.tokens, _rope(batch, positions), batch.segment_ids, labels=batch.labels,
+                 weights=batch.weights)
 
 
 def token_losses_and_predictions(model, batch: Batch, positions: torch.Tensor):

@@ -37,19 +37,31 @@ def _chunk_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _upcast(F.linear(h, weight))
 
 
+def _weighted_ce(logits: torch.Tensor, labels: torch.Tensor,
+                 weights: torch.Tensor | None) -> torch.Tensor:
+    """Summed cross-entropy of logits [c, V] at labels [c] (-100: not counted), each token's
+    times ``weights`` [c] when given (``loss_norm=document``)."""
+    if weights is None:
+        return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    each = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")
+    return (each * weights.to(each.dtype)).sum()
+
+
 class _ChunkedLMLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, labels, chunk):
+    def forward(ctx, h, weight, labels, chunk, weights=None):
         flat_h = h.reshape(-1, h.shape[-1])  # [B, n, D] -> [B*n, D]
         flat_y = labels.reshape(-1)  # [B, n] -> [B*n]
+        flat_w = None if weights is None else weights.reshape(-1)  # [B*n]
         loss = torch.zeros((), dtype=_upcast(h[:0]).dtype, device=h.device)
         preds = torch.empty_like(flat_y)
         for s in range(0, flat_h.shape[0], chunk):
             logits = _chunk_logits(flat_h[s:s + chunk], weight)  # [c, V] fp32
-            loss += F.cross_entropy(logits, flat_y[s:s + chunk], ignore_index=IGNORE_INDEX,
-                                    reduction="sum")
+            loss += _weighted_ce(logits, flat_y[s:s + chunk],
+                                 None if flat_w is None else flat_w[s:s + chunk])
             preds[s:s + chunk] = logits.argmax(-1)
         ctx.save_for_backward(h, weight, labels)
+        ctx.weights = weights
         ctx.chunk = chunk
         ctx.mark_non_differentiable(preds)
         return loss, preds.view(labels.shape)
@@ -59,6 +71,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
         h, weight, labels = ctx.saved_tensors
         flat_h = h.reshape(-1, h.shape[-1])  # [B*n, D]
         flat_y = labels.reshape(-1)  # [B*n]
+        flat_w = None if ctx.weights is None else ctx.weights.reshape(-1)  # [B*n]
         dh = torch.empty_like(flat_h) if ctx.needs_input_grad[0] else None
         # dW summed over chunks in fp32, rounded to the weight's dtype once at the end
         dw = torch.zeros(weight.shape, dtype=_upcast(weight[:0]).dtype, device=weight.device) \
@@ -70,18 +83,22 @@ class _ChunkedLMLoss(torch.autograd.Function):
             keep = yc != IGNORE_INDEX  # [c]
             rows = keep.nonzero().squeeze(1)
             dlogits[rows, yc[rows]] -= 1.0
-            dlogits *= keep.unsqueeze(1) * grad_loss
+            scale = keep.unsqueeze(1) * grad_loss  # [c, 1]
+            if flat_w is not None:  # loss_norm=document: each token's own weight
+                scale = scale * flat_w[s:s + ctx.chunk].unsqueeze(1).to(dlogits.dtype)
+            dlogits *= scale
             dlogits = dlogits.to(h.dtype)  # the upcast's backward: back to h's dtype
             if dh is not None:
                 dh[s:s + ctx.chunk] = dlogits @ weight  # [c, V] @ [V, D] -> [c, D]
             if dw is not None:
                 dw += dlogits.t() @ hc  # [V, c] @ [c, D] -> [V, D]
         return (None if dh is None else dh.view(h.shape),
-                None if dw is None else dw.to(weight.dtype), None, None)
+                None if dw is None else dw.to(weight.dtype), None, None, None)
 
 
 def chunked_lm_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                    chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    chunk: int, weights: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """LM head + summed cross-entropy, ``chunk`` tokens at a time.
 
     h [B, n, D] (after the final norm), weight [V, D] (the LM head, or the tied embedding),
@@ -89,7 +106,9 @@ def chunked_lm_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
     h), the sum of the counted tokens' cross-entropy; predictions [B, n] long, each token's
     argmax, no grad). Logits are computed in h's dtype and upcast to fp32 for the loss, as
     ``F.cross_entropy(F.linear(h, weight).float(), labels, reduction="sum")`` does; the
-    gradients of h and weight are that expression's.
+    gradients of h and weight are that expression's. ``weights`` [B, n] (fp32, no grad):
+    each token's cross-entropy is multiplied by its weight before the sum
+    (``trainer.loss_norm=document``); None sums them plainly.
     """
     if chunk < 1:
         raise ValueError(f"chunked_lm_loss needs chunk >= 1 tokens, got {chunk}")
@@ -97,7 +116,10 @@ def chunked_lm_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
         raise ValueError(f"expected h [B, n, D], labels [B, n], weight [V, D]; got h "
                          f"{tuple(h.shape)}, labels {tuple(labels.shape)}, weight "
                          f"{tuple(weight.shape)}")
-    return _ChunkedLMLoss.apply(h, weight, labels, chunk)
+    if weights is not None and weights.shape != labels.shape:
+        raise ValueError(f"loss weights {tuple(weights.shape)} must match labels "
+                         f"{tuple(labels.shape)}: one per token")
+    return _ChunkedLMLoss.apply(h, weight, labels, chunk, weights)
 
 
 def tiled(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tiles: int,
@@ -119,13 +141,15 @@ def tiled(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tiles: in
     return torch.cat(outs, dim=dim)
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor,
+            weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, n, V] (any float dtype), labels [B, n] -> (loss_sum 0-dim fp32, the summed
-    cross-entropy of counted tokens; predictions [B, n] long): ``chunked_lm_loss``'s
-    result from whole logits, upcast to fp32 for the loss."""
+    cross-entropy of counted tokens, each times its ``weights`` [B, n] when given;
+    predictions [B, n] long): ``chunked_lm_loss``'s result from whole logits, upcast to
+    fp32 for the loss."""
     logits = _upcast(logits)  # [B, n, V]: bf16 -> fp32 for the loss
-    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
+    loss = _weighted_ce(logits.flatten(0, 1), labels.flatten(),
+                        None if weights is None else weights.flatten())
     return loss, logits.detach().argmax(-1)
 
 

@@ -32,7 +32,8 @@ def check_inputs(cfg: RunConfig, device: str, run_dir: str | None) -> None:
     check_model(cfg.model)  # model.hf / model.arch: a family, and a shape it holds
     pc = cfg.parallel
     try:
-        build_dataset(cfg.data, cfg.model)  # missing / corrupt data fails here
+        # missing / corrupt data fails here
+        build_dataset(cfg.data, cfg.model, loss_norm=cfg.trainer.loss_norm)
         build_validation(cfg.data, cfg.model, cfg.trainer.eval_windows)
     except ValueError as e:
         raise ValueError(f"data.kind={cfg.data.kind}: {e}") from None

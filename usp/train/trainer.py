@@ -108,6 +108,14 @@ class Stop:
         return {}
 
 
+def _normaliser(b) -> float:
+    """This rank's share of the step's loss normaliser: its labelled tokens, or with loss
+    weights (``trainer.loss_norm=document``) their sum, its fraction of the documents."""
+    if b.weights is None:
+        return float((b.labels != IGNORE_INDEX).sum().item())
+    return float(b.weights.double().sum().item())
+
+
 class Trainer:
     """One trainer of a run on this rank. ``__init__`` (collective) builds it from its
     config ``cfg`` and layout ``run``: the mesh and sequence layout, the sharded model
@@ -139,7 +147,10 @@ class Trainer:
                                         from_checkpoint)
         self.layouts.use = use
         self.opt, self.sched = optimizer(cfg.optim, self.model, leg.schedule, lr=leg.lr)
-        self.data = build_dataset(cfg.data, cfg.model, leg.passes)  # its own passes
+        self.data = build_dataset(cfg.data, cfg.model, leg.passes, tc.loss_norm)  # own passes
+        if self.rank == 0:
+            for line in self.data.packing_notes():  # data.packing=whole: padding, dropped
+                print(line, flush=True)
         splits = build_validation(cfg.data, cfg.model, tc.eval_windows)  # [(name, weight, split)]
         note = missing_splits(cfg.data, splits)
         if self.rank == 0 and note:
@@ -312,6 +323,7 @@ class Trainer:
             **self.where,  # which part of the run and layout made it, last on the line
         }
         summary.update(data.epochs(consumed))
+        summary.update(data.padding(range(consumed - run.global_batch, consumed)))
         if data.has_answers:
             summary["acc"] = stats[1].item() / max(1.0, stats[2].item())
         return summary
@@ -319,12 +331,13 @@ class Trainer:
     def forward_backward(self, step: int, micro: list[Rows]) -> tuple[torch.Tensor, float, float]:
         """Forward and backward of optimizer step ``step``'s micro-batches (each [B, L/P]),
         their gradients added up and clipped to ``optim.grad_clip``: (stats [loss sum,
-        correct answers, answers] fp64 over dp x sp, labelled tokens over dp x sp, the
+        correct answers, answers] fp64 over dp x sp, the loss normaliser over dp x sp (labelled
+        tokens, or documents under trainer.loss_norm=document: ``_normaliser``), the
         global grad norm before clipping)."""
         accum, device, dp_sp = len(micro), self.device, self.dp_sp
-        # Sync: the target tokens of all micro-batches over dp x sp normalise the loss.
-        counts = torch.tensor([float(sum((m.batch.labels != IGNORE_INDEX).sum().item()
-                                         for m in micro))],
+        # Sync: the target tokens of all micro-batches over dp x sp normalise the loss; under
+        # loss_norm=document the documents with a target (each one's weights sum to 1)
+        counts = torch.tensor([float(sum(_normaliser(m.batch) for m in micro))],
                               dtype=torch.float64, device=device)
         loss_total = torch.zeros((), dtype=torch.float64, device=device)
         correct = answers = 0
@@ -332,6 +345,8 @@ class Trainer:
         # (usp's all-to-all and ring name their own axis inside)
         with naming_collectives("dp_sp", dp_sp):
             dist.all_reduce(counts, group=dp_sp)
+            if micro[0].batch.weights is not None:  # a whole number of documents
+                counts = counts.round()
             for k, m in enumerate(micro):
                 if accum > 1:  # FSDP reduce-scatters the gradients once, after the last
                     self.model.set_requires_gradient_sync(k == accum - 1)
