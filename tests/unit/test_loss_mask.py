@@ -57,7 +57,7 @@ def test_a_mask_that_does_not_fit_is_refused_and_a_rewrite_without_one_removes_i
     assert not loss_path(tmp_path / "x").exists()
     assert MemmapTokens(tmp_path / "x", 4).loss is None
     with pytest.raises(ValueError, match="data.loss_on"):
-        MemmapData(path="x", loss_on="assistant")
+        MemmapData(path="x", loss_on="everything")
 
 
 def test_passkey_tokens_mask_the_needles_first_key_only(tmp_path):

@@ -8,6 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from _chat import write_chat
 
 from usp.config import MemmapData, ModelConfig
 from usp.data.dataset import build_dataset, build_validation
@@ -136,7 +137,7 @@ def test_validation_reads_whole_rows(tmp_path):
     write_chat(tmp_path / "c", [40] * 20)
     write_chat(tmp_path / "c.val", [30, 50, 20, 10] * 5, seed=1)
     dc = MemmapData(path=str(tmp_path / "c"), seq_len=L, packing="whole", loss_on="assistant")
-    (name, _, split), = build_validation(dc, ModelConfig(), 3)
+    (_, _, split), = build_validation(dc, ModelConfig(), 3)
     b = split.model_windows([0, 1, 2], None)
     assert split.eval_windows == 3 and b.segment_ids is not None and (b.labels != -100).any()
     with pytest.raises(ValueError, match="holds .* windows"):

@@ -37,6 +37,14 @@ class Batch:
     doc_positions: torch.Tensor | None = None
     weights: torch.Tensor | None = None
 
+    def loss_count(self) -> float:
+        """This batch's share of the loss normaliser of its step: its labelled tokens, or
+        with ``weights`` (``trainer.loss_norm=document``) their sum, the fraction of the
+        step's documents it holds (a document's weights sum to 1 over its global row)."""
+        if self.weights is None:
+            return float((self.labels != IGNORE_INDEX).sum().item())
+        return float(self.weights.double().sum().item())
+
     def to(self, device) -> "Batch":
         move = {k: (v if v is None else v.to(device)) for k, v in vars(self).items()}
         return Batch(**move)

@@ -29,7 +29,6 @@ from ..comm import naming_collectives
 from ..config import DataConfig, RunConfig
 from ..data.batches import RowLayouts, Rows
 from ..data.dataset import build_dataset, build_validation
-from ..data.packing import IGNORE_INDEX
 from ..layout import SequenceLayout
 from ..models.decoder import flops_per_token
 from ..models.forward import loss_and_predictions
@@ -106,14 +105,6 @@ class Stop:
         """What a checkpoint after ``at.step`` records beside the trainer's position
         (``Checkpointer.save``'s ``extra``); ``ends``: the loop's last step."""
         return {}
-
-
-def _normaliser(b) -> float:
-    """This rank's share of the step's loss normaliser: its labelled tokens, or with loss
-    weights (``trainer.loss_norm=document``) their sum, its fraction of the documents."""
-    if b.weights is None:
-        return float((b.labels != IGNORE_INDEX).sum().item())
-    return float(b.weights.double().sum().item())
 
 
 class Trainer:
@@ -332,12 +323,12 @@ class Trainer:
         """Forward and backward of optimizer step ``step``'s micro-batches (each [B, L/P]),
         their gradients added up and clipped to ``optim.grad_clip``: (stats [loss sum,
         correct answers, answers] fp64 over dp x sp, the loss normaliser over dp x sp (labelled
-        tokens, or documents under trainer.loss_norm=document: ``_normaliser``), the
+        tokens, or documents under trainer.loss_norm=document: ``Batch.loss_count``), the
         global grad norm before clipping)."""
         accum, device, dp_sp = len(micro), self.device, self.dp_sp
         # Sync: the target tokens of all micro-batches over dp x sp normalise the loss; under
         # loss_norm=document the documents with a target (each one's weights sum to 1)
-        counts = torch.tensor([float(sum(_normaliser(m.batch) for m in micro))],
+        counts = torch.tensor([float(sum(m.batch.loss_count() for m in micro))],
                               dtype=torch.float64, device=device)
         loss_total = torch.zeros((), dtype=torch.float64, device=device)
         correct = answers = 0
