@@ -42,9 +42,9 @@ def choose_balance(setting: str, packed: bool, ring_impl: str) -> tuple[str, str
     if setting != "auto":
         return setting, f"parallel.balance={setting}"
     if packed and ring_impl == "usp":
-        return "per_document", ("parallel.balance=auto: data.packing=documents packs documents "
-                                "under the document mask; each row's ring segments follow its "
-                                "documents")
+        return "per_document", ("parallel.balance=auto: data.packing=documents or whole packs "
+                                "documents under the document mask; each row's ring segments "
+                                "follow its documents")
     why = ("the rows are one causal sequence each (data.packing=none)" if not packed else
            f"parallel.ring_impl={ring_impl} runs zigzag or contiguous rows only")
     return "zigzag", f"parallel.balance=auto: {why}"
