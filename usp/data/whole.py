@@ -113,9 +113,6 @@ class WholeRows:
                 f"{self.padding_share:.1%}; {self.dropped} longer than data.seq_len dropped "
                 f"({self.dropped_tokens} tokens)")
 
-    def loss_share(self) -> float | None:
-        return self.tokens.loss_share()
-
     def row_padding(self, samples) -> float:
         """The padding share of the rows of global samples ``samples``."""
         rows = self.order.lookup(samples)[1]
