@@ -9,11 +9,17 @@ head_dim 24): gathered logits within 1e-4 (gpt-oss 1e-5) of the unpatched model 
 batch in one process, every parameter gradient (summed over dp x sp) within 1e-3 of its
 largest entry (the sinks' within 1e-5), and the summed loss shares equal to HF's own loss.
 Packed rows (documents marked by position_ids resets) equal each document run alone. The same
-spawn writes a usp checkpoint (usp.models.checkpoint) that ``test_export_round_trip`` exports.
+spawn writes a usp checkpoint (usp.models.checkpoint) that ``test_export_round_trip`` exports,
+and at (1,1,4), (2,2,1) and (1,4,1) checks conversations packed whole (``data.packing=whole``)
+with the loss on the assistant's tokens against transformers' own loss, under zigzag and
+per_document, ``trainer.loss_norm`` token and document (``_chat_parity.assistant_parity``;
+``test_assistant_loss_over_layouts``).
 """
 
 import copy
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,6 +32,8 @@ from usp.models.run_records import save_config
 from usp.launch import spawn_local
 from usp.models.checkpoint import save_checkpoint
 
+from _chat import write_chat
+from _chat_parity import assistant_parity
 from _hf_tiny import L, ROWS, TINY, V, tiny_model
 
 LAYOUTS = [(1, 1, "zigzag"), (2, 1, "contiguous"), (2, 2, "zigzag"), (4, 1, "zigzag"),
@@ -130,17 +138,26 @@ def _worker(run_dir: str) -> None:
                     model = _case(mesh, balance, kind, packed=True, seed=seed)
             if (u, r) == (2, 2):
                 _save_a_checkpoint(model, mesh, run_dir)
+            if (u, r) in ((1, 1), (2, 2), (1, 4)):
+                assistant_parity(mesh, f"{run_dir}/chat")
+                dist.barrier()
+                (Path(run_dir) / f"chat_ok_{u}{r}_{dist.get_rank()}").touch()
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("hf_run")
+    write_chat(path / "chat", np.random.default_rng(5).integers(3, L + 1, 24), vocab=V, seed=5)
     spawn_local(_worker, 4, str(path))
     return path
 
 
 def test_parity_over_layouts(run_dir):
     assert (run_dir / "checkpoints" / "step_000001" / "manifest.json").is_file()
+
+
+def test_assistant_loss_over_layouts(run_dir):
+    assert len(list(run_dir.glob("chat_ok_*"))) == 3 * 4  # every layout, every rank
 
 
 def test_export_round_trip(run_dir, tmp_path):

@@ -1,34 +1,25 @@
-"""Conversations packed whole (``data.packing=whole``) with the loss on the assistant's tokens,
-through a transformers Llama patched by usp on 4 gloo ranks: at (ulysses, ring) = (1, 1)
-(dp 4), (2, 2) and (1, 4) (dp 1), under zigzag and per_document, the loss over the step
-equals transformers' own loss of each conversation run alone with ``labels=-100`` outside
-the assistant's tokens (1e-5): ``trainer.loss_norm=token`` the mean over all assistant
-tokens, ``document`` the mean of the conversations' means, also when the rows are read as
-two micro-batches."""
+"""``assistant_parity``: conversations packed whole with the loss on the assistant's tokens
+(``tests/_chat.py`` writes them), through a transformers Llama patched by usp, against
+transformers' own loss; ``distributed/test_hf_ranks.py`` runs it on each of its layouts."""
 
 from dataclasses import replace
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from _chat import write_chat
-from _hf_tiny import ROWS, L, V, tiny_model
+from _hf_tiny import ROWS, L, tiny_model
 
 import usp.models.hf
-from usp import SPMesh
 from usp.data.batches import RowLayouts
 from usp.data.dataset import TrainingData
 from usp.data.files import loss_path
 from usp.data.indexing import step_indices
 from usp.data.memmap import MemmapTokens
 from usp.data.whole import WholeRows
-from usp.launch import spawn_local
 from usp.models.forward import loss_and_predictions
 
-LAYOUTS = [(1, 1), (2, 2), (1, 4)]
 
-
-def _reference(ref, ds: WholeRows, prefix: str) -> tuple[float, float]:
+def _assistant_reference(ref, ds: WholeRows, prefix: str) -> tuple[float, float]:
     """(token mean, mean of conversation means) of transformers' loss on the conversations
     of the first ROWS rows, each alone, labels -100 where the file's mask is 0."""
     mask = np.fromfile(loss_path(prefix), dtype=np.uint8)
@@ -69,23 +60,19 @@ def _step_loss(model, mesh, data, balance: str, micro: int) -> tuple[float, floa
     return float(stats[0] / stats[1]), float(stats[2] / stats[3].round())
 
 
-def _worker(prefix: str) -> None:
+def assistant_parity(mesh, prefix: str) -> None:
+    """On ``mesh``, under zigzag and per_document (dp 1: also as two micro-batches), the
+    first ROWS packed rows of the conversations at ``prefix`` through a transformers Llama
+    patched by usp: ``trainer.loss_norm=token`` and ``document`` within 1e-5 of
+    transformers' own loss of each conversation alone with labels -100 outside the
+    assistant's tokens (the token mean; the mean of the conversations' means)."""
     model = tiny_model("llama")
     ds = WholeRows(MemmapTokens(prefix, L, documents=True), L, seed=0, weights=True)
     data = TrainingData(ds, packed=True, rope="per_document")
-    want = _reference(tiny_model("llama"), ds, prefix)
+    want = _assistant_reference(tiny_model("llama"), ds, prefix)
     assert abs(want[0] - want[1]) > 1e-3, want  # the two norms tell apart
-    for u, r in LAYOUTS:
-        with SPMesh.build(ulysses=u, ring=r) as mesh:
-            for balance in ("zigzag", "per_document"):
-                for micro in ((1, 2) if mesh.dp == 1 and balance == "zigzag" else (1,)):
-                    got = _step_loss(model, mesh, data, balance, micro)
-                    assert abs(got[0] - want[0]) < 1e-5, (u, r, balance, micro, got, want)
-                    assert abs(got[1] - want[1]) < 1e-5, (u, r, balance, micro, got, want)
-    dist.barrier()
-
-
-def test_assistant_loss_equals_transformers_per_layout(tmp_path):
-    lengths = np.random.default_rng(5).integers(3, L + 1, 24)
-    write_chat(tmp_path / "chat", lengths, vocab=V, seed=5)
-    spawn_local(_worker, 4, str(tmp_path / "chat"))
+    for balance in ("zigzag", "per_document"):
+        for micro in ((1, 2) if mesh.dp == 1 and balance == "zigzag" else (1,)):
+            got = _step_loss(model, mesh, data, balance, micro)
+            assert abs(got[0] - want[0]) < 1e-5, (mesh.dp, balance, micro, got, want)
+            assert abs(got[1] - want[1]) < 1e-5, (mesh.dp, balance, micro, got, want)
