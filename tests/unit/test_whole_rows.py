@@ -23,7 +23,7 @@ L = 64
 
 
 def _rows(prefix, seed=0, **kw):
-    return WholeRows(MemmapTokens(prefix, L, documents=True), L, seed=seed, **kw)
+    return WholeRows(MemmapTokens(prefix, L, documents=True, windows=False), L, seed=seed, **kw)
 
 
 def test_rows_hold_whole_conversations_with_their_assistant_labels(tmp_path):
@@ -136,9 +136,13 @@ def test_refusals(tmp_path):
 def test_validation_reads_whole_rows(tmp_path):
     write_chat(tmp_path / "c", [40] * 20)
     write_chat(tmp_path / "c.val", [30, 50, 20, 10] * 5, seed=1)
+    write_chat(tmp_path / "short.val", [20, 30], seed=2)  # fewer tokens than one row
+    write_chat(tmp_path / "short", [20, 30], seed=2)
     dc = MemmapData(path=str(tmp_path / "c"), seq_len=L, packing="whole", loss_on="assistant")
     (_, _, split), = build_validation(dc, ModelConfig(), 3)
     b = split.model_windows([0, 1, 2], None)
     assert split.eval_windows == 3 and b.segment_ids is not None and (b.labels != -100).any()
     with pytest.raises(ValueError, match="holds .* windows"):
         build_validation(dc, ModelConfig(), split.source.num_windows + 1)
+    (_, _, short), = build_validation(replace(dc, path=str(tmp_path / "short")), ModelConfig(), 1)
+    assert short.model_windows([0], None).segment_ids[0].unique().tolist() == [0, 1, 2]

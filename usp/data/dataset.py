@@ -245,7 +245,7 @@ def open_tokens(path: str, dc: MemmapData, seed: int, phase: int = 0,
     from .memmap import MemmapTokens
 
     ds = MemmapTokens(path, dc.seq_len, seed=seed, documents=dc.packed, phase=phase,
-                      loss=dc.loss_on != "all")
+                      loss=dc.loss_on != "all", windows=dc.packing != "whole")
     if dc.loss_on == "assistant" and not (ds.loss is not None
                                           and ds.meta.get("loss_kind") == "assistant"):
         has = (f"a loss mask of kind {ds.meta.get('loss_kind')!r}" if ds.loss is not None

@@ -37,11 +37,14 @@ class MemmapTokens:
     passes the windows are read in (``usp.data.order``; 0 for a run without phases).
     ``loss``: when the files carry a loss mask (``{prefix}.loss``, ``usp.data.files``), a
     label whose target token is masked out is -100 (``data.loss_on=auto``); False reads every
-    label (``data.loss_on=all``). ``self.loss`` is the mask in use, or None.
+    label (``data.loss_on=all``). ``self.loss`` is the mask in use, or None. ``windows``:
+    False for a reader of documents only (``usp.data.whole``): no windows, so no minimum
+    length.
     """
 
     def __init__(self, path: str | os.PathLike, seq_len: int, seed: int = 0, verify: bool = True,
-                 documents: bool = False, phase: int = 0, loss: bool = True):
+                 documents: bool = False, phase: int = 0, loss: bool = True,
+                 windows: bool = True):
         self.bin_path, self.json_path = data_paths(path)
         prefix = self.bin_path.with_suffix("")
         if not self.bin_path.is_file():
@@ -61,7 +64,7 @@ class MemmapTokens:
                 f"{self.num_tokens} x {dtype.itemsize} bytes ({self.meta['dtype']}) = {expected}: "
                 f"truncated or corrupt; recreate with: {PREPARE_HINT.format(prefix=prefix)}"
             )
-        if self.num_tokens < seq_len + 1:
+        if windows and self.num_tokens < seq_len + 1:
             raise ValueError(
                 f"{self.bin_path} holds {self.num_tokens} tokens, fewer than seq_len + 1 = "
                 f"{seq_len + 1} needed for one window; use more data or a shorter seq_len"
@@ -77,7 +80,8 @@ class MemmapTokens:
         self.loss = self._load_loss(prefix) if loss and self.meta.get("loss_mask") else None
         # non-overlapping windows, each read with the token after it; the remainder dropped
         self.num_windows = (self.num_tokens - 1) // seq_len
-        self.order = WindowOrder(self.num_windows, seed, phase)  # a length phase's own passes
+        # a length phase's own passes
+        self.order = WindowOrder(self.num_windows, seed, phase) if windows else None
 
     def _load_documents(self, prefix: Path) -> np.ndarray:
         """The document start offsets [num_documents] int64 (read lazily from ``.docs``)."""
