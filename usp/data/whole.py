@@ -2,7 +2,7 @@
 
 A token file's documents (its ``.docs``) of at most ``seq_len`` tokens are packed into rows
 of ``seq_len``: each row holds whole documents one after another, then padding. The
-packing (``pack``) is first-fit-decreasing over consecutive windows of ``WINDOW``
+packing (``pack``) is best-fit-decreasing over consecutive windows of ``WINDOW``
 documents in an order shuffled by ``(seed, phase)``: a pure function of the document
 lengths, the seed and the phase (a length phase re-packs at its own ``seq_len``), the same
 on every rank, under any dp and accumulation, and after a resume. Training visits the
@@ -19,31 +19,35 @@ per_document layout sees it as one more document (``doc_lengths``). Documents lo
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 import torch
 
 from .order import WindowOrder
 from .packing import IGNORE_INDEX, Batch
 
-WINDOW = 4096  # documents packed together (first-fit-decreasing within each window)
+WINDOW = 4096  # documents packed together (best-fit-decreasing within each window)
 PAD_TOKEN = 0  # the id padding reads as (it carries no loss and sees no document)
 
 
-def _first_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
+def _best_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
     """Indices into ``lengths`` (each <= capacity) grouped into bins of at most ``capacity``:
-    the longest first, each into the first bin it fits, a new bin when none."""
+    the longest first, each into the open bin it fills most tightly (the least room that
+    holds it; ties: the older bin), a new bin when none. O(log bins) a document."""
     order = np.argsort(-lengths, kind="stable")
-    room = np.empty(len(lengths), dtype=np.int64)  # free tokens of each open bin
+    rooms: list[tuple[int, int]] = []  # (free tokens, bin), sorted
     bins: list[list[int]] = []
-    for i in order:
-        n = len(bins)
-        fits = np.flatnonzero(room[:n] >= lengths[i])
-        if fits.size:
-            room[fits[0]] -= lengths[i]
-            bins[fits[0]].append(int(i))
+    for i in order.tolist():
+        n = int(lengths[i])
+        at = bisect.bisect_left(rooms, (n, -1))
+        if at < len(rooms):
+            room, b = rooms.pop(at)
         else:
-            room[n] = capacity - lengths[i]
-            bins.append([int(i)])
+            room, b = capacity, len(bins)
+            bins.append([])
+        bins[b].append(i)
+        bisect.insort(rooms, (room - n, b))
     return bins
 
 
@@ -51,7 +55,7 @@ def pack(lengths, seq_len: int, seed: int, phase: int = 0,
          window: int = WINDOW) -> tuple[np.ndarray, np.ndarray]:
     """(docs, row_ptr): row r holds documents ``docs[row_ptr[r]:row_ptr[r + 1]]`` (indices
     into ``lengths``, each of 1..``seq_len`` tokens; longer ones are left out), packed by
-    first-fit-decreasing over windows of ``window`` documents in the order ``(seed, phase)``
+    best-fit-decreasing over windows of ``window`` documents in the order ``(seed, phase)``
     shuffles them."""
     lengths = np.asarray(lengths, dtype=np.int64)
     keep = np.flatnonzero((lengths >= 1) & (lengths <= seq_len))
@@ -61,7 +65,7 @@ def pack(lengths, seq_len: int, seed: int, phase: int = 0,
     docs, ptr = [], [0]
     for lo in range(0, keep.size, window):
         part = keep[lo:lo + window]
-        for b in _first_fit_decreasing(lengths[part], seq_len):
+        for b in _best_fit_decreasing(lengths[part], seq_len):
             docs.extend(part[b].tolist())
             ptr.append(len(docs))
     return np.asarray(docs, dtype=np.int64), np.asarray(ptr, dtype=np.int64)
