@@ -1,5 +1,5 @@
 """``assistant_parity``: conversations packed whole with the loss on the assistant's tokens
-(``tests/_chat.py`` writes them), through a transformers Llama patched by usp, against
+(``tests/_chat_files.py`` writes them), through a transformers Llama patched by usp, against
 transformers' own loss; ``distributed/test_hf_ranks.py`` runs it on each of its layouts."""
 
 from dataclasses import replace

@@ -32,7 +32,7 @@ from usp.models.run_records import save_config
 from usp.launch import spawn_local
 from usp.models.checkpoint import save_checkpoint
 
-from _chat import write_chat
+from _chat_files import write_chat
 from _chat_parity import assistant_parity
 from _hf_tiny import L, ROWS, TINY, V, tiny_model
 

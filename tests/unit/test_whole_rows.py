@@ -8,7 +8,6 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from _chat import write_chat
 
 from usp.config import MemmapData, ModelConfig
 from usp.data.dataset import build_dataset, build_validation
