@@ -60,6 +60,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
             loss += _weighted_ce(logits, flat_y[s:s + chunk],
                                  None if flat_w is None else flat_w[s:s + chunk])
             preds[s:s + chunk] = logits.argmax(-1)
+            del logits  # freed before the next chunk's are made (at most one chunk lives)
         ctx.save_for_backward(h, weight, labels)
         ctx.weights = weights
         ctx.chunk = chunk
@@ -92,6 +93,7 @@ class _ChunkedLMLoss(torch.autograd.Function):
                 dh[s:s + ctx.chunk] = dlogits @ weight  # [c, V] @ [V, D] -> [c, D]
             if dw is not None:
                 dw += dlogits.t() @ hc  # [V, c] @ [c, D] -> [V, D]
+            del dlogits  # freed before the next chunk's logits are made
         return (None if dh is None else dh.view(h.shape),
                 None if dw is None else dw.to(weight.dtype), None, None, None)
 
