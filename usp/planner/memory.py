@@ -36,9 +36,11 @@ Terms of ``MemorySplit`` (each is its own largest size over the step):
 - ``logits``: LM head + loss. Whole (``loss_chunk=0``, ``usp.models.tiling.lm_loss``): in
   backward the fp32 log-probabilities, their gradient and the logits' gradient
   (``12 B T V``; forward holds at most ``(a + 8) B T V``). Chunked
-  (``usp.models.tiling.chunked_lm_loss``): one chunk's fp32 logits and softmax (``8 c V``), the
-  fp32 dW accumulator and one chunk's dW (``V D (4 + a)``, ``+ 4`` when ``a < 4``), and dh
-  (``a B T D``).
+  (``usp.models.tiling.chunked_lm_loss``, ``c`` tokens a chunk): backward holds dh (``a B T
+  D``) and the fp32 dW accumulator (``4 V D``) throughout, and at its largest either a
+  chunk's fp32 logits and softmax (``8 c V``; forward's peak too) or its gradient in the
+  compute dtype with that chunk's dW, and on CPU below fp32 the fp32 copy the accumulating
+  add makes of it inside the op (``a c V + V D (a + 4)``; else ``a c V + a V D``).
 - ``total``: the peak, the largest sum at one moment (so ``total <= `` the sum of terms):
   the last layer's attention and MLP forward, the loss, and each layer's MLP and attention
   backward (recomputed when checkpointed); ``peak_at`` names it.
@@ -214,15 +216,17 @@ def state_bytes(model: ModelConfig, world: int, dtype_bytes: int,
     return state_f, state_b, state_e
 
 
-def logits_bytes(model: ModelConfig, batch: int, tokens: float, dtype_bytes: int) -> float:
+def logits_bytes(model: ModelConfig, batch: int, tokens: float, dtype_bytes: int,
+                 device: str = "cuda") -> float:
     """The ``logits`` term (module docstring) for ``batch`` sequences of ``tokens`` tokens
     on a rank: the loss over the whole logits, or in ``model.loss_chunk`` chunks."""
     B, T, a, V, D = batch, tokens, dtype_bytes, model.vocab_size, model.dim
     if not model.loss_chunk:
         return 12 * B * T * V
-    low = FP32 if a < FP32 else 0
+    # dW += a chunk's dW below fp32: CPU kernels cast it to an fp32 copy first, CUDA's in flight
+    low = FP32 if a < FP32 and device == "cpu" else 0
     c = min(model.loss_chunk, B * T)
-    return 8 * c * V + V * D * (FP32 + a + low) + a * B * T * D
+    return a * B * T * D + FP32 * V * D + max(8 * c * V, a * c * V + V * D * (a + low))
 
 
 def forward_state_bytes(model: ModelConfig, world: int, dtype_bytes: int, fsdp: bool) -> float:
@@ -324,7 +328,7 @@ def memory_split(model: ModelConfig, seq_len: int, dp: int, ring: int, ulysses: 
     attention = B * max(af, ab)
     # a tile's work in forward (untiled: what it saves) and backward, the largest layer's
     mlp = B * max(b if m.mlp_tiles == 1 else max(f, b) for _, f, b in mlps)
-    logits = logits_bytes(m, B, T, a)
+    logits = logits_bytes(m, B, T, a, device)
 
     # ---- the peak: every moment of the step ------------------------------------------------
     moments: dict[str, float] = {}
@@ -357,17 +361,21 @@ def max_seq_len(model: ModelConfig, budget: float, dp: int, ring: int, ulysses: 
     """The largest sequence length, a multiple of what ``check_seq_len`` needs for the
     layout, whose ``memory_split(...).total`` is at most ``budget`` bytes; 0 when not even
     the shortest fits. ``kw`` goes to ``memory_split`` (batch, dtype_bytes, policy, ...)."""
-    step = seq_multiple(ulysses, ring, balance)
+    return largest_multiple(
+        lambda n: memory_split(model, n, dp, ring, ulysses, **kw).total <= budget,
+        seq_multiple(ulysses, ring, balance))
 
-    def fits(k: int) -> bool:
-        return memory_split(model, k * step, dp, ring, ulysses, **kw).total <= budget
 
-    if not fits(1):
+def largest_multiple(fits, step: int) -> int:
+    """The largest multiple ``n`` of ``step`` with ``fits(n)``, for a ``fits`` that holds up
+    to some length and fails beyond it (memory grows with the length); 0 when ``fits(step)``
+    fails: double, then bisect."""
+    if not fits(step):
         return 0
     lo, hi = 1, 2
-    while fits(hi):  # the total grows with the length: double, then bisect
+    while fits(hi * step):
         lo, hi = hi, 2 * hi
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        lo, hi = (mid, hi) if fits(mid * step) else (lo, mid)
     return lo * step
