@@ -12,6 +12,9 @@ LAYER_TYPES = ("full_attention", "sliding_attention")  # model.layer_types: tran
 # how the model computes or trains, not its shape: a model option leaves these at their
 # defaults
 EXECUTION_FIELDS = ("loss_chunk", "mlp_tiles", "router_balance_over")
+# execution keys the planner may size (``auto``: ``usp.planner.tiles``, resolved with the layout)
+PLANNED_FIELDS = ("loss_chunk", "mlp_tiles")
+AUTO = "auto"
 
 
 def _fixed(default: Any) -> Any:
@@ -97,8 +100,12 @@ class ModelConfig:
     # the family (usp.models.families) the weights come from and export to; None: export
     # picks it from the windows (usp.models.families.hf_equivalent)
     arch: Optional[str] = _fixed(None)
-    loss_chunk: int = 0  # tokens per LM-head + loss chunk (full logits never exist); 0: off
-    mlp_tiles: int = 1  # sequence tiles of the MLP, recomputed in backward; 1: off
+    # tokens per LM-head + loss chunk (full logits never exist); 0: off; auto: the planner's
+    # largest chunk that keeps the logits term under its share (usp.planner.tiles)
+    loss_chunk: Any = 0
+    # sequence tiles of the MLP, recomputed in backward; 1: off; auto: the planner's fewest
+    # tiles that keep the MLP's memory under its share (usp.planner.tiles)
+    mlp_tiles: Any = 1
 
     def __post_init__(self) -> None:
         one_of("model.rope", self.rope, ("global", "per_document"))
@@ -108,13 +115,12 @@ class ModelConfig:
             raise ValueError(f"model.arch={self.arch} but model.hf={self.hf}: a transformers "
                              "model is its own architecture; set model.arch=null")
         self._check_layers()
-        at_least("model", 0, full_attention_every=self.full_attention_every,
-                 loss_chunk=self.loss_chunk)
+        at_least("model", 0, full_attention_every=self.full_attention_every)
+        self._check_planned()
         if self.sliding_window is not None:
             at_least("model", 1, sliding_window=self.sliding_window)
         at_least("model", 1, vocab_size=self.vocab_size, dim=self.dim, n_layers=self.n_layers,
-                 n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, ffn_dim=self.ffn_dim,
-                 mlp_tiles=self.mlp_tiles)
+                 n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, ffn_dim=self.ffn_dim)
         self._check_experts()
         optional = {k: getattr(self, k) for k in ("local_rope_theta", "query_pre_attn_scalar")
                     if getattr(self, k) is not None}  # None: as the other layers, head_dim
@@ -129,6 +135,22 @@ class ModelConfig:
             raise ValueError(
                 f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
             )
+
+    def _check_planned(self) -> None:
+        """``loss_chunk`` (>= 0) and ``mlp_tiles`` (>= 1): whole numbers or ``auto``."""
+        for k, lo in zip(PLANNED_FIELDS, (0, 1)):
+            v = getattr(self, k)
+            if v == AUTO:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"model.{k}={v!r} is neither a whole number nor auto (the "
+                                 f"planner sizes it); set model.{k}={lo} or more, or auto")
+            at_least("model", lo, **{k: v})
+
+    @property
+    def planned(self) -> tuple[str, ...]:
+        """The execution keys left to the planner (``PLANNED_FIELDS`` set to ``auto``)."""
+        return tuple(k for k in PLANNED_FIELDS if getattr(self, k) == AUTO)
 
     def _check_layers(self) -> None:
         if self.layer_types is None:

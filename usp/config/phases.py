@@ -3,7 +3,8 @@
 Each phase names its ``seq_len`` and its length, in optimizer ``steps`` or in ``tokens``
 (one of the two), and may overlay the base config's values for that phase: ``rope_theta``,
 ``rope_scaling``, ``lr`` (a new peak with its own warmup), ``batch_per_dp_rank``,
-``global_batch_tokens``, ``ulysses_degree``, ``ring_degree``, ``expert_degree`` and ``blend``
+``global_batch_tokens``, ``ulysses_degree``, ``ring_degree``, ``expert_degree``,
+``loss_chunk``, ``mlp_tiles`` (a number, or ``auto``: re-sized at the phase's length) and ``blend``
 (the token files the phase reads, as ``data.blend``: a phase's own data mix). A key a phase leaves unset
 keeps its value from the phase before, and the first phase's from the base config
 (``parallel=auto`` in the base lets the planner choose the degrees of every phase).
@@ -38,6 +39,8 @@ OVERLAY = {
     "ulysses_degree": ("parallel", "ulysses_degree"),
     "ring_degree": ("parallel", "ring_degree"),
     "expert_degree": ("parallel", "expert_degree"),
+    "loss_chunk": ("model", "loss_chunk"),
+    "mlp_tiles": ("model", "mlp_tiles"),
     "blend": ("data", "blend"),
 }
 
@@ -74,6 +77,8 @@ class PhaseConfig:
     ulysses_degree: Any = None
     ring_degree: Any = None
     expert_degree: Any = None
+    loss_chunk: Any = None  # a number or auto (re-sized at this phase's length)
+    mlp_tiles: Any = None
     blend: Optional[List[BlendSource]] = None
     until: Optional[PhaseGateConfig] = None
 
@@ -195,7 +200,7 @@ def phase_config(cfg, k: int):
     the keys of phases 0..k overlaid in order on ``data.seq_len``, ``data.batch_per_dp_rank``,
     ``model.rope_theta``, ``model.rope_scaling``, ``optim.lr``,
     ``trainer.global_batch_tokens``, ``parallel.ulysses_degree``, ``parallel.ring_degree``,
-    ``parallel.expert_degree``
+    ``parallel.expert_degree``, ``model.loss_chunk``, ``model.mlp_tiles``
     and ``data.blend`` (with ``data.path`` then unset): a key phase k leaves unset keeps its
     value from the phase before (a raised ``rope_theta`` stays raised), the first phase's
     from the base; every

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
-from ..config.model import CHECKPOINT_FIELDS, CHECKPOINT_SHAPE
+from ..config.model import CHECKPOINT_FIELDS, CHECKPOINT_SHAPE, PLANNED_FIELDS
 from . import mxfp4
 from .families import (FAMILIES, builtin_checkpoint, builtin_model, check_model,
                        check_whole, checkpoint_family, family)
@@ -117,13 +117,16 @@ def fill_model(model: dict, data_vocab: int | None = None) -> dict:
     if isinstance(scaling, str) and scaling.lower() == "none":
         model["rope_scaling"] = None
     path = model.get("pretrained")
-    autos = [k for k, v in model.items() if isinstance(v, str) and v == AUTO]
+    # loss_chunk / mlp_tiles = auto are the planner's (PLANNED_FIELDS), not a checkpoint's
+    autos = [k for k, v in model.items() if isinstance(v, str) and v == AUTO
+             and k not in PLANNED_FIELDS]
     if path is None or not autos:
         if model.get("rope_scaling") == AUTO:
             model["rope_scaling"] = None
         if model.get("vocab_size") == AUTO and data_vocab is not None:
             model["vocab_size"] = data_vocab
-        bad = [k for k, v in model.items() if v == AUTO and k != "vocab_size"]
+        bad = [k for k, v in model.items() if v == AUTO and k != "vocab_size"
+               and k not in PLANNED_FIELDS]
         if bad:
             raise ValueError(f"model.{bad[0]}=auto is read from a checkpoint; set "
                              f"model.pretrained=DIR or give model.{bad[0]} a value")

@@ -18,6 +18,7 @@ from ..dims.counts import divisors
 from ..rules import check_degrees, check_expert_degree, check_placement
 from .experts import expert_degrees
 from .memory import CheckpointPolicy, MemorySplit, memory_split
+from .tiles import TileChoice, size_tiles
 
 
 @dataclass(frozen=True)
@@ -158,8 +159,23 @@ class StepPolicy:
                     kernel=self.kernel, device=self.device, forward_only=self.forward_only)
 
     def memory(self, model: ModelConfig, seq_len: int, dp: int, ring: int, ulysses: int,
-               batch: int, expert: int = 1) -> MemorySplit:
+               batch: int, expert: int = 1, budget: float | None = None) -> MemorySplit:
         """``memory_split`` of ``batch`` sequences per dp rank under this policy (a mixture
-        of experts at expert degree ``expert``)."""
+        of experts at expert degree ``expert``); a model with ``auto`` ``loss_chunk`` or
+        ``mlp_tiles`` is sized first against ``budget`` bytes (``tiles``)."""
+        model = self.sized(model, seq_len, ring, ulysses, batch, expert, budget).model
         return memory_split(model, seq_len, dp, ring, ulysses, batch=batch,
                             expert_degree=expert, **self.memory_kw())
+
+    def sized(self, model: ModelConfig, seq_len: int, ring: int, ulysses: int, batch: int,
+              expert: int = 1, budget: float | None = None) -> TileChoice:
+        """``tiles.size_tiles`` under this policy: ``model``'s ``auto`` ``loss_chunk`` and
+        ``mlp_tiles`` sized for the layout and length against ``budget`` bytes a rank
+        (needed only when one is ``auto``)."""
+        if model.planned and budget is None:
+            raise ValueError(f"model.{model.planned[0]}=auto is sized against a device "
+                             "budget, and none was given here; set it to a number")
+        return size_tiles(model, seq_len, ring, ulysses, budget or 0.0, batch=batch,
+                          dtype_bytes=self.dtype_bytes, policy=self.checkpoint,
+                          expert_degree=expert, forward_only=self.forward_only,
+                          device=self.device)

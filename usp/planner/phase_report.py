@@ -9,7 +9,8 @@ from ..config.phases import phase_heading, steps_for_tokens
 from ..dims.heads import check_heads
 from .batch import grad_accum_steps
 from .draw import draw_mesh
-from .memory import max_seq_len, size
+from .fit import longest_seq_len
+from .memory import size
 from .ranking import Candidate, Plan
 from .report import global_batch_text, plan_run, run_search, run_step
 
@@ -27,8 +28,8 @@ def longest_fit(cfg: RunConfig, spec, world: int) -> tuple[int, tuple[int, int, 
             check_heads(mc.n_heads, mc.n_kv_heads, u)
         except ValueError:
             continue
-        n = max_seq_len(mc, step.budget(spec), d, r, u, balance=search.balance,
-                        batch=cfg.data.batch_per_dp_rank, **step.memory_kw())
+        n = longest_seq_len(mc, step.budget(spec), d, r, u, step, balance=search.balance,
+                            batch=cfg.data.batch_per_dp_rank)
         if n > best[0]:
             best = (n, (d, r, u))
     return best
@@ -108,7 +109,8 @@ def change_text(k: int, p: Plan, before: Candidate) -> str | None:
                 f"{1 - best.seq_s / kept.seq_s:.1%} faster per sequence")
     dropped = next((d for d in p.dropped if (d.dp, d.ring, d.ulysses) == before.degrees), None)
     if dropped is not None and dropped.rule == "memory":
-        peak = p.step.memory(p.model, p.seq_len, *before.degrees, p.batch.for_dp(before.dp))
+        peak = p.step.memory(p.model, p.seq_len, *before.degrees, p.batch.for_dp(before.dp),
+                             budget=p.budget)
         why = f"peak {size(peak.total)} > {size(p.budget)}"
     elif dropped is not None and dropped.rule == "batch" and p.batch.step_sequences:
         why = (f"trainer.global_batch_tokens is {p.batch.step_sequences:g} sequences a step, "

@@ -6,7 +6,8 @@ What it is asked besides the model, the cluster and the length is three objects
 (``options``): which layouts (``Search``), the batch each runs (``BatchSpec``: per dp rank,
 as the trainer does, or a fixed global batch split over dp), how every rank runs the step
 (``StepPolicy``). Memory is ``memory.memory_split`` (state, activations, attention, MLP and
-logits terms under the model's ``loss_chunk``/``mlp_tiles`` and the checkpoint policy).
+logits terms under the model's ``loss_chunk``/``mlp_tiles`` and the checkpoint policy; an
+``auto`` one sized for each layout, ``tiles.size_tiles``, kept in ``Candidate.model``).
 
 Rules, in order (each a ``ValueError`` text kept in ``Plan.dropped``):
 degrees multiply to the world (``check_degrees``); a fixed global batch splits over dp; query
@@ -95,17 +96,19 @@ def _judge(model: ModelConfig, cluster: ClusterSpec, seq_len: int, world: int,
             causal=step.causal, balance=search.balance, placement=search.placement,
             n_fwd=2 if ckpt else 1)
         rule = "memory"
+        budget = step.budget(cluster)
+        model = step.sized(model, seq_len, r, u, b, expert, budget).model  # auto tilings
         cost = estimate(
             model, cluster, seq_len, d, r, u, global_batch=b * d, dtype_bytes=step.dtype_bytes,
             causal=step.causal, fsdp=step.fsdp, balance=search.balance,
             placement=search.placement, act_checkpoint=ckpt, a2a_chunks=chunks,
             expert_degree=expert)
         mem = step.memory(model, seq_len, d, r, u, b, expert)
-        _check_memory(mem, step.budget(cluster), step.mem_fraction, cluster, d)
+        _check_memory(mem, budget, step.mem_fraction, cluster, d)
     except ValueError as e:
         return Dropped(d, r, u, str(e), rule, expert)
     return Candidate(d, r, u, cost, _notes(model, cluster, cost, search.placement), mem, b,
-                     expert)
+                     expert, model)
 
 
 def _check_memory(mem: MemorySplit, budget: float, mem_fraction: float, cluster: ClusterSpec,

@@ -13,8 +13,10 @@ from ..dims.heads import head_split
 from ..config.cluster import ClusterSpec
 from .cost import StepCost
 from .experts import expert_sync
-from .memory import MemorySplit, max_seq_len, size
+from .fit import longest_seq_len
+from .memory import MemorySplit, size
 from .options import BatchSpec, Search, StepPolicy
+from .tiles import TILE_SHARE
 
 
 @dataclass
@@ -29,6 +31,7 @@ class Candidate:
     memory: MemorySplit | None = None  # per rank, the busiest ulysses rank
     batch: int = 1  # sequences per dp rank
     expert: int = 1  # expert degree (a mixture of experts)
+    model: ModelConfig | None = None  # as priced: an auto loss_chunk/mlp_tiles sized for it
 
     @property
     def degrees(self) -> tuple[int, int, int]:
@@ -118,11 +121,11 @@ class Plan:
         """The memory split of layout ``c`` (default the best) against the budget, and the
         longest sequence whose peak fits that budget with the same layout and features."""
         c = c or self.best
-        longest = max_seq_len(self.model, self.budget, c.dp, c.ring, c.ulysses,
-                              balance=self.search.balance, batch=c.batch,
-                              expert_degree=c.expert, **self.step.memory_kw())
+        longest = longest_seq_len(self.model, self.budget, c.dp, c.ring, c.ulysses, self.step,
+                                  balance=self.search.balance, batch=c.batch, expert=c.expert)
+        tiles = tiles_text(self.model, c.model)
         return (f"memory per rank ({c.label()}), peak at {c.memory.peak_at}:\n"
-                f"  {c.memory.line(self.budget)}\n"
+                f"  {c.memory.line(self.budget)}\n{tiles}"
                 f"longest seq_len that fits this layout: {longest} "
                 f"(x{longest / self.seq_len:.2f} of {self.seq_len})")
 
@@ -144,7 +147,7 @@ class Plan:
         grads = 4 * sum(expert_sync(self.model, c.expert))  # FSDP holds them unsharded,
         for b in sorted(divisors(per_rank), reverse=True):  # in fp32, between micro-batches
             peak = self.step.memory(self.model, self.seq_len, c.dp, c.ring, c.ulysses, b,
-                                    c.expert).total
+                                    c.expert, self.budget).total
             if per_rank // b > 1:
                 peak += grads
             if peak <= self.budget:
@@ -248,3 +251,12 @@ class Plan:
                      for d in self.dropped]
         rows.append(f"reason: {self.reason}")
         return "\n".join(rows)
+
+
+def tiles_text(asked: ModelConfig, priced: ModelConfig | None) -> str:
+    """The line that says what an ``auto`` ``loss_chunk``/``mlp_tiles`` was sized to on a
+    layout (``priced``: its ``Candidate.model``), with a newline; "" when neither was auto."""
+    if priced is None or not asked.planned:
+        return ""
+    picked = ", ".join(f"model.{k}=auto -> {getattr(priced, k)}" for k in asked.planned)
+    return f"  {picked} (each term under 1/{round(1 / TILE_SHARE)} of the budget)\n"

@@ -13,7 +13,7 @@ becomes a typed config (``usp.cli.to_config``): a ``ModelConfig`` holds no ``aut
 
 One concept a file: ``model_shape`` (the model's ``auto`` keys), ``run_layout`` (the
 ``RunLayout`` data), ``preflight`` (the input checks),
-``decide`` (balance, degrees and all-to-all stages; the accumulation is
+``decide`` (balance, degrees, all-to-all stages, the loss chunk and MLP tiles; the accumulation is
 ``usp.planner.batch``'s), ``resolve`` (the resolver: checks, then decisions, then the
 layout). The planner's table of an ``auto`` choice is text of ``usp.planner.report``, said by
 the resolver, not held; so is the balance and why.
@@ -45,7 +45,8 @@ from .preflight import (check_degrees_fit, check_hf_model, check_inputs, check_p
                         check_recompute, check_run_dir, check_run_masks, check_task)
 from .resolve import resolve_eval, resolve_run, resolve_run_group, scheduler_hosts_notice
 from .phases import Phase, PhaseGate, PhasePlan
-from .phase_layouts import check_gate, check_phase_tasks, resolve_phases, resolve_phases_group
+from .phase_layouts import (check_gate, check_phase_tasks, resolve_phases, resolve_phases_group,
+                            tiled_config)
 from .worker_args import check_training_args, eval_args, training_args
 
 __all__ = ["Phase", "PhaseGate", "PhasePlan", "RunLayout", "check_degrees_fit", "check_gate",
@@ -55,4 +56,4 @@ __all__ = ["Phase", "PhaseGate", "PhasePlan", "RunLayout", "check_degrees_fit", 
            "decide_expert_degree",
            "decide_eval_balance", "eval_args", "resolve_eval", "resolve_model", "resolve_phases",
            "resolve_phases_group", "resolve_run", "resolve_run_group", "scheduler_hosts_notice",
-           "training_args"]
+           "tiled_config", "training_args"]

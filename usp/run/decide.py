@@ -1,6 +1,7 @@
 """The run's decisions: the balance (``parallel.balance``, ``auto`` resolved), the degrees
 (fixed, or the planner's choice on the detected cluster) and the all-to-all pipeline
-stages, the expert degree. The accumulation is the planner's ``grad_accum_steps``; ``resolve.resolve_run``
+stages, the expert degree, the loss chunk and MLP tiles (``auto``: sized by the planner for
+the decided layout, ``usp.planner.tiles``). The accumulation is the planner's ``grad_accum_steps``; ``resolve.resolve_run``
 takes them in that order."""
 
 from __future__ import annotations
@@ -8,12 +9,13 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
-from ..config import RunConfig
+from ..config import ModelConfig, RunConfig
 from ..models.families import check_priced
 from ..dims.balance import choose_balance, sequence_balance
 from ..planner import detect_topology
 from ..planner.cost import choose_a2a_chunks
-from ..planner.report import config_degree, plan_run, plan_table
+from ..planner.report import config_degree, plan_run, plan_table, run_step
+from ..planner.tiles import tile_note
 from ..rules import check_degrees, check_expert_degree
 from .preflight import check_degrees_fit
 
@@ -139,3 +141,27 @@ def decide_a2a_chunks(cfg: RunConfig, world: int, ulysses: int, ring: int, dp: i
                              balance=balance, placement=pc.placement,
                              n_fwd=2 if cfg.trainer.activation_checkpointing else 1)
 
+
+def decide_tiles(cfg: RunConfig, ulysses: int, ring: int, topology, expert: int = 1,
+                 forward_only: bool = False, rows: int | None = None
+                 ) -> tuple[ModelConfig, str | None]:
+    """(``cfg.model`` with ``model.loss_chunk`` and ``model.mlp_tiles`` as numbers, the start
+    line that says what ``auto`` picked or None): an ``auto`` one sized by the planner
+    (``usp.planner.tiles``) for ``rows`` sequences (None: ``data.batch_per_dp_rank``) of
+    ``data.seq_len`` on ``ring x ulysses`` at expert degree ``expert``, against the budget
+    of the detected cluster (``topology()``, as ``decide_degrees``: on a CPU run the cluster
+    spec's ``mem_bytes``), priced forward-only for usp-eval (``forward_only``). A
+    transformers model (``model.hf``) has no tilings to size: refused by name."""
+    mc = cfg.model
+    if not mc.planned:
+        return mc, None
+    if mc.hf is not None:
+        raise ValueError(f"model.{mc.planned[0]}=auto sizes the built-in model's chunked loss "
+                         f"and tiled MLP, but model.hf={mc.hf} computes its own LM head and "
+                         "MLP, which the planner cannot size; set model.loss_chunk=0 "
+                         "model.mlp_tiles=1, or model.hf=null for the built-in model")
+    step = run_step(cfg, forward_only)
+    rows = cfg.data.batch_per_dp_rank if rows is None else rows
+    choice = step.sized(mc, cfg.data.seq_len, ring, ulysses, rows, expert,
+                        step.budget(topology()[0]))
+    return choice.model, tile_note(mc, choice)

@@ -33,6 +33,8 @@ def resolve_phases(cfg: RunConfig, world: int, device: str, env=None, *,
     ``resolve_run``'s); raises ``ValueError`` before any process group.
 
     Without ``trainer.phases``: one phase, ``PhasePlan.single`` of ``resolve_run``'s layout.
+    Each phase's config carries its layout's tilings (``tiled_config``: an ``auto``
+    ``model.loss_chunk``/``mlp_tiles`` re-sized at each phase's length).
     With phases: for each, its config (``phase_config``), its gate checked against the
     evaluations configured (``check_gate``), its layout (``resolve_run`` on that config: a
     refusal names the phase, and a length no layout of the world fits says the longest that
@@ -42,9 +44,9 @@ def resolve_phases(cfg: RunConfig, world: int, device: str, env=None, *,
     (``PhasePlan.describe``) and the planner's table when it chose a degree, then the
     total."""
     if not cfg.trainer.phases:
-        return PhasePlan.single(cfg, resolve_run(cfg, world, device, env,
-                                                 scheduler_hosts=scheduler_hosts,
-                                                 run_dir=run_dir, say=say))
+        run = resolve_run(cfg, world, device, env, scheduler_hosts=scheduler_hosts,
+                          run_dir=run_dir, say=say)
+        return PhasePlan.single(tiled_config(cfg, run), run)
     resolved, said = [], []
     for k, entry in enumerate(cfg.trainer.phases):
         pcfg = phase_config(cfg, k)
@@ -58,6 +60,7 @@ def resolve_phases(cfg: RunConfig, world: int, device: str, env=None, *,
             raise phase_refused(k, pcfg, str(e),  # auto degrees: says what would fit
                                 lambda: detected_cluster(pcfg, world, rpn, env)[0],
                                 world) from None
+        pcfg = tiled_config(pcfg, run)  # an auto loss_chunk/mlp_tiles sized for the phase
         check_short_length(cfg, k, run)
         why = step_tokens_text(run.seq_len, run.batch_per_dp_rank, run.dp, run.grad_accum)
         steps = phase_steps(cfg, k, run.tokens_per_step, why)
@@ -69,7 +72,7 @@ def resolve_phases(cfg: RunConfig, world: int, device: str, env=None, *,
         raise ValueError(f"trainer.stop_after={stop} is beyond the {total} steps of the phases "
                          f"({' + '.join(str(s) for _, _, s, _ in resolved)}); set it in "
                          f"1..{total} or to null")
-    base = replace(cfg, trainer=replace(cfg.trainer, steps=total))
+    base = replace(tiled_config(cfg, resolved[0][1]), trainer=replace(cfg.trainer, steps=total))
     plan = PhasePlan(tuple(
         Phase(k, replace(pcfg, trainer=replace(pcfg.trainer, steps=total)), run, steps,
               lr=entry.lr, until=_gate(entry))
@@ -81,6 +84,14 @@ def resolve_phases(cfg: RunConfig, world: int, device: str, env=None, *,
     say(f"phases: {len(plan)}, trainer.steps {total} = "
         f"{' + '.join(str(p.steps) for p in plan.phases)}")
     return plan
+
+
+def tiled_config(cfg: RunConfig, run: RunLayout) -> RunConfig:
+    """``cfg`` with the model's ``loss_chunk`` and ``mlp_tiles`` as ``run`` decided them (an
+    ``auto`` one sized by the planner): what the phase's model is built from; ``cfg`` itself
+    when it set them."""
+    model = run.model_config(cfg.model)
+    return cfg if model == cfg.model else replace(cfg, model=model)
 
 
 def _gate(entry: PhaseConfig) -> PhaseGate | None:

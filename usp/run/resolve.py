@@ -13,7 +13,7 @@ from ..models.pretrained import start_notes
 from ..planner.batch import grad_accum_steps
 from ..rules import check_ranks_per_node, check_seq_len
 from .decide import (decide_a2a_chunks, decide_balance, decide_degrees, decide_eval_balance,
-                     decide_expert_degree, detected_cluster)
+                     decide_expert_degree, decide_tiles, detected_cluster)
 from .run_layout import RunLayout
 from .preflight import check_inputs, check_passkey_memory, check_task
 
@@ -39,8 +39,9 @@ def resolve_run(cfg: RunConfig, world: int, device: str, env=None, *,
     scheduler (Slurm) gave them, which place them; a configured ``parallel.ranks_per_node``
     (simulated nodes) is then not used. ``run_dir``: where the run writes when
     ``trainer.run_dir`` is not set (the launcher's folder, e.g. Hydra's output folder).
-    ``say(text)``: the balance and why, and the planner's table once the layout stands when
-    it chose a degree."""
+    ``say(text)``: the balance and why, what an ``auto`` loss chunk or MLP tiling was sized
+    to (``decide_tiles``), and the planner's table once the layout stands when it chose a
+    degree. The layout carries the tilings as numbers (``RunLayout.model_config``)."""
     pc = cfg.parallel
     run_dir = cfg.trainer.run_dir or run_dir  # None: a layout to plan with, not to train
     ranks_per_node = None if scheduler_hosts else pc.ranks_per_node
@@ -55,19 +56,22 @@ def resolve_run(cfg: RunConfig, world: int, device: str, env=None, *,
     # detected at most once, and only when an auto setting asks
     topology = cache(partial(detected_cluster, cfg, world, ranks_per_node, env))
     u, r, dp, table = decide_degrees(cfg, world, env, topology, balance=balance)
-    check_passkey_memory(cfg, dp, r, u, device, balance)
     chunks = decide_a2a_chunks(cfg, world, u, r, dp, ranks_per_node, topology, balance)
     accum = grad_accum_steps(cfg.trainer, cfg.data.seq_len, cfg.data.batch_per_dp_rank, dp)
     experts = decide_expert_degree(cfg, world, u, r, dp, topology, balance)
-    note = router_loss_note(cfg.model, accum, experts)
-    if note:
-        say(f"usp: {note}")
+    model, tiles = decide_tiles(cfg, u, r, topology, experts)
+    cfg = replace(cfg, model=model)  # the tilings as numbers from here on
+    check_passkey_memory(cfg, dp, r, u, device, balance)
+    for note in (tiles, router_loss_note(cfg.model, accum, experts)):
+        if note:
+            say(f"usp: {note}")
     layout = RunLayout(world=world, dp=dp, ring=r, ulysses=u, placement=pc.placement,
                        ranks_per_node=ranks_per_node, balance=balance, kernel=pc.kernel,
                        ring_impl=pc.ring_impl, a2a_chunks=chunks, device=device,
                        dtype=cfg.trainer.dtype, seq_len=cfg.data.seq_len,
                        batch_per_dp_rank=cfg.data.batch_per_dp_rank, grad_accum=accum,
-                       run_dir=None if run_dir is None else str(run_dir), expert_degree=experts)
+                       run_dir=None if run_dir is None else str(run_dir), expert_degree=experts,
+                       loss_chunk=model.loss_chunk, mlp_tiles=model.mlp_tiles)
     if table:
         say(table)
     return layout
@@ -163,9 +167,12 @@ def resolve_eval(cfg: RunConfig, world: int, device: str, lengths: list[int], en
     for length in lengths:
         check_seq_len(length, u, r, balance)
     chunks = decide_a2a_chunks(longest, world, u, r, dp, pc.ranks_per_node, topology, balance)
-    if table:
-        say(table)
+    model, tiles = decide_tiles(longest, u, r, topology, forward_only=True)
+    for line in (f"usp: {tiles}" if tiles else "", table):
+        if line:
+            say(line)
     return RunLayout(world=world, dp=dp, ring=r, ulysses=u, placement=pc.placement,
                      ranks_per_node=pc.ranks_per_node, balance=balance, kernel=pc.kernel,
                      ring_impl=pc.ring_impl, a2a_chunks=chunks, device=device,
-                     dtype=cfg.trainer.dtype, seq_len=max(lengths), batch_per_dp_rank=1)
+                     dtype=cfg.trainer.dtype, seq_len=max(lengths), batch_per_dp_rank=1,
+                     loss_chunk=model.loss_chunk, mlp_tiles=model.mlp_tiles)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from ..config import ModelConfig
 from ..data.indexing import sample_indices
 from ..dims.parallel import ParallelDims
 from ..mesh import SPMesh
@@ -19,7 +20,8 @@ class RunLayout:
     ulysses all-to-alls; ``ranks_per_node``: simulated nodes (None: the hosts the ranks run
     on place them); ``device``: "cpu" or "cuda", decided once by the launcher
     (``usp.launch.choose_device``); ``dtype``: ``trainer.dtype``; ``grad_accum``:
-    micro-batches per optimizer step; ``run_dir``: the folder of its checkpoints, metrics
+    micro-batches per optimizer step; ``loss_chunk``/``mlp_tiles``: the model's tilings as
+    numbers (``model_config``); ``run_dir``: the folder of its checkpoints, metrics
     and records (``trainer.run_dir``, else the launcher's: Hydra's output folder).
     """
 
@@ -40,6 +42,8 @@ class RunLayout:
     grad_accum: int = 1  # micro-batches per optimizer step
     run_dir: str | None = None  # where the run writes: rank 0's, decided once (resolve_run)
     expert_degree: int = 1  # ranks that share one copy of the experts (parallel.expert_degree)
+    loss_chunk: int = 0  # model.loss_chunk, an auto one sized by the planner (decide_tiles)
+    mlp_tiles: int = 1  # model.mlp_tiles, likewise
 
     def __post_init__(self) -> None:
         if check_degrees(self.world, self.ulysses, self.ring, self.dp) != self.dp:
@@ -88,6 +92,11 @@ class RunLayout:
     def build_mesh(self) -> SPMesh:
         """This layout's ``SPMesh`` (collective: every rank of the default group calls it)."""
         return SPMesh.from_dims(self.dims, ranks_per_node=self.ranks_per_node)
+
+    def model_config(self, model: ModelConfig) -> ModelConfig:
+        """``model`` with this layout's ``loss_chunk`` and ``mlp_tiles`` (an ``auto`` one as
+        the resolver sized it): the config the model is built from."""
+        return replace(model, loss_chunk=self.loss_chunk, mlp_tiles=self.mlp_tiles)
 
     def attention_options(self) -> dict:
         """``usp_attention``'s keywords that the run decides (mesh and layout aside; the

@@ -5,9 +5,11 @@ into the command that called it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..config import RunConfig
 from ..eval.job import plan_eval
-from .phase_layouts import check_phase_tasks, resolve_phases
+from .phase_layouts import check_phase_tasks, resolve_phases, tiled_config
 from .resolve import resolve_eval, scheduler_hosts_notice
 
 
@@ -39,4 +41,5 @@ def eval_args(cfg: RunConfig, out: str | None, world: int, device: str, info: di
     said when it chose a degree."""
     job = plan_eval(cfg, out)
     run = resolve_eval(job.cfg, world, device, job.lengths, say=say)
+    job = replace(job, cfg=tiled_config(job.cfg, run))  # an auto loss_chunk/mlp_tiles sized
     return (job, run), run.device

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import RunConfig
-from ..run import PhasePlan, RunLayout, resolve_phases_group
+from ..run import PhasePlan, RunLayout, resolve_phases_group, tiled_config
 from .build import phase_schedule
 from .checkpointer import Position, newest
 from .console import Console
@@ -127,7 +127,7 @@ def planned(cfg: RunConfig, run: RunLayout | PhasePlan | None) -> PhasePlan:
     if run is None:
         # rank 0 prints the planner's tables
         run = resolve_phases_group(cfg, "cuda" if dist.get_backend() == "nccl" else "cpu")
-    return run if isinstance(run, PhasePlan) else PhasePlan.single(cfg, run)
+    return run if isinstance(run, PhasePlan) else PhasePlan.single(tiled_config(cfg, run), run)
 
 
 @contextmanager

@@ -1,0 +1,130 @@
+"""``model.loss_chunk=auto`` / ``model.mlp_tiles=auto`` (``usp.planner.tiles``): the largest
+chunk and the fewest tiles under the share, resolved to numbers before any model is built,
+trained exactly as the numbers they chose; the chunked loss's term against its measured
+peak; usp-plan's longest mode (the longest fits, one step more does not)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tools.lab.memory import LiveTensorTracker
+from usp.config import ClusterSpec, ModelConfig, RunConfig
+from usp.config.cluster import GiB
+from usp.models.decoder import Transformer
+from usp.models.tiling import chunked_lm_loss
+from usp.planner import CheckpointPolicy
+from usp.planner.fit import longest_seq_len
+from usp.planner.memory import logits_bytes
+from usp.planner.options import StepPolicy
+from usp.planner.tiles import MIN_CHUNK, TILE_SHARE, mlp_bytes, size_tiles
+from usp.run import resolve_eval, resolve_phases
+
+from test_tiling import LOCAL, _assert_same, _batch, _model_grads
+
+L8B = ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                  ffn_dim=14336, tie_embeddings=False, loss_chunk="auto", mlp_tiles="auto")
+CKPT = CheckpointPolicy(True, offload=True)
+
+
+def test_auto_picks_the_largest_chunk_and_fewest_tiles_under_the_share():
+    budget, L, u = 72 * GiB, 1 << 20, 8
+    c = size_tiles(L8B, L, 1, u, budget, policy=CKPT)
+    m, T, limit = c.model, L / u, TILE_SHARE * budget
+    assert c.limit == limit and c.logits <= limit and c.mlp <= limit
+    assert MIN_CHUNK <= m.loss_chunk < T and m.mlp_tiles > 1
+    # one step further along each key's order leaves the share
+    assert logits_bytes(replace(m, loss_chunk=2 * m.loss_chunk), 1, T, 2) > limit
+    assert mlp_bytes(replace(m, mlp_tiles=m.mlp_tiles // 2), T, 1, 2, CKPT) > limit
+    # shorter on the same GPUs: a larger chunk, fewer tiles; set keys are kept
+    short = size_tiles(L8B, L // 8, 1, u, budget, policy=CKPT).model
+    assert short.loss_chunk >= m.loss_chunk and short.mlp_tiles < m.mlp_tiles
+    kept = size_tiles(replace(L8B, loss_chunk=64), L, 1, u, budget, policy=CKPT).model
+    assert kept.loss_chunk == 64 and kept.mlp_tiles == m.mlp_tiles
+
+
+def test_no_share_fits_the_smallest_chunk_and_most_tiles_and_the_note_says_so():
+    from usp.planner.tiles import tile_note
+
+    c = size_tiles(L8B, 1 << 20, 1, 1, 1 * GiB, policy=CKPT)
+    assert c.model.loss_chunk == MIN_CHUNK and c.model.mlp_tiles == 1024
+    note = tile_note(L8B, c)
+    assert "model.loss_chunk=auto -> 1024, model.mlp_tiles=auto -> 1024" in note
+    assert "logits and MLP over it even so" in note
+
+
+@pytest.mark.parametrize("bad", ["big", 1.5, True, -1])
+def test_a_chunk_neither_a_number_nor_auto_is_refused(bad):
+    with pytest.raises(ValueError, match="model.loss_chunk"):
+        ModelConfig(loss_chunk=bad)
+
+
+def _auto_run(**model) -> RunConfig:
+    """The tiny model on 2 x 2 with a 4 MiB device: auto must tile the MLP."""
+    m = ModelConfig(vocab_size=256, dim=16, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=48,
+                    **model)
+    return RunConfig(model=m, cluster=ClusterSpec(mem_bytes=4 * 2**20))
+
+
+def test_auto_is_resolved_before_the_model_and_trains_as_the_values_it_chose():
+    said: list[str] = []
+    plan = resolve_phases(_auto_run(loss_chunk="auto", mlp_tiles="auto"), 4, "cpu",
+                          env={}, say=said.append)
+    run, chosen = plan[0].run, plan[0].cfg.model
+    assert (chosen.loss_chunk, chosen.mlp_tiles) == (run.loss_chunk, run.mlp_tiles)
+    assert plan.cfg.model == chosen and chosen.mlp_tiles > 1 and chosen.loss_chunk > 0
+    assert (f"usp: model.loss_chunk=auto -> {run.loss_chunk}, model.mlp_tiles=auto -> "
+            f"{run.mlp_tiles}") in "\n".join(said)
+    tokens, labels = _batch()
+    explicit = replace(chosen, loss_chunk=run.loss_chunk, mlp_tiles=run.mlp_tiles)
+    models = []
+    for cfg in (chosen, explicit, replace(chosen, loss_chunk=0, mlp_tiles=1)):
+        model = Transformer(cfg, LOCAL)
+        model.init_weights(1)
+        models.append(_model_grads(model, tokens, labels))
+    _assert_same(models[0], models[1])  # auto trains as the numbers it picked
+    _assert_same(models[0], models[2])  # and as the untiled model (1e-6)
+    # usp-eval sizes them too (forward only), and a transformers model is refused
+    scored = resolve_eval(_auto_run(loss_chunk="auto"), 4, "cpu", [256], env={})
+    assert scored.loss_chunk == MIN_CHUNK and scored.mlp_tiles == 1
+    hf = replace(_auto_run(), model=replace(_auto_run().model, hf="llama", loss_chunk="auto"))
+    with pytest.raises(ValueError, match="model.loss_chunk=auto"):
+        resolve_phases(hf, 4, "cpu", env={})
+
+
+@pytest.mark.parametrize("dtype,V,D,n,c", [  # bf16 matmuls are slow on CPU: a small one
+    (torch.float32, 4096, 256, 2048, 512),  # the chunk's logits and softmax dominate
+    (torch.float32, 2048, 512, 1024, 128),  # the chunk's dW and the accumulator dominate
+    (torch.bfloat16, 2048, 128, 512, 128)])
+def test_chunked_loss_term_within_15_percent_of_its_measured_peak(dtype, V, D, n, c):
+    """Live tensor bytes (``LiveTensorTracker``) of the chunked loss's forward and backward
+    beyond h and the head weight, against ``logits_bytes`` on CUDA's terms (the CPU's fp32
+    copy inside the accumulating add is scratch of one op the tracker cannot see)."""
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(1, n, D, generator=gen).to(dtype).requires_grad_()
+    w = torch.randn(V, D, generator=gen).to(dtype).requires_grad_()
+    y = torch.randint(0, V, (1, n), generator=gen)
+    tracker = LiveTensorTracker()
+    with tracker:
+        tracker.see(h.untyped_storage())
+        tracker.see(w.untyped_storage())
+        base = tracker.live
+        loss, _ = chunked_lm_loss(h, w, y, c)
+        loss.backward()
+    measured = tracker.peak - base
+    modelled = logits_bytes(ModelConfig(vocab_size=V, dim=D, loss_chunk=c), 1, n,
+                            dtype.itemsize)
+    assert abs(modelled - measured) <= 0.15 * measured, (modelled, measured)
+
+
+def test_longest_fits_and_one_step_more_does_not():
+    step = StepPolicy(checkpoint=CKPT)
+    budget = step.budget(ClusterSpec(mem_bytes=80 * GiB))
+    n = longest_seq_len(L8B, budget, 1, 1, 8, step)
+    assert n > 0 and n % 16 == 0
+    assert step.memory(L8B, n, 1, 1, 8, 1, budget=budget).total <= budget
+    assert step.memory(L8B, n + 16, 1, 1, 8, 1, budget=budget).total > budget
+    with pytest.raises(ValueError, match="budget"):
+        step.memory(L8B, n, 1, 1, 8, 1)

@@ -1,0 +1,21 @@
+"""The longest sequence one layout holds: ``memory.max_seq_len`` for any model, an ``auto``
+``loss_chunk``/``mlp_tiles`` re-sized at every length tried (``tiles.size_tiles``)."""
+
+from __future__ import annotations
+
+from ..config import ModelConfig
+from ..rules import seq_multiple
+from .memory import largest_multiple
+from .options import StepPolicy
+
+
+def longest_seq_len(model: ModelConfig, budget: float, dp: int, ring: int, ulysses: int,
+                    step: StepPolicy, *, balance: str = "zigzag", batch: int = 1,
+                    expert: int = 1) -> int:
+    """The largest sequence length, a multiple of what ``check_seq_len`` needs for the
+    layout, whose peak (``step.memory``, the tilings sized at that length against
+    ``budget``) is at most ``budget`` bytes; 0 when not even the shortest fits."""
+    def fits(n: int) -> bool:
+        return step.memory(model, n, dp, ring, ulysses, batch, expert, budget).total <= budget
+
+    return largest_multiple(fits, seq_multiple(ulysses, ring, balance))
