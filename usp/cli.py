@@ -234,10 +234,14 @@ def _plan_main(dcfg) -> None:
 
 def _plan(cfg: PlanConfig) -> None:
     from .models.families import check_priced
+    from .planner.longest import longest_report
     from .planner.phase_report import phases_report
     from .planner.report import plan_report
 
     check_priced(cfg.model, "usp-plan")
+    if cfg.longest:
+        print(longest_report(cfg))
+        return
     text, drawing = phases_report(cfg) if cfg.trainer.phases else plan_report(cfg)
     print(text)
     if cfg.png:

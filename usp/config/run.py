@@ -38,6 +38,9 @@ class PlanConfig(RunConfig):
     # price usp-eval's forward pass: no gradients, no optimizer state, the model whole on
     # every rank (memory only; the time column stays a training step's)
     forward_only: bool = False
+    # the longest sequence the cluster trains over every layout (usp.planner.longest), not
+    # the plan of data.seq_len
+    longest: bool = False
 
     def __post_init__(self) -> None:
         if self.nodes is not None and not (isinstance(self.nodes, int) and self.nodes >= 1):

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 from ..config import PlanConfig, RunConfig
 from ..dims.balance import choose_balance
+from ..rules import seq_multiple
 from .batch import grad_accum_steps
 from .detect import DetectReport
 from .draw import draw_mesh
@@ -92,17 +96,30 @@ def plan_report(cfg: PlanConfig) -> tuple[str, str]:
     spec = cfg.cluster if cfg.nodes is None else cfg.cluster.replace(nodes=cfg.nodes)
     pc = cfg.parallel
     balance, why = choose_balance(pc.balance, cfg.data.packed, pc.ring_impl)
+    cfg, rounded = rounded_up(cfg, spec.world, balance)
     p = plan_run(cfg, spec, spec.world, cfg.forward_only, balance=balance)
     best = p.best
     drawing = draw_mesh(best.dp, best.ring, best.ulysses, spec.ranks_per_node,
                         cfg.parallel.placement)
     experts = f" x expert {best.expert}" if cfg.model.n_experts is not None else ""
-    text = "\n".join([p.format_table(), *layers_text(cfg.model, cfg.data.seq_len),
+    text = "\n".join([*rounded, p.format_table(), *layers_text(cfg.model, cfg.data.seq_len),
                       *experts_text(p), f"balance: {balance} ({why})",
                       f"choice: dp {best.dp} x ring {best.ring} x ulysses {best.ulysses}"
                       f"{experts}",
                       global_batch_text(cfg, p), p.memory_text(), str(drawing)])
     return text, drawing
+
+
+def rounded_up(cfg: PlanConfig, world: int, balance: str) -> tuple[PlanConfig, list[str]]:
+    """(``cfg`` with ``data.seq_len`` rounded up to a multiple every layout of ``world`` it
+    searches divides (``seq_multiple``), the line that says so, or none when it divides)."""
+    search, L = run_search(cfg, balance), cfg.data.seq_len
+    m = math.lcm(*(seq_multiple(u, r, balance) for _, r, u in search.layouts(world)))
+    if L % m == 0:
+        return cfg, []
+    up = -(-L // m) * m
+    return (replace(cfg, data=replace(cfg.data, seq_len=up)),
+            [f"data.seq_len {L} rounded up to {up}, a multiple of {m} (every layout divides it)"])
 
 
 def layers_text(model, seq_len: int) -> list[str]:
@@ -134,7 +151,7 @@ def experts_text(p: Plan) -> list[str]:
             f"experts per rank: {m.n_experts // n} a layer; state {size(16 * ep / world)} "
             f"sharded (E/N over W/N ranks), {size(a * ep / sparse_layers(m) / n)} a layer "
             f"gathered; dispatch+combine a2a {size(k.expert_a2a_bytes)} a sequence "
-            f"({expert_a2a_count(p.step.checkpoint.enabled, m.mlp_tiles > 1)} a layer), "
+            f"({expert_a2a_count(p.step.checkpoint.enabled, (c.model or m).mlp_tiles > 1)} a layer), "
             f"{k.expert_a2a_s:.3f} s a pass exposed"]
 
 

@@ -1,0 +1,79 @@
+"""``usp-plan ... longest=true``: the longest sequence the given GPUs train, over every layout
+the config allows, with every memory feature it asks for (an ``auto`` ``loss_chunk`` /
+``mlp_tiles`` re-sized at each length tried), and what the step looks like there: the
+layout, the memory terms (every term ``memory_split`` prices), the modelled step time."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..config import PlanConfig
+from ..rules import seq_multiple
+from .fit import longest_seq_len
+from .memory import size
+from .options import BatchSpec
+from .phase_report import longest_fit
+from .plan import plan
+from .ranking import tiles_text
+from .report import run_search, run_step
+
+SHOWN = 5  # layouts listed beside the longest
+
+
+def features_text(cfg: PlanConfig) -> str:
+    """The memory features the config asks for, as ``usp-plan`` prices them."""
+    tc, m = cfg.trainer, cfg.model
+    ckpt = (f"activation checkpointing ({tc.checkpoint_part}, every {tc.checkpoint_every})"
+            if tc.activation_checkpointing else "no activation checkpointing")
+    parts = [ckpt + (" offloaded to host memory" if tc.activation_offload else ""),
+             f"loss_chunk {m.loss_chunk}", f"mlp_tiles {m.mlp_tiles}", f"dtype {tc.dtype}",
+             "FSDP over every rank, AdamW"]
+    return "features: " + ", ".join(parts)
+
+
+def longest_report(cfg: PlanConfig) -> str:
+    """usp-plan's answer in longest mode (module docstring); ValueError when no layout holds
+    even its shortest sequence."""
+    spec = cfg.cluster if cfg.nodes is None else cfg.cluster.replace(nodes=cfg.nodes)
+    world, search = spec.world, run_search(cfg)
+    n, layout = longest_fit(cfg, spec, world)
+    if layout is None:
+        raise ValueError(f"no layout of {world} ranks of cluster {spec.name} holds even the "
+                         f"shortest sequence it divides: the state alone does not fit; use more "
+                         f"nodes or GPUs with more memory (cluster.mem_bytes)")
+    d, r, u = layout
+    step = run_step(cfg)
+    p = plan(cfg.model, spec, n, world=world, search=replace(search, dp=d, ring=r, ulysses=u),
+             batch=BatchSpec(per_dp_rank=cfg.data.batch_per_dp_rank), step=step)
+    c = p.best
+    more = n + seq_multiple(u, r, search.balance)
+    beyond = step.memory(cfg.model, more, d, r, u, c.batch, c.expert, p.budget)
+    tokens_s = c.global_batch * n / c.cost.step_s
+    lines = [(f"longest sequence on {world} GPUs ({spec.nodes} x {spec.ranks_per_node} of "
+              f"{spec.name}, {size(p.budget)} a GPU): {n} tokens on {c.label()}"),
+             features_text(cfg),
+             f"memory per rank at {n}, peak at {c.memory.peak_at}:",
+             f"  {c.memory.line(p.budget)}",
+             tiles_text(cfg.model, c.model).rstrip("\n"),
+             (f"modelled step time: {c.cost.step_s:.1f} s a step of {c.global_batch} "
+              f"sequence(s) ({tokens_s:,.0f} tokens/s)"),
+             (f"one step longer ({more}) peaks at {beyond.total / 2**30:.3f} GiB > "
+              f"{p.budget / 2**30:.3f} GiB"),
+             "longest by layout:"]
+    lines += layout_lines(cfg, spec, world)
+    return "\n".join(line for line in lines if line)
+
+
+def layout_lines(cfg: PlanConfig, spec, world: int) -> list[str]:
+    """The longest sequence of each layout, longest first (``SHOWN`` of them)."""
+    step, search = run_step(cfg), run_search(cfg)
+    found = []
+    for d, r, u in search.layouts(world):
+        try:
+            n = longest_seq_len(cfg.model, step.budget(spec), d, r, u, step,
+                                balance=search.balance, batch=cfg.data.batch_per_dp_rank)
+        except ValueError:  # heads that do not split over u
+            continue
+        found.append((n, f"ulysses {u} x ring {r} x dp {d}"))
+    found.sort(reverse=True)
+    return [f"  {label}: {n}" for n, label in found[:SHOWN]]
