@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from test_tiling import LOCAL, _assert_same, _batch, _model_grads
 
 from tools.lab.memory import LiveTensorTracker
 from usp.config import ClusterSpec, ModelConfig, RunConfig
@@ -21,8 +22,6 @@ from usp.planner.memory import logits_bytes
 from usp.planner.options import StepPolicy
 from usp.planner.tiles import MIN_CHUNK, TILE_SHARE, mlp_bytes, size_tiles
 from usp.run import resolve_eval, resolve_phases
-
-from test_tiling import LOCAL, _assert_same, _batch, _model_grads
 
 L8B = ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                   ffn_dim=14336, tie_embeddings=False, loss_chunk="auto", mlp_tiles="auto")
@@ -128,3 +127,32 @@ def test_longest_fits_and_one_step_more_does_not():
     assert step.memory(L8B, n + 16, 1, 1, 8, 1, budget=budget).total > budget
     with pytest.raises(ValueError, match="budget"):
         step.memory(L8B, n, 1, 1, 8, 1)
+
+
+def test_usp_plan_longest_is_the_longest_any_layout_holds():
+    """``usp-plan longest=true`` on 2 GPUs: its length fits its layout, and no layout holds
+    one step more; a target length no layout divides is rounded up and said."""
+    import re
+
+    from usp.config import ParallelConfig, PlanConfig, RecallData, TrainerConfig
+    from usp.planner.longest import longest_report
+    from usp.planner.report import plan_report, run_step
+    from usp.rules import seq_multiple
+
+    spec = ClusterSpec(name="h100x2", ranks_per_node=2, nodes=1, mem_bytes=80 * GiB)
+    cfg = PlanConfig(model=L8B, cluster=spec, longest=True, data=RecallData(batch_per_dp_rank=1),
+                     parallel=ParallelConfig(ulysses_degree="auto", ring_degree="auto"),
+                     trainer=TrainerConfig(dtype="bf16", activation_checkpointing=True,
+                                           activation_offload=True))
+    text = longest_report(cfg)
+    got = re.search(r"\): (\d+) tokens on ulysses (\d+) x ring (\d+) x dp (\d+)", text)
+    n, u, r, d = map(int, got.groups())
+    step = run_step(cfg)
+    budget = step.budget(spec)
+    assert step.memory(L8B, n, d, r, u, 1, budget=budget).total <= budget
+    for d2, r2, u2 in ((2, 1, 1), (1, 2, 1), (1, 1, 2)):
+        more = n + seq_multiple(u2, r2, "zigzag")
+        assert step.memory(L8B, more, d2, r2, u2, 1, budget=budget).total > budget
+    assert "model.loss_chunk=auto -> " in text and "modelled step time" in text
+    odd = replace(cfg, longest=False, data=RecallData(seq_len=n // 2 + 1, batch_per_dp_rank=1))
+    assert f"data.seq_len {n // 2 + 1} rounded up to " in plan_report(odd)[0]

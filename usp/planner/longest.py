@@ -12,7 +12,6 @@ from ..rules import seq_multiple
 from .fit import longest_seq_len
 from .memory import size
 from .options import BatchSpec
-from .phase_report import longest_fit
 from .plan import plan
 from .ranking import tiles_text
 from .report import run_search, run_step
@@ -32,22 +31,26 @@ def features_text(cfg: PlanConfig) -> str:
 
 
 def longest_report(cfg: PlanConfig) -> str:
-    """usp-plan's answer in longest mode (module docstring); ValueError when no layout holds
-    even its shortest sequence."""
+    """usp-plan's answer in longest mode (module docstring): of the layouts that hold the
+    longest sequence, the fastest by the model; ValueError when none holds its shortest."""
     spec = cfg.cluster if cfg.nodes is None else cfg.cluster.replace(nodes=cfg.nodes)
-    world, search = spec.world, run_search(cfg)
-    n, layout = longest_fit(cfg, spec, world)
-    if layout is None:
-        raise ValueError(f"no layout of {world} ranks of cluster {spec.name} holds even the "
-                         f"shortest sequence it divides: the state alone does not fit; use more "
-                         f"nodes or GPUs with more memory (cluster.mem_bytes)")
-    d, r, u = layout
-    step = run_step(cfg)
-    p = plan(cfg.model, spec, n, world=world, search=replace(search, dp=d, ring=r, ulysses=u),
-             batch=BatchSpec(per_dp_rank=cfg.data.batch_per_dp_rank), step=step)
+    world, search, step = spec.world, run_search(cfg), run_step(cfg)
+    found = layout_longest(cfg, spec, world)
+    n = found[0][0] if found else 0
+    if not n:
+        peak = step.memory(cfg.model, 2, world, 1, 1, cfg.data.batch_per_dp_rank,
+                           budget=step.budget(spec))
+        raise ValueError(f"no layout of {world} GPUs of cluster {spec.name} holds even its "
+                         f"shortest sequence: the state alone is {size(peak.state)} a GPU > "
+                         f"{size(step.budget(spec))}; use more GPUs or GPUs with more memory "
+                         "(cluster.mem_bytes)")
+    plans = [plan(cfg.model, spec, n, world=world, search=replace(search, dp=d, ring=r, ulysses=u),
+                  batch=BatchSpec(per_dp_rank=cfg.data.batch_per_dp_rank), step=step)
+             for m, (d, r, u) in found if m == n]
+    p = min(plans, key=lambda q: q.best.seq_s)  # the fastest of those that hold n
     c = p.best
-    more = n + seq_multiple(u, r, search.balance)
-    beyond = step.memory(cfg.model, more, d, r, u, c.batch, c.expert, p.budget)
+    more = n + seq_multiple(c.ulysses, c.ring, search.balance)
+    beyond = step.memory(cfg.model, more, c.dp, c.ring, c.ulysses, c.batch, c.expert, p.budget)
     tokens_s = c.global_batch * n / c.cost.step_s
     lines = [(f"longest sequence on {world} GPUs ({spec.nodes} x {spec.ranks_per_node} of "
               f"{spec.name}, {size(p.budget)} a GPU): {n} tokens on {c.label()}"),
@@ -57,15 +60,16 @@ def longest_report(cfg: PlanConfig) -> str:
              tiles_text(cfg.model, c.model).rstrip("\n"),
              (f"modelled step time: {c.cost.step_s:.1f} s a step of {c.global_batch} "
               f"sequence(s) ({tokens_s:,.0f} tokens/s)"),
-             (f"one step longer ({more}) peaks at {beyond.total / 2**30:.3f} GiB > "
-              f"{p.budget / 2**30:.3f} GiB"),
+             (f"one step longer ({more}) peaks at {beyond.total / 2**30:.4f} GiB > "
+              f"{p.budget / 2**30:.4f} GiB"),
              "longest by layout:"]
-    lines += layout_lines(cfg, spec, world)
+    lines += [f"  ulysses {u} x ring {r} x dp {d}: {m}" for m, (d, r, u) in found[:SHOWN]]
     return "\n".join(line for line in lines if line)
 
 
-def layout_lines(cfg: PlanConfig, spec, world: int) -> list[str]:
-    """The longest sequence of each layout, longest first (``SHOWN`` of them)."""
+def layout_longest(cfg: PlanConfig, spec, world: int) -> list[tuple[int, tuple[int, int, int]]]:
+    """(the longest sequence, (dp, ring, ulysses)) of every layout of ``world`` ranks the
+    config allows whose heads split, longest first."""
     step, search = run_step(cfg), run_search(cfg)
     found = []
     for d, r, u in search.layouts(world):
@@ -74,6 +78,5 @@ def layout_lines(cfg: PlanConfig, spec, world: int) -> list[str]:
                                 balance=search.balance, batch=cfg.data.batch_per_dp_rank)
         except ValueError:  # heads that do not split over u
             continue
-        found.append((n, f"ulysses {u} x ring {r} x dp {d}"))
-    found.sort(reverse=True)
-    return [f"  {label}: {n}" for n, label in found[:SHOWN]]
+        found.append((n, (d, r, u)))
+    return sorted(found, key=lambda f: -f[0])
