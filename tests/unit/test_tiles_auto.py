@@ -156,3 +156,18 @@ def test_usp_plan_longest_is_the_longest_any_layout_holds():
     assert "model.loss_chunk=auto -> " in text and "modelled step time" in text
     odd = replace(cfg, longest=False, data=RecallData(seq_len=n // 2 + 1, batch_per_dp_rank=1))
     assert f"data.seq_len {n // 2 + 1} rounded up to " in plan_report(odd)[0]
+
+
+def test_each_phase_resizes_auto_at_its_length():
+    from usp.config import TrainerConfig
+    from usp.config.phases import PhaseConfig
+
+    phases = [PhaseConfig(seq_len=256, steps=1), PhaseConfig(seq_len=2048, steps=1),
+              PhaseConfig(seq_len=2048, steps=1, mlp_tiles=3)]
+    cfg = replace(_auto_run(loss_chunk="auto", mlp_tiles="auto"),
+                  trainer=TrainerConfig(steps=3, phases=phases))
+    plan = resolve_phases(cfg, 4, "cpu", env={})
+    tiles = [p.cfg.model.mlp_tiles for p in plan.phases]
+    assert [p.run.mlp_tiles for p in plan.phases] == tiles
+    assert 1 < tiles[0] < tiles[1] and tiles[2] == 3  # longer: more tiles; a set one is kept
+    assert all(p.cfg.model.loss_chunk == MIN_CHUNK for p in plan.phases)
