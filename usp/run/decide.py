@@ -1,8 +1,8 @@
 """The run's decisions: the balance (``parallel.balance``, ``auto`` resolved), the degrees
 (fixed, or the planner's choice on the detected cluster) and the all-to-all pipeline
 stages, the expert degree, the loss chunk and MLP tiles (``auto``: sized by the planner for
-the decided layout, ``usp.planner.tiles``). The accumulation is the planner's ``grad_accum_steps``; ``resolve.resolve_run``
-takes them in that order."""
+the decided layout, ``usp.planner.tiles``). The accumulation is the planner's
+``grad_accum_steps``; ``resolve.resolve_run`` takes them in that order."""
 
 from __future__ import annotations
 
@@ -143,12 +143,10 @@ def decide_a2a_chunks(cfg: RunConfig, world: int, ulysses: int, ring: int, dp: i
 
 
 def decide_tiles(cfg: RunConfig, ulysses: int, ring: int, topology, expert: int = 1,
-                 forward_only: bool = False, rows: int | None = None
-                 ) -> tuple[ModelConfig, str | None]:
+                 forward_only: bool = False) -> tuple[ModelConfig, str | None]:
     """(``cfg.model`` with ``model.loss_chunk`` and ``model.mlp_tiles`` as numbers, the start
     line that says what ``auto`` picked or None): an ``auto`` one sized by the planner
-    (``usp.planner.tiles``) for ``rows`` sequences (None: ``data.batch_per_dp_rank``) of
-    ``data.seq_len`` on ``ring x ulysses`` at expert degree ``expert``, against the budget
+    (``usp.planner.tiles``) for ``data.batch_per_dp_rank`` sequences of ``data.seq_len`` on ``ring x ulysses`` at expert degree ``expert``, against the budget
     of the detected cluster (``topology()``, as ``decide_degrees``: on a CPU run the cluster
     spec's ``mem_bytes``), priced forward-only for usp-eval (``forward_only``). A
     transformers model (``model.hf``) has no tilings to size: refused by name."""
@@ -161,7 +159,6 @@ def decide_tiles(cfg: RunConfig, ulysses: int, ring: int, topology, expert: int 
                          "MLP, which the planner cannot size; set model.loss_chunk=0 "
                          "model.mlp_tiles=1, or model.hf=null for the built-in model")
     step = run_step(cfg, forward_only)
-    rows = cfg.data.batch_per_dp_rank if rows is None else rows
-    choice = step.sized(mc, cfg.data.seq_len, ring, ulysses, rows, expert,
-                        step.budget(topology()[0]))
+    choice = step.sized(mc, cfg.data.seq_len, ring, ulysses, cfg.data.batch_per_dp_rank,
+                        expert, step.budget(topology()[0]))
     return choice.model, tile_note(mc, choice)
