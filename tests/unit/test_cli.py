@@ -341,3 +341,19 @@ def test_usp_plan_speaks_of_the_global_batch_and_fits_it_in_memory():
     assert "data.batch_per_dp_rank=4 with trainer.grad_accum_steps=1" in text  # all fit
     text, _ = plan_report(_compose("plan", overrides=[*big, "trainer.global_batch_tokens=1000"]))
     assert "is no whole number of sequences for each of dp 32 ranks" in text
+
+
+def test_the_sft_recipe_plans_its_chunks_and_tiles_before_checkpoint_and_data_exist():
+    """recipes/qwen3_8b_sft_128k_h100x16 (conversations at 128K: whole rows, the assistant's
+    loss, per_document RoPE and balance, loss_chunk and mlp_tiles auto): usp-plan plans it
+    with model.pretrained and data.path absent (the planner's auto keys read neither) and
+    says the chunk and tiles it sized."""
+    from usp.planner.report import plan_report
+
+    absent = ["model.pretrained=/absent/ckpt", "data.path=/absent/chats"]
+    cfg = _compose("plan", ["recipe=qwen3_8b_sft_128k_h100x16", *absent])
+    assert (cfg.data.packing, cfg.data.loss_on, cfg.model.rope) == ("whole", "assistant",
+                                                                    "per_document")
+    text, _ = plan_report(cfg)
+    assert "choice: dp 1 x ring 2 x ulysses 8" in text
+    assert "model.loss_chunk=auto -> " in text and "model.mlp_tiles=auto -> " in text

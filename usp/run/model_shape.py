@@ -10,6 +10,7 @@ balance, all-to-all stages, device, batch) is ``resolve_run``'s, once the world 
 from __future__ import annotations
 
 from ..config import MemmapData
+from ..config.model import PLANNED_FIELDS
 from ..data.dataset import AUTO, data_vocab
 from ..models.pretrained import fill_model
 
@@ -25,7 +26,9 @@ def resolve_model(model: dict, data) -> dict:
 
 def _reads_vocab(model: dict, data) -> bool:
     """The data's vocabulary is needed: ``vocab_size=auto``, or token files with a checkpoint
-    read for ``auto`` keys (its embedding must cover them)."""
+    read for ``auto`` keys (its embedding must cover them; the planner's ``auto`` keys,
+    ``PLANNED_FIELDS``, read no checkpoint)."""
     if model["pretrained"] is not None:  # read with the checkpoint (a stated shape: neither)
-        return isinstance(data, MemmapData) and AUTO in model.values()
+        read = [v for k, v in model.items() if k not in PLANNED_FIELDS]
+        return isinstance(data, MemmapData) and AUTO in read
     return model["vocab_size"] == AUTO
