@@ -8,10 +8,8 @@ import pytest
 from usp.eval.chat import chat_frame
 from usp.eval.passkey import CHAT_QUESTION, NEEDLE, ByteTokenizer, HFTokenizer, passkey_cases
 
+from _chat import CHATML
 from _tokenizers import bpe
-
-CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def _tok(template=CHATML):
