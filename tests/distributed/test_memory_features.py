@@ -1,8 +1,16 @@
-"""Memory features in the trainer at (ulysses, ring) = (2, 2): chunked loss, tiled MLP and
-selective checkpoints train exactly as without them (one spawn of 4 ranks for all cases)."""
+"""Memory features in the trainer at (ulysses, ring) = (2, 2): chunked loss, tiled MLP,
+selective checkpoints and the state offload train exactly as without them (one spawn of 4
+ranks for all cases).
+
+The state offload (``trainer.state_offload``) is CUDA only and refused on CPU by preflight;
+its stand-in here runs the very path on gloo: preflight is asked as for CUDA, and FSDP2's
+``CPUOffloadPolicy`` (``pin_memory=False`` on a CPU mesh) reaches every ``fully_shard``,
+whose parameters FSDP marks as offloaded (recorded per call and asserted), and the gradient
+norm takes its host-memory path (``clip_grad_norm(host=True)``)."""
 
 import json
 from pathlib import Path
+from unittest import mock
 
 from usp.config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, RecallData, \
     TrainerConfig
@@ -19,6 +27,7 @@ CASES = {
     # every block recomputes its MLP, itself tiled: checkpoints nested under FSDP2
     "mlp": (dict(loss_chunk=7, mlp_tiles=2),
             dict(activation_checkpointing=True, checkpoint_part="mlp")),
+    "state": ({}, {"state_offload": True}),  # the stand-in, see the module docstring
 }
 
 
@@ -35,9 +44,34 @@ def _cfg(run_dir: str, model_kw: dict, trainer_kw: dict) -> RunConfig:
     )
 
 
+def _offload_recorder(calls: list):
+    """``fully_shard`` that records, per call, the policy it got and whether FSDP marked every
+    parameter of the module offloaded to host memory (and not pinned: a CPU mesh)."""
+    from torch.distributed.fsdp import fully_shard
+
+    def shard(module, **kw):
+        out = fully_shard(module, **kw)
+        params = out._get_fsdp_state()._fsdp_param_group.fsdp_params
+        calls.append({"policy": type(kw.get("offload_policy")).__name__,
+                      "offloaded": all(p.offload_to_cpu and not p.pin_memory for p in params)})
+        return out
+
+    return shard
+
+
 def _train_cases(root: str) -> None:
+    import torch.distributed as dist
+
+    from usp.run import preflight
+
+    as_cuda = preflight.check_recompute
     for name, (model_kw, trainer_kw) in CASES.items():
-        train(_cfg(str(Path(root, name)), model_kw, trainer_kw))
+        calls: list = []
+        with mock.patch("usp.train.build.fully_shard", _offload_recorder(calls)), \
+                mock.patch.object(preflight, "check_recompute",
+                                  lambda cfg, device: as_cuda(cfg, "cuda")):
+            train(_cfg(str(Path(root, name)), model_kw, trainer_kw))
+        Path(root, name, f"shard_calls_{dist.get_rank()}.json").write_text(json.dumps(calls))
 
 
 def test_memory_features_train_exactly_as_without(tmp_path):
@@ -57,3 +91,8 @@ def test_memory_features_train_exactly_as_without(tmp_path):
             assert a["acc"] == b["acc"], (name, a["step"])  # answer accuracy from predictions
         assert evals[name] == evals["off"], name  # held-out accuracy (no grad)
     assert off[-1]["loss"] < off[0]["loss"]  # and it trains
+    for name in CASES:  # three blocks and the root on every rank; offloaded in "state" only
+        for rank in range(4):
+            calls = json.loads((tmp_path / name / f"shard_calls_{rank}.json").read_text())
+            want = ("CPUOffloadPolicy", True) if name == "state" else ("OffloadPolicy", False)
+            assert [(c["policy"], c["offloaded"]) for c in calls] == [want] * 4, (name, rank)

@@ -311,7 +311,7 @@ def _run_cfg(model_kw=None, **trainer_kw):
 
 
 def test_preflight_refuses_offload_off_cuda_and_tiling_for_hf_models():
-    from usp.run import check_hf_model, resolve_run
+    from usp.run import check_hf_model, check_recompute, resolve_run
 
     ckpt = dict(activation_checkpointing=True)
     run = resolve_run(_run_cfg(**ckpt, checkpoint_every=2, checkpoint_part="mlp"), 4, "cpu")
@@ -320,6 +320,13 @@ def test_preflight_refuses_offload_off_cuda_and_tiling_for_hf_models():
                                          "trainer.activation_offload=false") as e:
         resolve_run(_run_cfg(**ckpt, activation_offload=True), 4, "cpu")
     assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="state_offload=true .* on cpu; set "
+                                         "trainer.state_offload=false") as e:
+        resolve_run(_run_cfg(state_offload=True), 4, "cpu")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="state_offload=true with model.pretrained=/ckpt: .* "
+                                         "or unset model.pretrained"):
+        check_recompute(_run_cfg({"pretrained": "/ckpt"}, state_offload=True), "cuda")
     for kw in (dict(loss_chunk=64), dict(mlp_tiles=2)):
         with pytest.raises(ValueError, match="model.hf=llama .* built-in model only"):
             check_hf_model(ModelConfig(hf="llama", **kw))

@@ -46,6 +46,9 @@ class TrainerConfig:
     checkpoint_every: int = 1  # with checkpointing: blocks 0, k, 2k, ... are checkpointed
     checkpoint_part: str = "block"  # what a checkpointed block recomputes: block | attention | mlp
     activation_offload: bool = False  # CUDA: checkpointed inputs go to pinned host memory
+    # CUDA: sharded fp32 params, grads and AdamW state in pinned host memory (FSDP2's
+    # CPUOffloadPolicy); the optimizer step runs on the host
+    state_offload: bool = False
     log_every: int = 10
     ckpt_every: int = 100  # steps between checkpoints (0: only at the end and on preemption)
     keep_checkpoints: int = 2  # complete checkpoints kept (the newest ones)

@@ -29,14 +29,15 @@ def expert_mesh(mesh, degree: int) -> DeviceMesh:
     return mesh.flat_meshes[key]
 
 
-def place_experts(model, mesh, degree: int, mp_policy) -> int:
+def place_experts(model, mesh, degree: int, mp_policy, offload_policy=None) -> int:
     """Spread the experts of every ``MoeBlock`` in ``model`` over expert groups of ``degree``
     ranks of ``mesh`` (an ``SPMesh``): each expert weight [E, ...] becomes a ``DTensor``
     split on the expert dim over the group (this rank's E/N experts; the others' storage
     dropped), FSDP-sharded over the W/N ranks outside the group (gradients scaled by 1/N);
     each block gets its ``ExpertGroup``. Before the blocks are FSDP-sharded (their own
-    ``fully_shard`` skips these). Returns the blocks placed."""
-    from torch.distributed.fsdp import fully_shard
+    ``fully_shard`` skips these). ``offload_policy``: FSDP2's, as the rest of the model's
+    (``usp.train.build.offload_policy``; None: no offload). Returns the blocks placed."""
+    from torch.distributed.fsdp import OffloadPolicy, fully_shard
 
     em = expert_mesh(mesh, degree)
     for axis in AXES:  # the shard a DTensor names is the shard FSDP and the exchange use
@@ -52,7 +53,8 @@ def place_experts(model, mesh, degree: int, mp_policy) -> int:
             part = p.detach()[index * local:(index + 1) * local].clone()
             dt = DTensor.from_local(part, em["expert"], [Shard(0)], run_check=False)
             setattr(block.experts, name, torch.nn.Parameter(dt, requires_grad=p.requires_grad))
-        fully_shard(block.experts, mesh=em["expert_fsdp"], mp_policy=mp_policy)
+        fully_shard(block.experts, mesh=em["expert_fsdp"], mp_policy=mp_policy,
+                    offload_policy=offload_policy or OffloadPolicy())
         block.experts.grad_scale = 1.0 / degree
         block.ep = ExpertGroup(em["expert"].get_group(), degree, index, block.n_experts,
                                mesh.comm)

@@ -205,9 +205,20 @@ def check_hf_model(mc: ModelConfig) -> None:
 
 
 def check_recompute(cfg: RunConfig, device_type: str) -> None:
-    """Refuse activation offload off CUDA, and selective checkpoints or offload for a
-    transformers model (it checkpoints every layer whole, with its own switch)."""
+    """Refuse activation offload and state offload off CUDA, state offload with a pretrained
+    built-in model, and selective checkpoints or activation offload for a transformers model
+    (it checkpoints every layer whole, with its own switch)."""
     tc = cfg.trainer
+    if tc.state_offload and device_type != "cuda":
+        raise ValueError(f"trainer.state_offload=true keeps params, grads and optimizer state "
+                         f"in pinned host memory and copies them to the GPU (FSDP2 "
+                         f"CPUOffloadPolicy), but the ranks compute on {device_type}; set "
+                         f"trainer.state_offload=false")
+    if tc.state_offload and cfg.model.hf is None and cfg.model.pretrained is not None:
+        raise ValueError(f"trainer.state_offload=true with model.pretrained="
+                         f"{cfg.model.pretrained}: the built-in model's shard-by-shard load "
+                         f"gives its parameters storage on the GPU, not host memory; set "
+                         f"trainer.state_offload=false or unset model.pretrained")
     if tc.activation_offload and device_type != "cuda":
         raise ValueError(f"trainer.activation_offload=true copies activations to pinned host "
                          f"memory on a CUDA side stream, but the ranks compute on "

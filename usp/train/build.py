@@ -10,7 +10,8 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
+                                    fully_shard)
 
 from ..config import MemmapData, OptimConfig, RunConfig, torch_dtype
 from ..data.files import tokenizer_dir
@@ -62,7 +63,17 @@ def phase_schedule(oc: OptimConfig, plan: PhasePlan, starts):
     return f
 
 
-def shard_model(model, mesh: DeviceMesh, dtype: str, blocks=None, experts=None) -> None:
+def offload_policy(state_offload: bool, device_type: str) -> OffloadPolicy:
+    """FSDP2's offload policy for ``trainer.state_offload``: ``CPUOffloadPolicy`` (sharded
+    params, their grads and so the optimizer state in host memory, pinned on CUDA so the
+    copies run asynchronously on FSDP's streams) or the default, no offload."""
+    if not state_offload:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=device_type == "cuda")
+
+
+def shard_model(model, mesh: DeviceMesh, dtype: str, blocks=None, experts=None,
+                state_offload: bool = False) -> None:
     """FSDP2-shard ``model`` in place over ``mesh``: every block (default ``model.layers``;
     a transformers model's are ``model.model.layers``), then the root (embedding, final
     norm, output). ``experts``: None, or (``SPMesh``, N) to spread the experts of a mixture
@@ -71,6 +82,11 @@ def shard_model(model, mesh: DeviceMesh, dtype: str, blocks=None, experts=None) 
     ``dtype="bf16"``: parameters are all-gathered in bf16 and forward and backward compute
     in bf16; the sharded parameters, their gradients (reduce-scattered in fp32) and so the
     optimizer state stay fp32. ``dtype="fp32"``: no casts at all.
+
+    ``state_offload`` (``trainer.state_offload``): every ``fully_shard`` call gets FSDP2's
+    ``CPUOffloadPolicy`` (``offload_policy``), so the sharded params and grads and the
+    optimizer state built on them live in host memory; the device holds what FSDP
+    gathers and the unsharded grads before their reduce-scatter.
     """
     compute = torch_dtype(dtype)  # ValueError for a name trainer.dtype does not take
     mp = MixedPrecisionPolicy()
@@ -79,11 +95,12 @@ def shard_model(model, mesh: DeviceMesh, dtype: str, blocks=None, experts=None) 
         # the bf16 embedding), and the RoPE tables cos/sin, which stay fp32 for apply_rope.
         mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32,
                                   cast_forward_inputs=False)
+    policy = offload_policy(state_offload, mesh.device_type)
     if experts is not None and experts[1] > 1:
-        place_experts(model, experts[0], experts[1], mp)
+        place_experts(model, experts[0], experts[1], mp, policy)
     for block in model.layers if blocks is None else blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy)
 
 
 def sharded_model(cfg: RunConfig, run: RunLayout, mesh: SPMesh, layout: SequenceLayout,
@@ -113,7 +130,8 @@ def sharded_model(cfg: RunConfig, run: RunLayout, mesh: SPMesh, layout: Sequence
         save_config(model.config, run.run_dir)  # the transformers config, for export
     if cfg.model.hf is not None or cfg.model.pretrained is None:
         model.to(device)
-    shard_model(model, mesh.submesh("fsdp"), run.dtype, blocks, (mesh, run.expert_degree))
+    shard_model(model, mesh.submesh("fsdp"), run.dtype, blocks, (mesh, run.expert_degree),
+                tc.state_offload)
     if cfg.model.hf is None and cfg.model.pretrained is not None:
         if from_checkpoint:  # every parameter comes from the checkpoint (DCP)
             model.to_empty(device=device)

@@ -355,7 +355,8 @@ class Trainer:
                 with torch.no_grad():
                     c, a = self.data.answer_accuracy(predictions, b.labels)
                 correct, answers = correct + c, answers + a
-            grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.optim.grad_clip)
+            grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.optim.grad_clip,
+                                       host=self.cfg.trainer.state_offload)
         gn = float(grad_norm)  # global over dp x sp (FSDP): the same on every rank
         # Sync: global loss and answer accuracy (one all-reduce), read before the optimizer
         # steps so that a non-finite step never changes the weights.
