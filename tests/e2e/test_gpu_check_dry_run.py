@@ -5,6 +5,7 @@ The command is the module's ``main`` with the same arguments, in a fresh interpr
 change: the training section's runs take TRAIN_STEPS steps instead of the dry run's 20 (its
 four runs were most of the test's time). Their loss still has to fall below 0.8x its start:
 measured at 12 steps 5.471 -> 3.914 (0.715x) in each of the four runs, at 20 steps 0.46x.
+The fifth training row is the state offload's check (``check_state_offload``), 3 AdamW steps.
 """
 
 import json
@@ -34,7 +35,7 @@ def test_dry_run_end_to_end(tmp_path):
     counts = {name: len(rows) for name, rows in report["sections"].items()}
     # kernels: 2 dtypes x 3 head layouts x 1 head dim x 2 lengths x causal x strided
     assert counts == {"kernels": 48, "ring": 16, "usp_attention": 16, "experts": 4,
-                      "training": 4, "throughput": 2}
+                      "training": 5, "throughput": 2}
     assert {(r["degree"], r["dtype"]) for r in report["sections"]["experts"]} == {
         (2, "float32"), (4, "float32"), (2, "bfloat16"), (4, "bfloat16")}
     layouts = {(r["ulysses"], r["ring"], r["a2a_chunks"])
@@ -42,7 +43,9 @@ def test_dry_run_end_to_end(tmp_path):
     assert layouts == {(2, 2, 1), (1, 4, 1), (4, 1, 1), (2, 2, 2), (4, 1, 2)}
     for row in report["sections"]["usp_attention"]:  # every layout really communicated
         assert sum(row["bytes_rank0"].values()) > 0
-    for row in report["sections"]["training"]:
+    *runs, state = report["sections"]["training"]
+    assert state["losses_match"] and state["state_on_host"] and state["steps"] == 3
+    for row in runs:
         assert row["steps"] == TRAIN_STEPS
         assert row["loss_last5"] < 0.8 * row["loss_first5"]
     assert "overall: PASS" in (tmp_path / "summary.txt").read_text()

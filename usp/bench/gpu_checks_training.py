@@ -1,8 +1,11 @@
 """The GPU check's training and speed sections: the trainer on one device, and timings.
 
 - ``check_training``: the trainer on one GPU (NCCL, world 1), bf16 and fp32, with and without
-  activation checkpointing: the loss falls and the metrics are finite and in range; on CUDA
-  also ``check_offload``: activation offload gives the same gradients with a lower peak.
+  activation checkpointing: the loss falls and the metrics are finite and in range; then
+  ``check_state_offload``: three AdamW steps with ``trainer.state_offload``'s FSDP2 CPU
+  offload give the losses of steps without it, the state in host memory, on CUDA with a
+  lower peak; on CUDA also ``check_offload``: activation offload gives the same gradients
+  with a lower peak.
 - ``check_throughput``: bf16 fwd+bwd of our kernel path vs the bare SDPA flash kernel on the
   same shapes (our overhead as a ratio), and the MFU of a 1B-class model shape.
 """
@@ -75,11 +78,27 @@ def check_training(device: torch.device, sizes: Sizes) -> list[dict]:
             for i, (dtype, ckpt) in enumerate(itertools.product(("bf16", "fp32"), (False, True))):
                 rows.append(_train_once(dtype, ckpt, sizes, os.path.join(tmp, str(i)),
                                         device.type))
+        rows.append(check_state_offload(device))
     finally:
         dist.destroy_process_group()
     if device.type == "cuda":
         rows.append(check_offload(device))
     return rows
+
+
+def _decoder_case(device: torch.device, cuda_len: int):
+    """(config, length, tokens, labels, positions) of the offload checks' decoder: 8 layers,
+    dim 1024 and ``cuda_len`` tokens on CUDA, tiny on the CPU; the data seeded."""
+    from ..config import ModelConfig
+
+    cuda = device.type == "cuda"
+    cfg = ModelConfig(vocab_size=512, dim=1024 if cuda else 32, n_layers=8, n_heads=8,
+                      n_kv_heads=4, ffn_dim=2816 if cuda else 64)
+    n = cuda_len if cuda else 48
+    gen = torch.Generator().manual_seed(0)
+    tokens, labels = (torch.randint(0, cfg.vocab_size, (1, n), generator=gen).to(device)
+                      for _ in range(2))
+    return cfg, n, tokens, labels, torch.arange(n, device=device)
 
 
 def check_offload(device: torch.device, copier=None) -> dict:
@@ -89,18 +108,11 @@ def check_offload(device: torch.device, copier=None) -> dict:
     (CUDA); tests pass a plain one to run this on the CPU."""
     from functools import partial
 
-    from ..config import ModelConfig
     from ..models.families import builtin_model
     from ..models.offload import ActivationOffload, StreamCopier
 
     cuda = device.type == "cuda"
-    cfg = ModelConfig(vocab_size=512, dim=1024 if cuda else 32, n_layers=8, n_heads=8,
-                      n_kv_heads=4, ffn_dim=2816 if cuda else 64)
-    n = 8192 if cuda else 48
-    gen = torch.Generator().manual_seed(0)
-    tokens, labels = (torch.randint(0, cfg.vocab_size, (1, n), generator=gen).to(device)
-                      for _ in range(2))
-    positions = torch.arange(n, device=device)
+    cfg, n, tokens, labels, positions = _decoder_case(device, 8192)
     grads, peaks, held = [], [], 0
     for offload in (None, ActivationOffload(copier or StreamCopier(device))):
         model = builtin_model(cfg, partial(local_attention, causal=True, kernel="torch"),
@@ -124,6 +136,66 @@ def check_offload(device: torch.device, copier=None) -> dict:
                 grads_match=err <= 1e-6, max_rel_err=err, held_after_backward=held,
                 peak_mb_plain=peak_plain, peak_mb_offload=peak_offload,
                 ok=err <= 1e-6 and held == 0 and lower)
+
+
+def check_state_offload(device: torch.device, steps: int = 3) -> dict:
+    """``steps`` AdamW steps (grad clipping as the trainer's) of a decoder FSDP2-sharded on a
+    world-1 mesh of ``device`` (a process group exists), without and with the state offload
+    (``usp.train.build.shard_model(state_offload=True)``): the losses match (rel <= 1e-5:
+    AdamW on the host rounds unlike on the GPU); with it the sharded parameters, their
+    gradients and AdamW's state are host tensors (pinned on CUDA); on CUDA the peak
+    allocated memory is lower with it. On the CPU (the dry run) it runs the same path with
+    unpinned host memory, where every tensor is a host tensor anyway."""
+    from functools import partial
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..models.families import builtin_model
+    from ..train.build import shard_model
+    from ..train.grads import clip_grad_norm
+
+    cuda = device.type == "cuda"
+    cfg, n, tokens, labels, positions = _decoder_case(device, 2048)
+    mesh = init_device_mesh(device.type, (1,))
+    losses, peaks, on_host = [], [], False
+
+    def host(t) -> bool:  # a DTensor's local shard in (pinned, on CUDA) host memory
+        local = t.to_local()
+        return local.device.type == "cpu" and (local.is_pinned() or not cuda)
+
+    for offload in (False, True):
+        torch.manual_seed(0)
+        model = builtin_model(cfg, partial(local_attention, causal=True, kernel="torch"))
+        shard_model(model.to(device), mesh, "fp32", state_offload=offload)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        run = []
+        for _ in range(steps):
+            loss, _ = model(tokens, positions, labels=labels)
+            loss.backward()
+            clip_grad_norm(model.parameters(), 1.0, host=offload)
+            grads = all(host(p.grad) for p in model.parameters())
+            opt.step()
+            opt.zero_grad()
+            run.append(loss.item())
+        if cuda:
+            torch.cuda.synchronize(device)
+            peaks.append(torch.cuda.max_memory_allocated(device) / 2**20)
+        if offload:
+            state = [t for st in opt.state.values() for t in st.values() if t.dim() > 0]
+            on_host = (grads and all(host(p) for p in model.parameters())
+                       and bool(state) and all(host(t) for t in state))
+        losses.append(run)
+        del model, opt
+    err = max(abs(b - a) / abs(a) for a, b in zip(*losses))
+    peak_plain, peak_offload = (round(p, 1) for p in peaks) if cuda else (None, None)
+    lower = peak_offload < peak_plain if cuda else True
+    return {"what": "state offload (FSDP2 CPU offload) AdamW steps fp32", "len": n,
+            "layers": cfg.n_layers, "steps": steps, "losses_match": err <= 1e-5,
+            "max_rel_err": err, "state_on_host": on_host, "peak_mb_plain": peak_plain,
+            "peak_mb_offload": peak_offload, "ok": err <= 1e-5 and on_host and lower}
 
 
 # ---- 5. throughput ------------------------------------------------------------------------
