@@ -49,6 +49,10 @@ class ClusterSpec:
     a2a_overlap: float | None = None
     gpus_per_nic: int = 1  # GPUs sharing one inter-node NIC (1: rail-optimised)
     gpus_per_intra_link: int = 1  # GPUs sharing one intra-node link (1: NVSwitch, own lanes)
+    # the offloads (trainer.state_offload / activation_offload; usp.planner.offload)
+    host_mem_bytes: float = 256.0 * GiB  # host memory per node
+    host_bw: float = 25.0e9  # bytes/s per GPU per direction, host <-> device (PCIe)
+    host_adam_rate: float = 100.0e6  # fp32 params/s one rank's share of the host's AdamW updates
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -97,7 +101,9 @@ def cluster_dir() -> Path:
     return CONFIG_DIR / "cluster"
 
 
-OPTIONAL_KEYS = {"a2a_overlap"}  # measured only where pipelined all-to-alls were timed
+# a2a_overlap: measured only where pipelined all-to-alls were timed; the host fields price
+# only the offloads (a file without them gets the defaults above)
+OPTIONAL_KEYS = {"a2a_overlap", "host_mem_bytes", "host_bw", "host_adam_rate"}
 
 
 def load_cluster(name_or_path: str | Path, search_dir: str | Path | None = None) -> ClusterSpec:

@@ -24,7 +24,10 @@ Per rank, per layer, per sequence (``T = L/P`` tokens, ``P = ring * ulysses``):
   step waits for it;
 - gradients: FSDP all-gathers parameters forward and backward and reduce-scatters
   gradients over all ``dp x sp`` ranks, overlapped with compute except the last layer;
-  replicated data parallel all-reduces once.
+  replicated data parallel all-reduces once;
+- offloads (``offload``, with a ``policy`` that offloads): the host<->device copies of the
+  state and the checkpointed inputs, hidden behind compute but for one layer's, and the
+  optimizer step on the host, added whole.
 
 ``attention_cost`` is the attention part (all-to-alls, ring pass, merges) alone; the
 calibration (``usp.planner.calibration``) compares it with measured attention calls.
@@ -45,6 +48,7 @@ from ..config.cluster import ClusterSpec
 from .cluster import GroupSpan, group_span
 from .experts import expert_a2a_bytes, expert_a2a_count, expert_a2a_s, expert_link, expert_sync
 from .memory import CheckpointPolicy, memory_split
+from .offload import offload_time
 from .schedule import FLASH_BWD, a2a_pass, ring_pass
 from .traffic import (band_share, layer_mean_bytes, layer_windows, ring_kv_heads,
                       windowed_ring_hops)
@@ -82,6 +86,7 @@ class StepCost:
     expert_a2a_s: float = 0.0  # expert dispatch/combine all-to-all time, exposed (experts.py)
     expert_a2a_bytes: float = 0.0  # per rank per sequence, all sparse layers, recompute included
     expert_link: str = "-"  # "intra", "inter" or "-" (expert degree 1)
+    offload_s: float = 0.0  # what the offloads add: exposed copies + host optimizer step
 
     @property
     def comm_share(self) -> float:
@@ -297,7 +302,7 @@ def estimate(model: ModelConfig, cluster: ClusterSpec, seq_len: int, dp: int, ri
              ulysses: int, *, global_batch: int = 1, dtype_bytes: int = 2, causal: bool = True,
              fsdp: bool = True, balance: str = "zigzag", placement: str = "ulysses_inner",
              act_checkpoint: bool = True, a2a_chunks: int = 1,
-             expert_degree: int = 1) -> StepCost:
+             expert_degree: int = 1, policy: CheckpointPolicy | None = None) -> StepCost:
     """Predict one step of ``global_batch`` sequences of ``seq_len`` tokens.
 
     Each dp rank runs ``global_batch / dp`` sequences in one forward (the trainer's batch
@@ -305,8 +310,9 @@ def estimate(model: ModelConfig, cluster: ClusterSpec, seq_len: int, dp: int, ri
     holds all of them at once, on the busiest ulysses rank when the
     heads split unevenly. ``a2a_chunks``: pipeline stages of the ulysses all-to-alls
     (``attention_cost``). ``expert_degree``: a mixture of experts' (``_expert_cost``).
-    Raises ``ValueError`` when the heads cannot split over
-    ``ulysses`` (see ``usp.dims.heads.head_split``) or into ``a2a_chunks`` stages.
+    ``policy``: the checkpoint policy with its offloads (``offload.offload_time``); None:
+    ``CheckpointPolicy(act_checkpoint)``, no offload. Raises ``ValueError`` when the heads
+    cannot split over ``ulysses`` (see ``usp.dims.heads.head_split``) or into ``a2a_chunks`` stages.
     """
     L, r, u, P = seq_len, ring, ulysses, ring * ulysses
     world = dp * P
@@ -345,12 +351,14 @@ def estimate(model: ModelConfig, cluster: ClusterSpec, seq_len: int, dp: int, ri
 
     grad_s = grad_sync_s(model, cluster, world, seqs, dtype_bytes, fsdp, expert_degree)
     grad_exposed = max(grad_s / nl, grad_s - compute_s) if grad_s else 0.0
-    step_s = seqs * per_seq + grad_exposed
+    policy = policy or CheckpointPolicy(act_checkpoint)
+    off = offload_time(model, cluster, L, dp, r, u, seqs, dtype_bytes, policy, compute_s)
+    step_s = seqs * per_seq + grad_exposed + off.added_s
 
     # ---- memory per rank: usp.planner.memory ------------------------------------------------
     mem = memory_split(model, L, dp, r, u, batch=max(1, global_batch // dp),
-                       dtype_bytes=dtype_bytes, fsdp=fsdp,
-                       policy=CheckpointPolicy(act_checkpoint), expert_degree=expert_degree)
+                       dtype_bytes=dtype_bytes, fsdp=fsdp, policy=policy,
+                       expert_degree=expert_degree)
 
     return StepCost(
         dp=dp, ring=r, ulysses=u, kv_per_rank=kv, compute_s=compute_s,
@@ -362,7 +370,7 @@ def estimate(model: ModelConfig, cluster: ClusterSpec, seq_len: int, dp: int, ri
         mem_bytes=mem.total, mem_state_bytes=mem.state,
         mem_act_bytes=mem.activations + mem.attention + mem.mlp + mem.logits,
         a2a_link=att.a2a_link, ring_link=att.ring_link, a2a_chunks=att.a2a_chunks,
-        **{**ex, "expert_a2a_s": seqs * ex["expert_a2a_s"]},
+        offload_s=off.added_s, **{**ex, "expert_a2a_s": seqs * ex["expert_a2a_s"]},
     )
 
 

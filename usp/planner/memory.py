@@ -19,7 +19,8 @@ Terms of ``MemorySplit`` (each is its own largest size over the step):
   (the last op of backward): the root gathered and its unsharded gradients (``2 a root``),
   the blocks' gradients sharded, one block gathered; tied embeddings add ``2 a V D`` (the
   LM head's and the lookup's gradients of the one weight and their sum are live at once).
-  Without ``fsdp``: ``16 N`` (+ ``2 a V D`` tied).
+  Without ``fsdp``: ``16 N`` (+ ``2 a V D`` tied). ``state_offload``: the sharded ``16 N / W``
+  is in host memory; the device keeps the gathered and unsharded parts (``offload``).
 - ``activations``: what autograd holds at the end of forward. Per token of a layer: two
   RMSNorms (fp32 input copy, fp32 normalised, output: ``(8 + a) D`` each), RoPE's fp32
   q and k (``4 (Hq + Hkv) d``), the o-projection input (``a Hq d``), the MLP's gate, SiLU,
@@ -71,6 +72,7 @@ from ..config import ModelConfig
 from ..rules import seq_multiple
 from ..dims.heads import check_heads, head_split
 from .experts import mlp_memory, rank_mlp_params
+from .offload import device_state_bytes
 
 FP32 = 4
 ADAM_STATE = 16  # bytes/param sharded: fp32 parameter, fp32 gradient, Adam m and v
@@ -82,12 +84,14 @@ TERMS = ("state", "activations", "attention", "mlp", "logits")
 @dataclass(frozen=True)
 class CheckpointPolicy:
     """Activation checkpointing as ``trainer`` sets it: blocks 0, k, 2k, ... (``every``)
-    recompute ``part`` in backward; ``offload`` parks their inputs in host memory."""
+    recompute ``part`` in backward; ``offload`` parks their inputs in host memory;
+    ``state_offload`` the sharded state (``usp.planner.offload``)."""
 
     enabled: bool = False
     every: int = 1
     part: str = "block"
     offload: bool = False
+    state_offload: bool = False
 
     def __post_init__(self) -> None:
         if self.every < 1 or self.part not in PARTS or (self.offload and not self.enabled):
@@ -99,7 +103,7 @@ class CheckpointPolicy:
     def from_trainer(cls, trainer) -> "CheckpointPolicy":
         """The policy of a ``TrainerConfig``."""
         return cls(trainer.activation_checkpointing, trainer.checkpoint_every,
-                   trainer.checkpoint_part, trainer.activation_offload)
+                   trainer.checkpoint_part, trainer.activation_offload, trainer.state_offload)
 
     def checkpointed(self, layer: int) -> bool:
         return self.enabled and layer % self.every == 0
@@ -190,16 +194,20 @@ def gathered_blocks(model: ModelConfig, expert_degree: int = 1) -> tuple[float, 
     return att + max(rank_mlp_params(m, i, expert_degree) for i in range(m.n_layers)), root
 
 
-def state_bytes(model: ModelConfig, world: int, dtype_bytes: int,
-                fsdp: bool, expert_degree: int = 1) -> tuple[float, float, float]:
+def state_bytes(model: ModelConfig, world: int, dtype_bytes: int, fsdp: bool,
+                expert_degree: int = 1, offload: bool = False) -> tuple[float, float, float]:
     """The ``state`` term at its three moments (module docstring): (forward, backward, the
     embedding's backward) bytes per rank of the training state of ``world`` ranks; a mixture
     of experts of ``expert_degree`` N gathers its rank's ``E/N`` experts of a block (the
-    sharded state, ``E/N`` experts over ``W/N`` ranks, is the same at every N)."""
+    sharded state, ``E/N`` experts over ``W/N`` ranks, is the same at every N). ``offload``
+    (FSDP only): the sharded state in host memory, ``offload.device_state_bytes``."""
     m, a = model, dtype_bytes
     low = FP32 if a < FP32 else 0  # the fp32 copy reduce-scatter sends below fp32
     n, V, D = m.num_params(), m.vocab_size, m.dim
     block, root = gathered_blocks(m, expert_degree)
+    if offload and fsdp:
+        tied = 2 * V * D * a if m.tie_embeddings else 0
+        return device_state_bytes(block, root, world, a, tied)
     if not fsdp:
         state_f, state_b = ADAM_STATE * n - 4 * n, ADAM_STATE * n
         return state_f, state_b, state_b + (2 * V * D * a if m.tie_embeddings else 0)
@@ -293,12 +301,12 @@ def memory_split(model: ModelConfig, seq_len: int, dp: int, ring: int, ulysses: 
     if forward_only:
         return _forward_split(model, seq_len, dp, ring, ulysses, batch, dtype_bytes, fsdp,
                               kernel, device)
-    m, a, B = model, dtype_bytes, batch
+    m, a, B, u, r = model, dtype_bytes, batch, ulysses, ring
     D, d, hq, hkv = m.dim, m.head_dim, m.n_heads, m.n_kv_heads
-    u, r = ulysses, ring
     kv, h = check_heads(hq, hkv, u), max(head_split(hq, hkv, u).q_counts)
     T, S = seq_len / (r * u), seq_len / r
-    state_f, state_b, state_e = state_bytes(m, dp * r * u, a, fsdp, expert_degree)
+    state_f, state_b, state_e = state_bytes(m, dp * r * u, a, fsdp, expert_degree,
+                                            policy.state_offload)
 
     # ---- activations per layer (bytes per sequence) --------------------------------------
     norm = (8 + a) * D * T

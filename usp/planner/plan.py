@@ -13,7 +13,9 @@ Rules, in order (each a ``ValueError`` text kept in ``Plan.dropped``):
 degrees multiply to the world (``check_degrees``); a fixed global batch splits over dp; query
 and KV heads split over ulysses (``check_heads``: every rank needs a query head; uneven
 splits and KV replication are allowed and noted); the sequence splits over ``2 x ring x ulysses`` for zigzag
-(``check_seq_len``); the predicted peak memory fits (the refusal names the largest term). A ulysses group that spans nodes stays
+(``check_seq_len``); the predicted peak memory fits (the refusal names the largest term); with
+an offload, the node's host memory holds what its ranks offload (``check_host``,
+rule ``host_memory``). A ulysses group that spans nodes stays
 feasible but is noted, and pays for its all-to-all on the inter-node link in the model.
 """
 
@@ -26,6 +28,7 @@ from ..config.cluster import GiB, ClusterSpec
 from .cluster import group_span
 from .cost import StepCost, choose_a2a_chunks, estimate
 from .memory import MemorySplit, size
+from .offload import host_bytes
 from .options import BatchSpec, Search, StepPolicy
 from .ranking import Candidate, Dropped, Plan, group_dropped
 
@@ -102,13 +105,17 @@ def _judge(model: ModelConfig, cluster: ClusterSpec, seq_len: int, world: int,
             model, cluster, seq_len, d, r, u, global_batch=b * d, dtype_bytes=step.dtype_bytes,
             causal=step.causal, fsdp=step.fsdp, balance=search.balance,
             placement=search.placement, act_checkpoint=ckpt, a2a_chunks=chunks,
-            expert_degree=expert)
+            expert_degree=expert, policy=step.checkpoint)
         mem = step.memory(model, seq_len, d, r, u, b, expert)
         _check_memory(mem, budget, step.mem_fraction, cluster, d)
+        rule = "host_memory"
+        host = 0.0 if step.forward_only else host_bytes(model, cluster, seq_len, d, r, u, b,
+                                                         step.dtype_bytes, step.checkpoint)
+        check_host(host, cluster, step.mem_fraction)
     except ValueError as e:
         return Dropped(d, r, u, str(e), rule, expert)
     return Candidate(d, r, u, cost, _notes(model, cluster, cost, search.placement), mem, b,
-                     expert, model)
+                     expert, model, host)
 
 
 def _check_memory(mem: MemorySplit, budget: float, mem_fraction: float, cluster: ClusterSpec,
@@ -123,6 +130,18 @@ def _check_memory(mem: MemorySplit, budget: float, mem_fraction: float, cluster:
         f"({mem_fraction:.0%} of {cluster.mem_bytes / GiB:.0f} GiB); largest term {big} "
         f"{size(getattr(mem, big))}; try {', or '.join(fixes)}, more nodes "
         f"or a shorter sequence")
+
+
+def check_host(host: float, cluster: ClusterSpec, mem_fraction: float) -> None:
+    """Refuse a layout whose offloads need more host memory per node (``host``,
+    ``offload.host_bytes``) than ``mem_fraction`` of ``cluster.host_mem_bytes``."""
+    budget = mem_fraction * cluster.host_mem_bytes
+    if host <= budget:
+        return
+    raise ValueError(f"needs {size(host)} of host memory per node for the offloaded state and "
+                     f"checkpoint inputs > {size(budget)} ({mem_fraction:.0%} of host_mem_bytes "
+                     f"{size(cluster.host_mem_bytes)}); try more nodes, checkpoint_every > 1, "
+                     f"or a shorter sequence")
 
 
 def _notes(model: ModelConfig, cluster: ClusterSpec, cost: StepCost, placement: str) -> list[str]:

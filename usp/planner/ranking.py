@@ -32,6 +32,7 @@ class Candidate:
     batch: int = 1  # sequences per dp rank
     expert: int = 1  # expert degree (a mixture of experts)
     model: ModelConfig | None = None  # as priced: an auto loss_chunk/mlp_tiles sized for it
+    host: float = 0.0  # host memory per node its offloads hold (``offload.host_bytes``)
 
     @property
     def degrees(self) -> tuple[int, int, int]:
@@ -68,7 +69,8 @@ class Dropped:
         return f"dp {self.dp} ring {self.ring} ulysses {self.ulysses}{experts}: {self.reason}"
 
 
-RULES = ("degrees", "batch", "heads", "seq_len", "memory")  # plan()'s checks, in order
+# plan()'s checks, in order
+RULES = ("degrees", "batch", "heads", "seq_len", "memory", "host_memory")
 
 
 def group_dropped(dropped: list[Dropped]) -> dict[str, list[Dropped]]:
@@ -124,8 +126,13 @@ class Plan:
         longest = longest_seq_len(self.model, self.budget, c.dp, c.ring, c.ulysses, self.step,
                                   balance=self.search.balance, batch=c.batch, expert=c.expert)
         tiles = tiles_text(self.model, c.model)
+        policy = self.step.checkpoint
+        host = "" if not (policy.offload or policy.state_offload) else (
+            f"  host memory per node {size(c.host)} of "
+            f"{size(self.step.mem_fraction * self.cluster.host_mem_bytes)}; offloads add "
+            f"{c.cost.offload_s:.2f} s a step\n")
         return (f"memory per rank ({c.label()}), peak at {c.memory.peak_at}:\n"
-                f"  {c.memory.line(self.budget)}\n{tiles}"
+                f"  {c.memory.line(self.budget)}\n{host}{tiles}"
                 f"longest seq_len that fits this layout: {longest} "
                 f"(x{longest / self.seq_len:.2f} of {self.seq_len})")
 
