@@ -6,7 +6,8 @@ The state offload (``trainer.state_offload``) is CUDA only and refused on CPU by
 its stand-in here runs the very path on gloo: preflight is asked as for CUDA, and FSDP2's
 ``CPUOffloadPolicy`` (``pin_memory=False`` on a CPU mesh) reaches every ``fully_shard``,
 whose parameters FSDP marks as offloaded (recorded per call and asserted), and the gradient
-norm takes its host-memory path (``clip_grad_norm(host=True)``)."""
+norm takes its host-memory path (``clip_grad_norm(host=True)``); the run stops after step 1
+and resumes from its checkpoint (the offloaded state saved and loaded by DCP)."""
 
 import json
 from pathlib import Path
@@ -70,6 +71,9 @@ def _train_cases(root: str) -> None:
         with mock.patch("usp.train.build.fully_shard", _offload_recorder(calls)), \
                 mock.patch.object(preflight, "check_recompute",
                                   lambda cfg, device: as_cuda(cfg, "cuda")):
+            if name == "state":  # checkpointed after step 1 and resumed (DCP of host state)
+                train(_cfg(str(Path(root, name)), model_kw, {**trainer_kw, "stop_after": 1}))
+                calls.clear()
             train(_cfg(str(Path(root, name)), model_kw, trainer_kw))
         Path(root, name, f"shard_calls_{dist.get_rank()}.json").write_text(json.dumps(calls))
 
