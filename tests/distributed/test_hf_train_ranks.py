@@ -1,7 +1,7 @@
 """usp-train with a transformers model (``model.hf``) on gloo ranks: the same losses at (1,1)
 and (2,2), the loss falls, bf16 with activation checkpointing follows fp32, a (2,2)
-checkpoint resumes, and its export loads with ``from_pretrained`` and gives the logits of
-the trained, usp-patched model."""
+checkpoint resumes, its export loads with ``from_pretrained`` and gives the logits of the
+trained, usp-patched model, and the state offload's CPU stand-in trains as (1,1) does."""
 
 import json
 from pathlib import Path
@@ -19,12 +19,13 @@ from usp.run import resolve_run
 from usp.train.phase_runner import train
 
 from _hf_runs import MODEL, checkpointed_model, small_cfg
+from _state_offload import shard_calls, train_as_cuda
 
 pytest.importorskip("transformers")
 
 
-def _run(cfg: RunConfig) -> dict:
-    spawn_local(train, cfg.trainer.nprocs, cfg)
+def _run(cfg: RunConfig, fn=train) -> dict:
+    spawn_local(fn, cfg.trainer.nprocs, cfg)
     lines = (Path(cfg.trainer.run_dir) / "metrics.jsonl").read_text().splitlines()
     return {rec["step"]: rec["loss"] for rec in map(json.loads, lines)}
 
@@ -74,6 +75,14 @@ def test_hf_llama_trains_the_same_at_1x1_and_2x2_resumes_and_exports(tmp_path):
                            activation_checkpointing=True))
     for s in (1, 2, 3):
         assert abs(mixed[s] - one[s]) <= 0.05 * one[s], (s, mixed[s], one[s])
+    # the state offload through its CPU stand-in (_state_offload): the (1,1) losses, FSDP2's
+    # CPU offload on every layer's fully_shard and the root's
+    state = _run(small_cfg(tmp_path / "state", steps=3, state_offload=True), train_as_cuda)
+    for s in (1, 2, 3):
+        assert abs(state[s] - one[s]) <= 1e-4 * one[s], (s, state[s], one[s])
+    for rank in range(4):
+        want = [("CPUOffloadPolicy", True)] * (MODEL.n_layers + 1)
+        assert shard_calls(tmp_path / "state", rank) == want, rank
     assert (tmp_path / "four" / "hf_config" / "config.json").is_file()
 
     exported = tmp_path / "exported"

@@ -2,21 +2,21 @@
 selective checkpoints and the state offload train exactly as without them (one spawn of 4
 ranks for all cases).
 
-The state offload (``trainer.state_offload``) is CUDA only and refused on CPU by preflight;
-its stand-in here runs the very path on gloo: preflight is asked as for CUDA, and FSDP2's
-``CPUOffloadPolicy`` (``pin_memory=False`` on a CPU mesh) reaches every ``fully_shard``,
-whose parameters FSDP marks as offloaded (recorded per call and asserted), and the gradient
-norm takes its host-memory path (``clip_grad_norm(host=True)``); the run stops after step 1
-and resumes from its checkpoint (the offloaded state saved and loaded by DCP)."""
+The state offload (``trainer.state_offload``) runs through its CPU stand-in
+(``_state_offload.train_as_cuda``): FSDP2's ``CPUOffloadPolicy`` on every ``fully_shard``,
+whose parameters FSDP marks as offloaded (asserted), the gradient norm on its host-memory
+path (``clip_grad_norm(host=True)``); the run stops after step 1 and resumes from its
+checkpoint (the offloaded state saved and loaded by DCP)."""
 
 import json
 from pathlib import Path
-from unittest import mock
 
 from usp.config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, RecallData, \
     TrainerConfig
 from usp.launch import spawn_local
-from usp.train.phase_runner import RunConfig, train
+from usp.train.phase_runner import RunConfig
+
+from _state_offload import shard_calls, train_as_cuda
 
 STEPS = 2
 CASES = {
@@ -45,37 +45,11 @@ def _cfg(run_dir: str, model_kw: dict, trainer_kw: dict) -> RunConfig:
     )
 
 
-def _offload_recorder(calls: list):
-    """``fully_shard`` that records, per call, the policy it got and whether FSDP marked every
-    parameter of the module offloaded to host memory (and not pinned: a CPU mesh)."""
-    from torch.distributed.fsdp import fully_shard
-
-    def shard(module, **kw):
-        out = fully_shard(module, **kw)
-        params = out._get_fsdp_state()._fsdp_param_group.fsdp_params
-        calls.append({"policy": type(kw.get("offload_policy")).__name__,
-                      "offloaded": all(p.offload_to_cpu and not p.pin_memory for p in params)})
-        return out
-
-    return shard
-
-
 def _train_cases(root: str) -> None:
-    import torch.distributed as dist
-
-    from usp.run import preflight
-
-    as_cuda = preflight.check_recompute
     for name, (model_kw, trainer_kw) in CASES.items():
-        calls: list = []
-        with mock.patch("usp.train.build.fully_shard", _offload_recorder(calls)), \
-                mock.patch.object(preflight, "check_recompute",
-                                  lambda cfg, device: as_cuda(cfg, "cuda")):
-            if name == "state":  # checkpointed after step 1 and resumed (DCP of host state)
-                train(_cfg(str(Path(root, name)), model_kw, {**trainer_kw, "stop_after": 1}))
-                calls.clear()
-            train(_cfg(str(Path(root, name)), model_kw, trainer_kw))
-        Path(root, name, f"shard_calls_{dist.get_rank()}.json").write_text(json.dumps(calls))
+        if name == "state":  # checkpointed after step 1 and resumed (DCP of host state)
+            train_as_cuda(_cfg(str(Path(root, name)), model_kw, {**trainer_kw, "stop_after": 1}))
+        train_as_cuda(_cfg(str(Path(root, name)), model_kw, trainer_kw))
 
 
 def test_memory_features_train_exactly_as_without(tmp_path):
@@ -96,7 +70,6 @@ def test_memory_features_train_exactly_as_without(tmp_path):
         assert evals[name] == evals["off"], name  # held-out accuracy (no grad)
     assert off[-1]["loss"] < off[0]["loss"]  # and it trains
     for name in CASES:  # three blocks and the root on every rank; offloaded in "state" only
+        want = ("CPUOffloadPolicy", True) if name == "state" else ("OffloadPolicy", False)
         for rank in range(4):
-            calls = json.loads((tmp_path / name / f"shard_calls_{rank}.json").read_text())
-            want = ("CPUOffloadPolicy", True) if name == "state" else ("OffloadPolicy", False)
-            assert [(c["policy"], c["offloaded"]) for c in calls] == [want] * 4, (name, rank)
+            assert shard_calls(tmp_path / name, rank) == [want] * 4, (name, rank)
