@@ -90,3 +90,21 @@ def test_the_policy_and_the_cluster_files_carry_the_offload_fields():
     assert (h100.host_mem_bytes, h100.host_bw) == (2 * 2**40, 50e9)
     with pytest.raises(ValueError, match="host_bw must be a positive number"):
         _cluster(host_bw=0)
+
+
+def test_the_longest_sequence_is_also_bounded_by_host_memory():
+    """``longest_seq_len`` with the cluster: the offloads of the longest fit 90% of the
+    node's host memory and one step more does not, where the device budget alone would
+    allow far longer."""
+    from usp.planner.fit import longest_seq_len
+
+    step = StepPolicy(checkpoint=BOTH)
+    roomy = _cluster(mem_bytes=2**34)
+    budget = step.budget(roomy)
+    device_only = longest_seq_len(TINY, budget, 1, 1, 2, step)
+    small = _cluster(mem_bytes=2**34, host_mem_bytes=2**22)
+    n = longest_seq_len(TINY, budget, 1, 1, 2, step, cluster=small)
+    assert 0 < n < device_only
+    limit = 0.9 * small.host_mem_bytes
+    host = [host_bytes(TINY, small, k, 1, 1, 2, 1, 2, BOTH) for k in (n, n + 4)]
+    assert host[0] <= limit < host[1]

@@ -25,6 +25,7 @@ def features_text(cfg: PlanConfig) -> str:
     ckpt = (f"activation checkpointing ({tc.checkpoint_part}, every {tc.checkpoint_every})"
             if tc.activation_checkpointing else "no activation checkpointing")
     parts = [ckpt + (" offloaded to host memory" if tc.activation_offload else ""),
+             "sharded state in host memory" if tc.state_offload else "sharded state on the GPU",
              f"loss_chunk {m.loss_chunk}", f"mlp_tiles {m.mlp_tiles}", f"dtype {tc.dtype}",
              "FSDP over every rank, AdamW"]
     return "features: " + ", ".join(parts)
@@ -75,7 +76,8 @@ def layout_longest(cfg: PlanConfig, spec, world: int) -> list[tuple[int, tuple[i
     for d, r, u in search.layouts(world):
         try:
             n = longest_seq_len(cfg.model, step.budget(spec), d, r, u, step,
-                                balance=search.balance, batch=cfg.data.batch_per_dp_rank)
+                                balance=search.balance, batch=cfg.data.batch_per_dp_rank,
+                                cluster=spec)
         except ValueError:  # heads that do not split over u
             continue
         found.append((n, (d, r, u)))
