@@ -11,6 +11,7 @@ import socket
 import pytest
 
 from usp.launch import free_port
+from usp.launch.starter import start_method
 
 
 def _join(info: dict, out, hold) -> None:
@@ -63,7 +64,9 @@ def _vote(info: dict, out, hold) -> None:
 
 
 def _run(infos: list[dict], timeout: float = 60, target=_join) -> dict:
-    ctx = mp.get_context("spawn")
+    # forked from the server that imported torch and usp once (as spawn_local's ranks), not
+    # spawned: a spawned task imported torch afresh, about 2 s of the 2 cores each
+    ctx = mp.get_context(start_method())
     out, hold = ctx.Queue(), ctx.Event()
     procs = [ctx.Process(target=target, args=(i, out, hold)) for i in infos]
     for p in procs:
