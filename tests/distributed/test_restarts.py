@@ -88,21 +88,26 @@ def _hangs_outside_collectives(out_dir):
     all_to_all(torch.ones(2, 3), None, None, CommStats(), axis="ulysses")
 
 
-def _launcher(fn_name: str, out_dir: Path, session: bool = False, **kw) -> subprocess.Popen:
-    """``run_local`` in its own process (signals are sent to it); exits with its code.
+def _launcher(fn_name: str, out_dirs: list[Path], **kw) -> subprocess.Popen:
+    """One process, in a session of its own (signals are sent to it, or to its whole process
+    group), that calls ``run_local`` once per folder of ``out_dirs`` in turn and writes each
+    call's exit code to the folder's ``code``: one start-up of the launcher and of the server
+    its ranks are forked from for several runs.
 
     The launcher and the ranks it spawns import this file as ``test_restarts`` from
     ``PYTHONPATH`` (the tests folder, then this checkout for ``usp``).
     """
     code = textwrap.dedent(f"""
-        import sys
+        import pathlib
         import test_restarts as t
         from usp.launch import run_local
-        sys.exit(run_local(t.{fn_name}, 2, {str(out_dir)!r}, threads=1, **{kw!r}))
+        for out_dir in {[str(d) for d in out_dirs]!r}:
+            code = run_local(t.{fn_name}, 2, out_dir, threads=1, **{kw!r})
+            pathlib.Path(out_dir, "code").write_text(str(code))
     """)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env,
-                            start_new_session=session)
+                            start_new_session=True)
 
 
 def _wait_for(paths, seconds=30.0):
@@ -144,40 +149,65 @@ def test_value_error_in_a_rank_is_refused_not_retried(tmp_path):
     assert not [pid for pid in _pids(tmp_path) if _alive(pid)]
 
 
-def test_sigterm_to_launcher_reaches_every_rank_and_its_code_is_returned(tmp_path):
-    proc = _launcher("_waits_for_signal", tmp_path, max_restarts=1)
-    _wait_for([tmp_path / "ready_r0", tmp_path / "ready_r1"])
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == _Preempted.exit_code  # the ranks' code, not a restart
-    assert [(tmp_path / f"sig_r{r}").read_text() for r in range(2)] == ["SIGTERM"] * 2
-    assert len(_pids(tmp_path)) == 2
-    assert not [pid for pid in _pids(tmp_path) if _alive(pid)]
+@pytest.fixture(scope="module")
+def signalled(tmp_path_factory) -> dict:
+    """One launcher, three runs of two ranks that wait for a signal (``_launcher``): SIGTERM to
+    the launcher alone ("launcher"), SIGTERM to its whole process group as a terminal or a
+    scheduler sends it ("group"), then SIGKILL to the launcher ("killed"). name -> its folder;
+    "alive": the ranks still alive after each run (10 s after the SIGKILL at most)."""
+    tmp = tmp_path_factory.mktemp("signalled")
+    dirs = {name: tmp / name for name in ("launcher", "group", "killed")}
+    for d in dirs.values():
+        d.mkdir()
+    alive = {}
+    proc = _launcher("_waits_for_signal", list(dirs.values()), max_restarts=1)
+    try:
+        for name, sig in (("launcher", None), ("group", signal.SIGTERM)):
+            d = dirs[name]
+            _wait_for([d / "ready_r0", d / "ready_r1"])
+            if sig is None:
+                proc.send_signal(signal.SIGTERM)
+            else:
+                os.killpg(proc.pid, sig)
+            _wait_for([d / "code"])
+            alive[name] = [pid for pid in _pids(d) if _alive(pid)]
+        d = dirs["killed"]
+        _wait_for([d / "ready_r0", d / "ready_r1"])
+        proc.kill()  # SIGKILL: the launcher cannot clean up
+        proc.wait(timeout=10)
+        end = time.monotonic() + 10
+        while [pid for pid in _pids(d) if _alive(pid)] and time.monotonic() < end:
+            time.sleep(0.1)
+        alive["killed"] = [pid for pid in _pids(d) if _alive(pid)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return {**dirs, "alive": alive}
 
 
-def test_sigterm_to_every_process_of_the_job_still_returns_the_ranks_code(tmp_path):
+def test_sigterm_to_launcher_reaches_every_rank_and_its_code_is_returned(signalled):
+    d = signalled["launcher"]
+    assert (d / "code").read_text() == str(_Preempted.exit_code)  # the ranks' code, no restart
+    assert [(d / f"sig_r{r}").read_text() for r in range(2)] == ["SIGTERM"] * 2
+    assert len(_pids(d)) == 2
+    assert not signalled["alive"]["launcher"]
+
+
+def test_sigterm_to_every_process_of_the_job_still_returns_the_ranks_code(signalled):
     """A signal to the whole process group (a terminal's, a scheduler's) reaches the server
     the ranks were forked from too: it stays, so the launcher learns their exit code (and
     restarts nothing)."""
-    proc = _launcher("_waits_for_signal", tmp_path, session=True, max_restarts=1)
-    ready = [tmp_path / "ready_r0", tmp_path / "ready_r1"]
-    _wait_for(ready)
-    assert [p.read_text() for p in ready] == ["True", "True"]  # forked, not spawned
-    os.killpg(proc.pid, signal.SIGTERM)
-    assert proc.wait(timeout=30) == _Preempted.exit_code
-    assert [(tmp_path / f"sig_r{r}").read_text() for r in range(2)] == ["SIGTERM"] * 2
-    assert len(_pids(tmp_path)) == 2  # no restart
-    assert not [pid for pid in _pids(tmp_path) if _alive(pid)]
+    d = signalled["group"]
+    assert [(d / f"ready_r{r}").read_text() for r in range(2)] == ["True", "True"]  # forked
+    assert (d / "code").read_text() == str(_Preempted.exit_code)
+    assert [(d / f"sig_r{r}").read_text() for r in range(2)] == ["SIGTERM"] * 2
+    assert len(_pids(d)) == 2  # no restart
+    assert not signalled["alive"]["group"]
 
 
-def test_killed_launcher_takes_its_ranks_with_it(tmp_path):
-    proc = _launcher("_waits_for_signal", tmp_path)
-    _wait_for([tmp_path / "ready_r0", tmp_path / "ready_r1"])
-    proc.kill()  # SIGKILL: the launcher cannot clean up
-    proc.wait(timeout=10)
-    end = time.monotonic() + 10
-    while [pid for pid in _pids(tmp_path) if _alive(pid)] and time.monotonic() < end:
-        time.sleep(0.1)
-    assert not [pid for pid in _pids(tmp_path) if _alive(pid)]
+def test_killed_launcher_takes_its_ranks_with_it(signalled):
+    assert len(_pids(signalled["killed"])) == 2
+    assert not signalled["alive"]["killed"]
 
 
 def test_collective_timeout_fails_fast_naming_the_ranks(tmp_path):
