@@ -4,7 +4,7 @@ nothing."""
 from pathlib import Path
 
 import pytest
-
+import torch
 
 TRAIN_REFUSED = [
     ("trainer.steps=0", "trainer.steps=0 must be >= 1"),  # was: rc 0, loss nan
@@ -22,6 +22,9 @@ TRAIN_REFUSED = [
     ("trainer.phases=[{seq_len: 512, steps: 2}, {seq_len: 1024, tokens: 100}]",
      "trainer.phases[1].tokens=100 is less than one optimizer step of that phase (8192 tokens"),
 ]
+if not torch.cuda.is_available():  # before anything is spawned (was test_launch_once_commands')
+    TRAIN_REFUSED.append(("trainer.device=cuda",
+                          "trainer.device=cuda but this process sees 0 CUDA GPUs"))
 PLAN_REFUSED = "data.seq_len=1001"  # odd: no zigzag layout splits it
 EVAL_REFUSED = ("eval.run_dir=/nonexistent/run", "/nonexistent/run")
 

@@ -5,7 +5,7 @@ spawned ranks, with one call of the resolver per launch.
 NCCL cannot start here, so CUDA is faked in the launching process and what the launcher
 hands to its workers is captured (``usp.launch.local._run_once``) and replayed
 in-process with recording fakes for ``set_device`` and ``init_process_group``.
-The command refusing CUDA without a GPU: ``e2e/test_launch_once_commands.py``; ranks that
+The command refusing CUDA without a GPU: ``e2e/test_inputs_commands.py``; ranks that
 take rank 0's degrees: ``distributed/test_launch_once_ranks.py``.
 """
 
