@@ -8,8 +8,6 @@ model.pretrained=EXPORT``, at (2,2)) gives the same scores. A bad input is one l
 import contextlib
 import io
 import json
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,7 +24,6 @@ from usp.train.phase_runner import train
 from _eval_runs import at, byte_corpus, run_cfg
 
 pytest.importorskip("transformers")
-CLI = "from usp.cli import eval_main; eval_main()"
 
 
 def _outputs(out: Path) -> tuple[dict, dict]:
@@ -57,6 +54,25 @@ def run(tmp_path_factory):
     return cfg, root
 
 
+@pytest.fixture(scope="module")
+def commands(run, tmp_path_factory):
+    """usp-eval's two command lines on the run, in one process (``_cli.run_commands``: one
+    start-up): the scoring at (2,2) and a bad input."""
+    from _cli import run_commands
+
+    _, root = run
+    tmp = tmp_path_factory.mktemp("evalcli")
+    calls = [("eval_main", [f"eval.run_dir={root / 'run'}", "eval.lengths=[128,256]",
+                            "eval.depths=[0,0.5,1]", "eval.per_cell=2", "eval.key_digits=3",
+                            "eval.windows=2", "eval.buckets=4", f"eval.out={root / 'e22'}",
+                            "parallel.ulysses_degree=2", "parallel.ring_degree=2",
+                            "trainer.nprocs=4", f"hydra.run.dir={root / 'hydra'}"]),
+             ("eval_main", [f"eval.run_dir={root / 'run'}", "eval.lengths=[128,132]",
+                            "parallel.ulysses_degree=2", "parallel.ring_degree=2",
+                            "trainer.nprocs=4", f"hydra.run.dir={tmp / 'bad'}"])]
+    return run_commands(calls, tmp, timeout=300)
+
+
 def _same(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
     pa, la = a
     pb, lb = b
@@ -69,20 +85,14 @@ def _same(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
     assert len(flat) == 2 * 4 and max(abs(x - y) for x, y in flat) <= 1e-5
 
 
-def test_the_scores_do_not_depend_on_the_layout(run):
+def test_the_scores_do_not_depend_on_the_layout(run, commands):
     """(1,1) and (1,4) scored here, (2,2) by the command; (2,2) through the transformers
     adapter on the exported model in the (1,4) launch (checked in the next test)."""
     cfg, root = run
     mine = dict(run_dir=str(root / "run"))
     [one] = _score(1, (cfg, 1, 1, root / "e11", mine))
     assert len(one[0]["cases"]) == 2 * 3 * 2 and one[0]["train_length"] == 128
-    out = subprocess.run([sys.executable, "-c", CLI, f"eval.run_dir={root / 'run'}",
-                          "eval.lengths=[128,256]", "eval.depths=[0,0.5,1]", "eval.per_cell=2",
-                          "eval.key_digits=3", "eval.windows=2", "eval.buckets=4",
-                          f"eval.out={root / 'e22'}", "parallel.ulysses_degree=2",
-                          "parallel.ring_degree=2", "trainer.nprocs=4",
-                          f"hydra.run.dir={root / 'hydra'}"],
-                         capture_output=True, text=True, timeout=300)
+    out = commands[0]
     assert out.returncode == 0, out.stderr
     assert [line.split(":")[0] for line in out.stdout.splitlines() if line.startswith("passkey")] \
         == ["passkey L=128", "passkey L=256"]
@@ -118,13 +128,8 @@ def test_the_exported_model_scores_as_transformers_computes(run):
         assert bool((logits[rows].argmax(-1) == target).all()) == got["passed"]
 
 
-def test_a_bad_input_is_one_line(run, tmp_path):
-    _, root = run
-    out = subprocess.run([sys.executable, "-c", CLI, f"eval.run_dir={root / 'run'}",
-                          "eval.lengths=[128,132]", "parallel.ulysses_degree=2",
-                          "parallel.ring_degree=2", "trainer.nprocs=4",
-                          f"hydra.run.dir={tmp_path}"], capture_output=True, text=True,
-                         timeout=120)
+def test_a_bad_input_is_one_line(commands):
+    out = commands[1]
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode == 2 and len(lines) == 1, out.stderr
     assert lines[0].startswith("usp-eval: error: sequence length 132 is not divisible by "
