@@ -1,4 +1,5 @@
-"""Memory features, one process: chunked LM loss, tiled MLP, selective checkpoints, offload.
+"""Memory features, one process: chunked LM loss, tiled MLP, selective checkpoints, offload,
+recomputed norms.
 
 Each is exact (same loss and gradients as without) and each really removes the buffer it
 promises to: a dispatch mode records the largest tensor any op makes in forward + backward.
@@ -17,7 +18,8 @@ from torch.utils._pytree import tree_leaves
 
 from usp.config import ModelConfig
 from usp.attention import local_attention
-from usp.models.decoder import FeedForward, Transformer
+from usp.models.decoder import FeedForward, RMSNorm, Transformer
+from usp.models.families import builtin_model
 from usp.models.offload import ActivationOffload
 from usp.models.tiling import chunked_lm_loss, lm_loss, loss_share, tiled
 
@@ -293,6 +295,68 @@ def test_offload_round_trip_prefetch_order_and_nothing_held():
     with pytest.raises(ValueError, match="checkpoint_activations"):
         _model(offload=ActivationOffload(FakeCopier()))
 
+
+FAMILY_SHAPES = {  # a family each: plain, q/k norms, four norms a block, experts and sinks
+    "llama": dict(),
+    "qwen3": dict(arch="qwen3", qk_norm=True),
+    "gemma3_text": dict(arch="gemma3_text", qk_norm=True, query_pre_attn_scalar=12,
+                        sliding_window=5, local_rope_theta=100.0,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    "gpt_oss": dict(arch="gpt_oss", qkv_bias=True, o_bias=True, attention_sinks=True,
+                    n_experts=4, experts_per_token=2, expert_ffn_dim=32, swiglu_limit=7.0,
+                    swiglu_alpha=1.702),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILY_SHAPES))
+def test_recomputed_norms_give_bit_identical_losses_and_gradients(family, monkeypatch):
+    """RMSNorm recomputes itself in backward (``RMSNorm.recompute``): the same loss and
+    gradients to the last bit as keeping its fp32 intermediates, in every family, alone, in a
+    checkpointed block with MLP tiles and the chunked loss, and with offload."""
+    tokens, labels = _batch()
+    options = [dict(), dict(checkpoint_activations=True, loss_chunk=9, mlp_tiles=3),
+               dict(checkpoint_activations=True, offload=ActivationOffload(FakeCopier()))]
+    for kw in options:
+        model_kw = {k: kw[k] for k in ("loss_chunk", "mlp_tiles") if k in kw}
+        mc = ModelConfig(**{**CFG, "head_dim": 8, **FAMILY_SHAPES[family], **model_kw})
+        runs = []
+        for recompute in (True, False):
+            monkeypatch.setattr(RMSNorm, "recompute", recompute)
+            model = builtin_model(mc, LOCAL, **{k: v for k, v in kw.items() if k not in model_kw})
+            with torch.no_grad():  # random norm weights too: ones would hide a swapped gain
+                gen = torch.Generator().manual_seed(3)
+                for p in model.parameters():
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+            runs.append(_model_grads(model, tokens, labels))
+        (loss, pred, grads), (ref_loss, ref_pred, ref_grads) = runs
+        assert loss.item() == ref_loss.item() and torch.equal(pred, ref_pred), (family, kw)
+        for name, g in ref_grads.items():
+            assert torch.equal(grads[name], g), (family, kw, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_recomputed_norm_keeps_only_its_input(dtype, monkeypatch):
+    """Per token of width D autograd keeps the input (``a D`` bytes) and nothing of fp32,
+    where the plain norm keeps the fp32 copy and normalised values and the fp32 rsqrt
+    (``8 D + 4``); the output (which the next matmul keeps) is the same in both."""
+    n, D = 10, 64
+    x = torch.randn(1, n, D, dtype=dtype, requires_grad=True)
+    norm = RMSNorm(D, 1e-5)
+    kept = {}
+    for recompute in (True, False):
+        monkeypatch.setattr(RMSNorm, "recompute", recompute)
+        seen = {}
+
+        def pack(t):
+            if t.shape != (D,):  # the gain [D] is the same in both
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            norm(x)
+        kept[recompute] = sum(seen.values())
+    assert kept[True] == x.nbytes
+    assert kept[False] == n * (8 * D + 4)  # fp32: the copy is x itself, 4 D of the 8 D
 
 def test_gpu_offload_check_runs_on_cpu_with_plain_copies():
     from usp.bench.gpu_checks_training import check_offload

@@ -45,7 +45,16 @@ AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 class RMSNorm(nn.Module):
     """x [..., D] -> x / rms(x) * gain, computed in fp32, returned in x.dtype; the gain is
-    ``weight`` (a family's norm may derive it otherwise: ``gain``)."""
+    ``weight`` (a family's norm may derive it otherwise: ``gain``).
+
+    With gradients on it is recomputed in backward (``recompute``, non-reentrant
+    ``torch.utils.checkpoint``): autograd keeps x (``a`` bytes per channel) instead of its
+    fp32 copy and the fp32 normalised values (8 bytes per channel); backward reruns the same
+    ops on the same x, so the gradients are bit-identical. It nests inside a checkpointed
+    block and an MLP tile as ``usp.models.tiling.tiled`` does.
+    """
+
+    recompute = True  # False: autograd keeps the fp32 intermediates (the tests' reference)
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -53,6 +62,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self._normalise, x, use_reentrant=False, preserve_rng_state=False)
+        return self._normalise(x)
+
+    def _normalise(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * self.gain()).to(x.dtype)
