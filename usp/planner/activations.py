@@ -1,8 +1,12 @@
 """Per-layer activation arithmetic of the memory model (``usp.planner.memory``): what one
-layer's attention call works with on a rank, beyond what it saves."""
+layer saves on a rank, what its attention call, RoPE and norms work with beyond that, and
+the moments of a layer's backward."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from ..config import ModelConfig
 from ..dims.heads import check_heads, head_split
 
 FP32 = 4
@@ -50,3 +54,66 @@ def attention_buffers(seq_len: int, ring: int, ulysses: int, hq: int, hkv: int, 
         fwd += 3 * S * S * h * FP32
         bwd += 5 * S * S * h * FP32
     return fwd, bwd
+
+
+@dataclass(frozen=True)
+class LayerBytes:
+    """One layer's bytes on a rank for one sequence of ``T`` tokens on the rank (``S`` in its
+    ring segment), as ``usp.models.decoder`` holds them. Each RMSNorm recomputes its fp32 work
+    in backward (``RMSNorm.recompute``): autograd keeps its input (the tensor before it) and
+    the next matmul its output, ``a D`` each."""
+
+    inp: float  # a block's input [T, D]: what a checkpoint keeps
+    attn: float  # the attention sub-layer's saved tensors (``layer_bytes``)
+    norm: float  # a norm's input and output (the MLP norm's; the MLP's own: experts.mlp_memory)
+    norm_work: float  # a norm's backward: its recomputed fp32 values and their gradients
+    rope: float  # q, k, v in token layout and RoPE's fp32 work on the query heads
+    grads: float  # backward's flowing gradients: the residual stream's and a branch's
+    tables: float  # RoPE's cos and sin [T, d/2] fp32
+    final_norm: float  # the final norm's input and output (the loss keeps the output)
+
+
+def layer_bytes(model: ModelConfig, tokens: float, segment: float, h: int, kv: int,
+                dtype_bytes: int) -> LayerBytes:
+    """``LayerBytes`` of ``model``'s layer for ``tokens`` = L/P tokens on the rank, ``segment``
+    = L/r, ``h``/``kv`` the query/KV heads of the busiest ulysses rank.
+
+    Attention saves its norm's input and output (``2 a D``), the q/k norms' inputs with
+    ``qk_norm`` (``a (Hq + Hkv) d``), the o-projection's input (``a Hq d``), and per segment
+    token the ring's q, k, v, out in head layout (``a``) and LSE (fp32). RoPE saves only its
+    tables; its work (forward, and again in backward) is three fp32 copies of the query
+    heads beside q, k, v (measured: 12 bytes per element). A norm's backward holds six fp32
+    values per channel (measured: 24 bytes), beside its input."""
+    m, a, T, S = model, dtype_bytes, tokens, segment
+    D, d, hq, hkv = m.dim, m.head_dim, m.n_heads, m.n_kv_heads
+    qk = a * (hq + hkv) * d * T if m.qk_norm else 0.0
+    attn = (2 * a * D * T + qk + a * hq * d * T
+            + S * (2 * h * d * a + 2 * kv * d * a + h * FP32))
+    return LayerBytes(inp=a * D * T, attn=attn, norm=2 * a * D * T,
+                      norm_work=6 * FP32 * D * T,
+                      rope=a * (hq + 2 * hkv) * d * T + 3 * FP32 * hq * d * T,
+                      grads=2 * a * D * T, tables=FP32 * d * T, final_norm=2 * a * D * T)
+
+
+def backward_moments(lb: LayerBytes, held: float, res: list[float], mlps: list[tuple],
+                     checkpointed: list[bool], part: str, batch: int,
+                     attention_work: float) -> dict[str, float]:
+    """Each layer's backward moments (bytes), from the MLP's to its attention norm's: ``held``
+    is what every layer's backward holds (state, every layer's resident ``res``, RoPE tables,
+    offloaded inputs on the device), less the layer's own ``res[i]`` and plus what the layer
+    holds then. ``mlps``: ``experts.mlp_memory`` per layer; ``attention_work``: the attention
+    call's backward buffers (``attention_buffers``), per sequence."""
+    B, out = batch, {}
+    for i, (_, _, mlp_work) in enumerate(mlps):
+        base = held - res[i] + B * lb.grads
+        ck = checkpointed[i]
+        # the attention's saved tensors, or only its input when its recompute is still ahead
+        attn_now = lb.inp if ck and part == "attention" else lb.attn
+        mlp_saved = lb.norm + mlps[i][0]
+        out[f"backward of layer {i}'s MLP"] = base + B * (attn_now + mlp_saved + mlp_work)
+        out[f"backward of layer {i}'s MLP norm"] = base + B * (
+            attn_now + lb.inp + lb.norm_work)
+        out[f"backward of layer {i}'s attention"] = base + B * (lb.attn + attention_work)
+        out[f"backward of layer {i}'s RoPE"] = base + B * (lb.norm + lb.rope)
+        out[f"backward of layer {i}'s attention norm"] = base + B * (lb.inp + lb.norm_work)
+    return out

@@ -21,17 +21,22 @@ Terms of ``MemorySplit`` (each is its own largest size over the step):
   LM head's and the lookup's gradients of the one weight and their sum are live at once).
   Without ``fsdp``: ``16 N`` (+ ``2 a V D`` tied). ``state_offload``: the sharded ``16 N / W``
   is in host memory; the device keeps the gathered and unsharded parts (``offload``).
-- ``activations``: what autograd holds at the end of forward. Per token of a layer: two
-  RMSNorms (fp32 input copy, fp32 normalised, output: ``(8 + a) D`` each), RoPE's fp32
-  q and k (``4 (Hq + Hkv) d``), the o-projection input (``a Hq d``), the MLP's gate, SiLU,
-  up and product (``4 a F``; none with ``mlp_tiles > 1``, whose tiles are recomputed); per
-  segment token the ring's q, k, v, out (``a``) and LSE (fp32) in head layout. A
-  checkpointed block keeps its input (``a D``) instead of the part it recomputes
-  (``block``: all; ``attention``: norm + qkv + attention + wo; ``mlp``: norm + MLP).
-  ``offload`` (CUDA) moves those inputs to host memory; two stay on the device (the block
-  in backward and the one prefetched or in flight). Plus RoPE tables and the final norm.
-- ``attention``: the attention call's work buffers beyond what it saves, the larger of
-  forward and backward (``attention_buffers``).
+- ``activations``: what autograd holds at the end of forward (``activations.layer_bytes``).
+  Per token of a layer: each RMSNorm recomputes its fp32 work in backward
+  (``usp.models.decoder.RMSNorm``) and keeps its input and output (``2 a D``); attention
+  keeps the o-projection input (``a Hq d``), the q/k norms' inputs with ``qk_norm``, and
+  per segment token the ring's q, k, v, out (``a``) and LSE (fp32) in head layout; RoPE
+  keeps only its tables; the MLP its gate, SiLU, up and product (``4 a F``; none with
+  ``mlp_tiles > 1``, whose tiles are recomputed). A checkpointed block keeps its input
+  (``a D``) instead of the part it recomputes (``block``: all; ``attention``: norm + qkv +
+  attention + wo; ``mlp``: norm + MLP). ``offload`` (CUDA) moves those inputs to host
+  memory; two stay on the device (the block in backward and the one prefetched or in
+  flight). Plus RoPE tables and the final norm's input and output.
+- ``attention``: the attention sub-layer's work beyond what it saves, the largest of the
+  call's forward and backward buffers (``attention_buffers``, the ulysses all-to-all's
+  token-layout q, k, v included), RoPE's (q, k, v in token layout and three fp32 copies of
+  the query heads, forward or backward) and a norm's backward (six fp32 values a channel,
+  measured 24 bytes, beside its input).
 - ``mlp``: MLP intermediates beyond what it saves: forward of a tile (``4 a F`` per tile
   token), backward (two more ``a F`` gradients beside the four saved, or the tile's six).
 - ``logits``: LM head + loss. Whole (``loss_chunk=0``, ``usp.models.tiling.lm_loss``): in
@@ -43,8 +48,10 @@ Terms of ``MemorySplit`` (each is its own largest size over the step):
   compute dtype with that chunk's dW, and on CPU below fp32 the fp32 copy the accumulating
   add makes of it inside the op (``a c V + V D (a + 4)``; else ``a c V + a V D``).
 - ``total``: the peak, the largest sum at one moment (so ``total <= `` the sum of terms):
-  the last layer's attention and MLP forward, the loss, and each layer's MLP and attention
-  backward (recomputed when checkpointed); ``peak_at`` names it.
+  the last layer's attention and MLP forward, the loss, and each layer's backward of its
+  MLP, MLP norm, attention, RoPE and attention norm (recomputed when checkpointed; with
+  the flowing gradients of the residual stream and the branch, ``2 a D``;
+  ``activations.backward_moments``); ``peak_at`` names it.
 
 Forward only (``forward_only=True``: usp-eval's scoring, no gradients, no optimizer state,
 nothing saved for backward): ``state`` is the weights alone (``a N`` unsharded, as usp-eval
@@ -71,7 +78,7 @@ from dataclasses import dataclass, fields
 from ..config import ModelConfig
 from ..rules import seq_multiple
 from ..dims.heads import check_heads, head_split
-from .activations import FP32, attention_buffers
+from .activations import FP32, attention_buffers, backward_moments, layer_bytes
 from .experts import mlp_memory, rank_mlp_params
 from .offload import device_state_bytes
 
@@ -257,39 +264,38 @@ def memory_split(model: ModelConfig, seq_len: int, dp: int, ring: int, ulysses: 
     if forward_only:
         return _forward_split(model, seq_len, dp, ring, ulysses, batch, dtype_bytes, fsdp,
                               kernel, device)
-    m, a, B, u, r = model, dtype_bytes, batch, ulysses, ring
-    D, d, hq, hkv = m.dim, m.head_dim, m.n_heads, m.n_kv_heads
+    m, a, B = model, dtype_bytes, batch
+    d, hq, hkv = m.head_dim, m.n_heads, m.n_kv_heads
+    u, r = ulysses, ring
     kv, h = check_heads(hq, hkv, u), max(head_split(hq, hkv, u).q_counts)
     T, S = seq_len / (r * u), seq_len / r
     state_f, state_b, state_e = state_bytes(m, dp * r * u, a, fsdp, expert_degree,
                                             policy.state_offload)
 
-    # ---- activations per layer (bytes per sequence) --------------------------------------
-    norm = (8 + a) * D * T
-    inp = a * D * T  # a block's input, what a checkpoint keeps
-    attn_part = (norm + 4 * (hq + hkv) * d * T + a * hq * d * T
-                 + S * (2 * h * d * a + 2 * kv * d * a + h * FP32))
+    # ---- activations per layer (bytes per sequence, activations.layer_bytes) --------------
+    lb = layer_bytes(m, T, S, h, kv, a)
+    inp = lb.inp  # a block's input, what a checkpoint keeps
     # per layer (dense or sparse, experts.mlp_memory): (saved, forward work, backward work)
     mlps = [mlp_memory(m, i, T, a, expert_degree) for i in range(m.n_layers)]
-    mlp_parts = [norm + saved for saved, _, _ in mlps]
+    mlp_parts = [lb.norm + saved for saved, _, _ in mlps]
     keep_inp = 0.0 if policy.offload else inp  # an offloaded input leaves the device
 
     def resident(i: int) -> float:
         if not policy.checkpointed(i):
-            return attn_part + mlp_parts[i]
+            return lb.attn + mlp_parts[i]
         return keep_inp + {"block": 0.0, "attention": mlp_parts[i],
-                           "mlp": attn_part}[policy.part]
+                           "mlp": lb.attn}[policy.part]
 
     nl = m.n_layers
     res = [B * resident(i) for i in range(nl)]
-    n_ckpt = sum(policy.checkpointed(i) for i in range(nl))
-    on_device = B * min(2, n_ckpt) * inp if policy.offload else 0.0  # in use + in flight
-    common = B * (T * d * FP32 + norm) + on_device  # RoPE cos/sin, final norm
+    ckpts = [policy.checkpointed(i) for i in range(nl)]
+    on_device = B * min(2, sum(ckpts)) * inp if policy.offload else 0.0  # in use + in flight
+    common = B * (lb.tables + lb.final_norm) + on_device
     activations = sum(res) + common
 
     # ---- transient terms -----------------------------------------------------------------
     af, ab = attention_buffers(seq_len, r, u, hq, hkv, d, a, kernel, device)
-    attention = B * max(af, ab)
+    attention = B * max(af, ab, lb.rope, lb.norm_work)
     # a tile's work in forward (untiled: what it saves) and backward, the largest layer's
     mlp = B * max(b if m.mlp_tiles == 1 else max(f, b) for _, f, b in mlps)
     logits = logits_bytes(m, B, T, a, device)
@@ -297,22 +303,18 @@ def memory_split(model: ModelConfig, seq_len: int, dp: int, ring: int, ulysses: 
     # ---- the peak: every moment of the step ------------------------------------------------
     moments: dict[str, float] = {}
     before_last = sum(res[:-1]) + common
-    last_ckpt = policy.checkpointed(nl - 1)
-    last_attn = B * (inp if last_ckpt and policy.part in ("block", "attention") else attn_part)
+    last_ckpt = ckpts[-1] and policy.part in ("block", "attention")
+    last_attn = B * (keep_inp if last_ckpt else lb.attn)
     moments[f"forward of layer {nl - 1}'s attention"] = (
-        state_f + before_last + B * (inp + norm + 4 * (hq + hkv) * d * T) + B * af)
+        state_f + before_last + B * (lb.norm + max(lb.rope, af)))
     moments[f"forward of layer {nl - 1}'s MLP"] = (
-        state_f + before_last + last_attn + B * (norm + mlps[-1][1]))
+        state_f + before_last + last_attn + B * (lb.norm + mlps[-1][1]))
     moments["loss"] = state_f + activations + logits
-    total_res = sum(res)
-    for i in range(nl):
-        ck = policy.checkpointed(i)
-        held = state_b + total_res - res[i] + common + (B * inp if ck else 0.0)
-        whole = ck and policy.part == "block"  # the block recomputes all at its first unpack
-        attn_now = attn_part if whole or not ck or policy.part != "attention" else 0.0
-        moments[f"backward of layer {i}'s MLP"] = held + B * (attn_now + mlp_parts[i]
-                                                              + mlps[i][2])
-        moments[f"backward of layer {i}'s attention"] = held + B * attn_part + B * ab
+    # in backward the final norm's tensors are gone and, offloaded, one input is prefetched
+    # (the block being recomputed holds its own in its part)
+    ahead = B * min(1, sum(ckpts) - 1) * inp if policy.offload else 0.0
+    held = state_b + sum(res) + B * lb.tables + ahead
+    moments.update(backward_moments(lb, held, res, mlps, ckpts, policy.part, B, ab))
     moments["backward of the embedding"] = state_e
     peak_at = max(moments, key=moments.get)
     state = max(state_f, state_b, state_e)
