@@ -297,14 +297,14 @@ def test_offload_round_trip_prefetch_order_and_nothing_held():
 
 
 FAMILY_SHAPES = {  # a family each: plain, q/k norms, four norms a block, experts and sinks
-    "llama": dict(),
-    "qwen3": dict(arch="qwen3", qk_norm=True),
-    "gemma3_text": dict(arch="gemma3_text", qk_norm=True, query_pre_attn_scalar=12,
-                        sliding_window=5, local_rope_theta=100.0,
-                        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
-    "gpt_oss": dict(arch="gpt_oss", qkv_bias=True, o_bias=True, attention_sinks=True,
-                    n_experts=4, experts_per_token=2, expert_ffn_dim=32, swiglu_limit=7.0,
-                    swiglu_alpha=1.702),
+    "llama": {},
+    "qwen3": {"arch": "qwen3", "qk_norm": True},
+    "gemma3_text": {"arch": "gemma3_text", "qk_norm": True, "query_pre_attn_scalar": 12,
+                    "sliding_window": 5, "local_rope_theta": 100.0,
+                    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+    "gpt_oss": {"arch": "gpt_oss", "qkv_bias": True, "o_bias": True, "attention_sinks": True,
+                "n_experts": 4, "experts_per_token": 2, "expert_ffn_dim": 32,
+                "swiglu_limit": 7.0, "swiglu_alpha": 1.702},
 }
 
 
@@ -314,8 +314,8 @@ def test_recomputed_norms_give_bit_identical_losses_and_gradients(family, monkey
     gradients to the last bit as keeping its fp32 intermediates, in every family, alone, in a
     checkpointed block with MLP tiles and the chunked loss, and with offload."""
     tokens, labels = _batch()
-    options = [dict(), dict(checkpoint_activations=True, loss_chunk=9, mlp_tiles=3),
-               dict(checkpoint_activations=True, offload=ActivationOffload(FakeCopier()))]
+    options = [{}, {"checkpoint_activations": True, "loss_chunk": 9, "mlp_tiles": 3},
+               {"checkpoint_activations": True, "offload": ActivationOffload(FakeCopier())}]
     for kw in options:
         model_kw = {k: kw[k] for k in ("loss_chunk", "mlp_tiles") if k in kw}
         mc = ModelConfig(**{**CFG, "head_dim": 8, **FAMILY_SHAPES[family], **model_kw})
@@ -343,16 +343,17 @@ def test_a_recomputed_norm_keeps_only_its_input(dtype, monkeypatch):
     x = torch.randn(1, n, D, dtype=dtype, requires_grad=True)
     norm = RMSNorm(D, 1e-5)
     kept = {}
+
+    def pack(seen, t):
+        if t.shape != (D,):  # the gain [D] is the same in both
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
     for recompute in (True, False):
         monkeypatch.setattr(RMSNorm, "recompute", recompute)
         seen = {}
-
-        def pack(t):
-            if t.shape != (D,):  # the gain [D] is the same in both
-                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(functools.partial(pack, seen),
+                                                      lambda t: t):
             norm(x)
         kept[recompute] = sum(seen.values())
     assert kept[True] == x.nbytes
