@@ -269,20 +269,21 @@ def _plan_cfg(*phases: dict, mem_mib: int = 256):
 def test_usp_plan_says_where_memory_forces_a_new_layout():
     from usp.planner.phase_report import phases_report
 
-    text, _ = phases_report(_plan_cfg({"seq_len": 256, "steps": 1}, {"seq_len": 8192, "steps": 2},
+    text, _ = phases_report(_plan_cfg({"seq_len": 256, "steps": 1},
+                                      {"seq_len": 12288, "steps": 2},
                                       {"seq_len": 24576, "steps": 3}))
     summary = text[text.index("phases on world 4 (2 x 2 on small), trainer.steps 6 = 1 + 2 + 3:"):]
     rows = [line.split()[:5] for line in summary.splitlines()[2:5]]
-    assert rows == [["1", "256", "4", "1", "1"], ["2", "8192", "2", "2", "1"],
+    assert rows == [["1", "256", "4", "1", "1"], ["2", "12288", "2", "2", "1"],
                     ["3", "24576", "1", "2", "2"]]  # dp 4 -> ring 2 x dp 2 -> ulysses 2 x ring 2
     changes = [line for line in summary.splitlines() if "no longer fits" in line]
-    assert changes[0].startswith("phase 2 (8192): ulysses 1 x ring 1 x dp 4 of phase 1 no "
+    assert changes[0].startswith("phase 2 (12288): ulysses 1 x ring 1 x dp 4 of phase 1 no "
                                  "longer fits (peak ")
     assert changes[0].endswith("> 230.4 MiB); ulysses 1 x ring 2 x dp 2 chosen")
     assert changes[1].startswith("phase 3 (24576): ulysses 1 x ring 2 x dp 2 of phase 2")
     assert [line for line in text.splitlines() if line.startswith("phase ") and "/3" in line] == [
         "phase 1/3: seq_len 256, steps 1..1, rope_theta 10000",
-        "phase 2/3: seq_len 8192, steps 2..3, rope_theta 10000",
+        "phase 2/3: seq_len 12288, steps 2..3, rope_theta 10000",
         "phase 3/3: seq_len 24576, steps 4..6, rope_theta 10000"]
 
 
@@ -290,10 +291,10 @@ def test_usp_plan_refuses_a_phase_no_layout_fits_with_what_would():
     from usp.planner.phase_report import phases_report
 
     with pytest.raises(ValueError) as e:
-        phases_report(_plan_cfg({"seq_len": 256, "steps": 1}, {"seq_len": 32768, "steps": 1}))
+        phases_report(_plan_cfg({"seq_len": 256, "steps": 1}, {"seq_len": 49152, "steps": 1}))
     text = str(e.value)
-    assert text.startswith("trainer.phases[1] (seq_len 32768): no feasible layout for world 4")
-    assert "the longest length 4 ranks fit is 31168 (dp 1 x ring 4 x ulysses 1); 32768 fits " \
+    assert text.startswith("trainer.phases[1] (seq_len 49152): no feasible layout for world 4")
+    assert "the longest length 4 ranks fit is 36624 (dp 1 x ring 4 x ulysses 1); 49152 fits " \
            "4 nodes of 2 (8 ranks)" in text
 
 
