@@ -69,17 +69,19 @@ def _auto_run(**model) -> RunConfig:
 
 def test_auto_is_resolved_before_the_model_and_trains_as_the_values_it_chose():
     said: list[str] = []
-    plan = resolve_phases(_auto_run(loss_chunk="auto", mlp_tiles="auto"), 4, "cpu",
-                          env={}, say=said.append)
+    plan = resolve_phases(_auto_run(loss_chunk="auto", mlp_tiles="auto", norm_tiles="auto"),
+                          4, "cpu", env={}, say=said.append)
     run, chosen = plan[0].run, plan[0].cfg.model
-    assert (chosen.loss_chunk, chosen.mlp_tiles) == (run.loss_chunk, run.mlp_tiles)
+    assert (chosen.loss_chunk, chosen.mlp_tiles, chosen.norm_tiles) == (
+        run.loss_chunk, run.mlp_tiles, run.norm_tiles)
     assert plan.cfg.model == chosen and chosen.mlp_tiles > 1 and chosen.loss_chunk > 0
     assert (f"usp: model.loss_chunk=auto -> {run.loss_chunk}, model.mlp_tiles=auto -> "
             f"{run.mlp_tiles}") in "\n".join(said)
     tokens, labels = _batch()
-    explicit = replace(chosen, loss_chunk=run.loss_chunk, mlp_tiles=run.mlp_tiles)
+    explicit = replace(chosen, loss_chunk=run.loss_chunk, mlp_tiles=run.mlp_tiles,
+                       norm_tiles=run.norm_tiles)
     models = []
-    for cfg in (chosen, explicit, replace(chosen, loss_chunk=0, mlp_tiles=1)):
+    for cfg in (chosen, explicit, replace(chosen, loss_chunk=0, mlp_tiles=1, norm_tiles=1)):
         model = Transformer(cfg, LOCAL)
         model.init_weights(1)
         models.append(_model_grads(model, tokens, labels))
@@ -171,3 +173,41 @@ def test_each_phase_resizes_auto_at_its_length():
     assert [p.run.mlp_tiles for p in plan.phases] == tiles
     assert 1 < tiles[0] < tiles[1] and tiles[2] == 3  # longer: more tiles; a set one is kept
     assert all(p.cfg.model.loss_chunk == MIN_CHUNK for p in plan.phases)
+
+
+def test_norm_tiles_hold_one_tiles_backward_work_as_the_planner_prices_it():
+    """``model.norm_tiles``: a block norm's backward holds one tile's fp32 work (live tensor
+    bytes of the norm's forward and backward beyond its input and output gradient, 1 tile
+    against 4), within 15% of ``norm_work_bytes``; auto picks the fewest tiles that keep
+    that work under the share, and the tiled norm's output and gradients are the untiled
+    one's (its weight's gradient summed tile by tile: 1e-6)."""
+    from tools.lab.memory import LiveTensorTracker
+    from usp.models.decoder import RMSNorm
+    from usp.planner.activations import norm_work_bytes
+
+    n, D = 4096, 256
+    gen = torch.Generator().manual_seed(0)
+    x0, g0 = (torch.randn(1, n, D, generator=gen).bfloat16() for _ in range(2))
+    got = {}
+    for tiles in (1, 4):  # bf16 as the planner prices it (fp32 input: its copy is x itself)
+        norm, x = RMSNorm(D, 1e-5).bfloat16(), x0.clone().requires_grad_()
+        norm.tiles = tiles
+        tracker = LiveTensorTracker()
+        with tracker:
+            for t in (x, g0, norm.weight):
+                tracker.see(t.untyped_storage())
+            base = tracker.live
+            y = norm(x)
+            y.backward(g0)
+        work = tracker.peak - base - 2 * x.nbytes  # beyond the output and x's gradient
+        modelled = norm_work_bytes(ModelConfig(dim=D, norm_tiles=tiles), n)
+        assert abs(modelled - work) <= 0.15 * work, (tiles, modelled, work)
+        got[tiles] = (y.detach(), x.grad, norm.weight.grad)
+    assert torch.equal(got[4][0], got[1][0]) and torch.equal(got[4][1], got[1][1])
+    w4, w1 = got[4][2].float(), got[1][2].float()  # bf16, summed in another order
+    assert (w4 - w1).abs().max() <= 1e-2 * w1.abs().max()
+    budget, L, u = 72 * GiB, 1 << 20, 8
+    m = size_tiles(replace(L8B, norm_tiles="auto"), L, 1, u, budget, policy=CKPT).model
+    limit, T = TILE_SHARE * budget, L / u
+    assert m.norm_tiles > 1 and norm_work_bytes(m, T) <= limit
+    assert norm_work_bytes(replace(m, norm_tiles=m.norm_tiles // 2), T) > limit

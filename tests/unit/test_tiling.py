@@ -168,7 +168,8 @@ def test_model_loss_chunk_and_mlp_tiles_are_exact(tie):
     logits = _model(tie_embeddings=tie)(tokens, torch.arange(24))
     ref_loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
     assert abs(ref_loss.item() - want[0].item()) <= 1e-6 * ref_loss.item()
-    for kw in (dict(loss_chunk=7), dict(mlp_tiles=5), dict(loss_chunk=48, mlp_tiles=2)):
+    for kw in (dict(loss_chunk=7), dict(mlp_tiles=5), dict(norm_tiles=3),
+               dict(loss_chunk=48, mlp_tiles=2, norm_tiles=4)):
         _assert_same(_model_grads(_model(tie_embeddings=tie, **kw), tokens, labels), want)
 
 

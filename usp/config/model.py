@@ -11,9 +11,9 @@ from .rope import check_rope_scaling
 LAYER_TYPES = ("full_attention", "sliding_attention")  # model.layer_types: transformers' names
 # how the model computes or trains, not its shape: a model option leaves these at their
 # defaults
-EXECUTION_FIELDS = ("loss_chunk", "mlp_tiles", "router_balance_over")
+EXECUTION_FIELDS = ("loss_chunk", "mlp_tiles", "norm_tiles", "router_balance_over")
 # execution keys the planner may size (``auto``: ``usp.planner.tiles``, resolved with the layout)
-PLANNED_FIELDS = ("loss_chunk", "mlp_tiles")
+PLANNED_FIELDS = ("loss_chunk", "mlp_tiles", "norm_tiles")
 AUTO = "auto"
 
 
@@ -106,6 +106,10 @@ class ModelConfig:
     # sequence tiles of the MLP, recomputed in backward; 1: off; auto: the planner's fewest
     # tiles that keep the MLP's memory under its share (usp.planner.tiles)
     mlp_tiles: Any = 1
+    # sequence tiles of each block's two RMSNorms, each tile recomputed in backward (a norm's
+    # backward holds six fp32 values a channel); 1: off; auto: the planner's fewest tiles
+    # that keep that work under its share (usp.planner.tiles)
+    norm_tiles: Any = 1
 
     def __post_init__(self) -> None:
         one_of("model.rope", self.rope, ("global", "per_document"))
@@ -137,8 +141,9 @@ class ModelConfig:
             )
 
     def _check_planned(self) -> None:
-        """``loss_chunk`` (>= 0) and ``mlp_tiles`` (>= 1): whole numbers or ``auto``."""
-        for k, lo in zip(PLANNED_FIELDS, (0, 1)):
+        """``loss_chunk`` (>= 0), ``mlp_tiles`` and ``norm_tiles`` (>= 1): whole numbers or
+        ``auto``."""
+        for k, lo in zip(PLANNED_FIELDS, (0, 1, 1)):
             v = getattr(self, k)
             if v == AUTO:
                 continue

@@ -41,6 +41,7 @@ OVERLAY = {
     "expert_degree": ("parallel", "expert_degree"),
     "loss_chunk": ("model", "loss_chunk"),
     "mlp_tiles": ("model", "mlp_tiles"),
+    "norm_tiles": ("model", "norm_tiles"),
     "blend": ("data", "blend"),
 }
 
@@ -79,6 +80,7 @@ class PhaseConfig:
     expert_degree: Any = None
     loss_chunk: Any = None  # a number or auto (re-sized at this phase's length)
     mlp_tiles: Any = None
+    norm_tiles: Any = None
     blend: Optional[List[BlendSource]] = None
     until: Optional[PhaseGateConfig] = None
 

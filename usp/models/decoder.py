@@ -51,10 +51,15 @@ class RMSNorm(nn.Module):
     ``torch.utils.checkpoint``): autograd keeps x (``a`` bytes per channel) instead of its
     fp32 copy and the fp32 normalised values (8 bytes per channel); backward reruns the same
     ops on the same x, so the gradients are bit-identical. It nests inside a checkpointed
-    block and an MLP tile as ``usp.models.tiling.tiled`` does.
+    block and an MLP tile as ``usp.models.tiling.tiled`` does. ``tiles`` > 1 (the block
+    norms' and the final norm's ``model.norm_tiles``): over that many sequence tiles of
+    x [B, n, D], each recomputed in backward on its own, so a backward holds one tile's
+    fp32 work instead of the whole sequence's (the weight's gradient is then summed tile by
+    tile: equal to the untiled one up to the order of that sum).
     """
 
     recompute = True  # False: autograd keeps the fp32 intermediates (the tests' reference)
+    tiles = 1  # sequence tiles (model.norm_tiles), set on the norms of the residual stream
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -62,6 +67,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tiles > 1 and torch.is_grad_enabled():
+            return tiled(self._normalise, x, self.tiles, dim=1)
         if self.recompute and torch.is_grad_enabled():
             return checkpoint(self._normalise, x, use_reentrant=False, preserve_rng_state=False)
         return self._normalise(x)
@@ -170,6 +177,7 @@ class Block(nn.Module):
         self.ffn_norm = norm(cfg.dim, cfg.norm_eps)
         self.feed_forward = mlp if mlp is not None else \
             FeedForward(cfg.dim, cfg.ffn_dim, cfg.mlp_tiles, act)
+        self.attention_norm.tiles = self.ffn_norm.tiles = cfg.norm_tiles
         self.recompute: str | None = None
         self.offload: ActivationOffload | None = None
 
@@ -241,6 +249,7 @@ class Transformer(nn.Module):
             if checkpoint_activations and i % checkpoint_every == 0:
                 block.recompute, block.offload = checkpoint_part, offload
         self.norm = self.final_norm(cfg.dim, cfg.norm_eps)
+        self.norm.tiles = cfg.norm_tiles
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.init_weights(0)
 

@@ -73,6 +73,12 @@ class LayerBytes:
     final_norm: float  # the final norm's input and output (the loss keeps the output)
 
 
+def norm_work_bytes(model: ModelConfig, tokens: float) -> float:
+    """A block norm's backward work for ``tokens`` tokens a rank: six fp32 values a channel
+    of one of its ``model.norm_tiles`` tiles (``usp.models.decoder.RMSNorm.tiles``)."""
+    return 6 * FP32 * model.dim * tokens / model.norm_tiles
+
+
 def layer_bytes(model: ModelConfig, tokens: float, segment: float, h: int, kv: int,
                 dtype_bytes: int) -> LayerBytes:
     """``LayerBytes`` of ``model``'s layer for ``tokens`` = L/P tokens on the rank, ``segment``
@@ -83,14 +89,15 @@ def layer_bytes(model: ModelConfig, tokens: float, segment: float, h: int, kv: i
     token the ring's q, k, v, out in head layout (``a``) and LSE (fp32). RoPE saves only its
     tables; its work (forward, and again in backward) is three fp32 copies of the query
     heads beside q, k, v (measured: 12 bytes per element). A norm's backward holds six fp32
-    values per channel (measured: 24 bytes), beside its input."""
+    values per channel (measured: 24 bytes) of one of its ``norm_tiles`` sequence tiles
+    (``norm_work_bytes``), beside its input."""
     m, a, T, S = model, dtype_bytes, tokens, segment
     D, d, hq, hkv = m.dim, m.head_dim, m.n_heads, m.n_kv_heads
     qk = a * (hq + hkv) * d * T if m.qk_norm else 0.0
     attn = (2 * a * D * T + qk + a * hq * d * T
             + S * (2 * h * d * a + 2 * kv * d * a + h * FP32))
     return LayerBytes(inp=a * D * T, attn=attn, norm=2 * a * D * T,
-                      norm_work=6 * FP32 * D * T,
+                      norm_work=norm_work_bytes(m, T),
                       rope=a * (hq + 2 * hkv) * d * T + 3 * FP32 * hq * d * T,
                       grads=2 * a * D * T, tables=FP32 * d * T, final_norm=2 * a * D * T)
 

@@ -26,7 +26,8 @@ def features_text(cfg: PlanConfig) -> str:
             if tc.activation_checkpointing else "no activation checkpointing")
     parts = [ckpt + (" offloaded to host memory" if tc.activation_offload else ""),
              "sharded state in host memory" if tc.state_offload else "sharded state on the GPU",
-             f"loss_chunk {m.loss_chunk}", f"mlp_tiles {m.mlp_tiles}", f"dtype {tc.dtype}",
+             f"loss_chunk {m.loss_chunk}", f"mlp_tiles {m.mlp_tiles}",
+             f"norm_tiles {m.norm_tiles}", f"dtype {tc.dtype}",
              "FSDP over every rank, AdamW"]
     return "features: " + ", ".join(parts)
 

@@ -1,5 +1,5 @@
-"""``model.loss_chunk=auto`` and ``model.mlp_tiles=auto``: the planner sizes the two tilings
-for one layout and length, as it picks the parallel degrees.
+"""``model.loss_chunk=auto``, ``model.mlp_tiles=auto`` and ``model.norm_tiles=auto``: the
+planner sizes the tilings for one layout and length, as it picks the parallel degrees.
 
 The rule, one per key, each against ``TILE_SHARE`` of the device budget (``StepPolicy.budget``:
 ``mem_fraction`` of the cluster spec's ``mem_bytes``; on a CPU run the spec's, as for the
@@ -15,6 +15,9 @@ degrees):
   one layer's MLP at its largest (what it saves and its work, ``experts.mlp_memory``) plus
   what the layers that do not recompute their MLP save until backward (none once tiled); an
   upper bound by one layer's saved intermediates when layers are not checkpointed.
+- ``norm_tiles``: the fewest tiles (counted as ``mlp_tiles``) whose norm backward work
+  (``activations.norm_work_bytes``: six fp32 values a channel of a tile) is at most the
+  share; none under it: the most.
 
 ``tile_note`` is the start line that says what was picked (``usp: ...``), usp-plan's too.
 """
@@ -25,6 +28,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 
 from ..config import ModelConfig
+from .activations import norm_work_bytes
 from .experts import mlp_memory
 from .memory import CheckpointPolicy, forward_logits_bytes, logits_bytes, size
 
@@ -44,6 +48,7 @@ class TileChoice:
     logits: float
     mlp: float
     limit: float
+    norms: float = 0.0  # a norm's backward work at the chosen norm_tiles
 
 
 def mlp_bytes(model: ModelConfig, tokens: float, batch: int, dtype_bytes: int,
@@ -100,8 +105,14 @@ def size_tiles(model: ModelConfig, seq_len: int, ring: int, ulysses: int, budget
         fits = [k for k in counts if mlp_bytes(replace(m, mlp_tiles=k), tokens, batch,
                                                dtype_bytes, held, expert_degree) <= limit]
         m = replace(m, mlp_tiles=fits[0] if fits else counts[-1])
+    if m.norm_tiles == "auto":
+        counts = _tile_counts(tokens)
+        fits = [k for k in counts
+                if batch * norm_work_bytes(replace(m, norm_tiles=k), tokens) <= limit]
+        m = replace(m, norm_tiles=fits[0] if fits else counts[-1])
     return TileChoice(m, term(m, batch, tokens, dtype_bytes),
-                      mlp_bytes(m, tokens, batch, dtype_bytes, held, expert_degree), limit)
+                      mlp_bytes(m, tokens, batch, dtype_bytes, held, expert_degree), limit,
+                      batch * norm_work_bytes(m, tokens))
 
 
 def tile_note(asked: ModelConfig, choice: TileChoice) -> str | None:
@@ -111,8 +122,11 @@ def tile_note(asked: ModelConfig, choice: TileChoice) -> str | None:
     picked = [f"model.{k}=auto -> {getattr(choice.model, k)}" for k in asked.planned]
     if not picked:
         return None
-    over = [name for name, v in (("logits", choice.logits), ("MLP", choice.mlp))
-            if v > choice.limit]
+    terms = [("logits", choice.logits), ("MLP", choice.mlp)]
+    if "norm_tiles" in asked.planned:
+        terms.append(("a norm's backward", choice.norms))
+    over = [name for name, v in terms if v > choice.limit]
     tail = f"; {' and '.join(over)} over it even so" if over else ""
-    return (f"{', '.join(picked)} (logits {size(choice.logits)}, MLP {size(choice.mlp)}, each "
-            f"held under 1/{round(1 / TILE_SHARE)} of the budget: {size(choice.limit)}{tail})")
+    held = ", ".join(f"{name} {size(v)}" for name, v in terms)
+    return (f"{', '.join(picked)} ({held}, each held under 1/{round(1 / TILE_SHARE)} of the "
+            f"budget: {size(choice.limit)}{tail})")

@@ -155,9 +155,10 @@ def decide_tiles(cfg: RunConfig, ulysses: int, ring: int, topology, expert: int 
         return mc, None
     if mc.hf is not None:
         raise ValueError(f"model.{mc.planned[0]}=auto sizes the built-in model's chunked loss "
-                         f"and tiled MLP, but model.hf={mc.hf} computes its own LM head and "
-                         "MLP, which the planner cannot size; set model.loss_chunk=0 "
-                         "model.mlp_tiles=1, or model.hf=null for the built-in model")
+                         f"and tiled MLP and norms, but model.hf={mc.hf} computes its own LM "
+                         "head, MLP and norms, which the planner cannot size; set "
+                         "model.loss_chunk=0 model.mlp_tiles=1 model.norm_tiles=1, or "
+                         "model.hf=null for the built-in model")
     step = run_step(cfg, forward_only)
     choice = step.sized(mc, cfg.data.seq_len, ring, ulysses, cfg.data.batch_per_dp_rank,
                         expert, step.budget(topology()[0]))

@@ -187,15 +187,16 @@ def check_training_passkey(cfg: RunConfig) -> None:
 
 def check_hf_model(mc: ModelConfig) -> None:
     """Refuse ``model.hf`` when transformers is missing, the built-in model's memory tiling
-    (``loss_chunk``, ``mlp_tiles``), and a ``model.pretrained`` directory that is not a
+    (``loss_chunk``, ``mlp_tiles``, ``norm_tiles``), and a ``model.pretrained`` directory that is not a
     local model of ``mc``'s architecture and shape."""
     if mc.hf is None:
         check_checkpoint(mc)  # model.pretrained: files, shape, tensors (headers only)
         return
-    if mc.loss_chunk or mc.mlp_tiles != 1:
-        raise ValueError(f"model.hf={mc.hf} computes its own LM head and MLP; model.loss_chunk="
-                         f"{mc.loss_chunk} and model.mlp_tiles={mc.mlp_tiles} apply to the "
-                         "built-in model only: set model.loss_chunk=0 model.mlp_tiles=1, or "
+    if mc.loss_chunk or mc.mlp_tiles != 1 or mc.norm_tiles != 1:
+        raise ValueError(f"model.hf={mc.hf} computes its own LM head, MLP and norms; "
+                         f"model.loss_chunk={mc.loss_chunk}, model.mlp_tiles={mc.mlp_tiles} and "
+                         f"model.norm_tiles={mc.norm_tiles} apply to the built-in model only: "
+                         "set model.loss_chunk=0 model.mlp_tiles=1 model.norm_tiles=1, or "
                          "unset model.hf")
     if not _installed("transformers"):
         raise ValueError(f"model.hf={mc.hf} needs the transformers package, which this Python "

@@ -44,6 +44,7 @@ class RunLayout:
     expert_degree: int = 1  # ranks that share one copy of the experts (parallel.expert_degree)
     loss_chunk: int = 0  # model.loss_chunk, an auto one sized by the planner (decide_tiles)
     mlp_tiles: int = 1  # model.mlp_tiles, likewise
+    norm_tiles: int = 1  # model.norm_tiles, likewise
 
     def __post_init__(self) -> None:
         if check_degrees(self.world, self.ulysses, self.ring, self.dp) != self.dp:
@@ -94,9 +95,10 @@ class RunLayout:
         return SPMesh.from_dims(self.dims, ranks_per_node=self.ranks_per_node)
 
     def model_config(self, model: ModelConfig) -> ModelConfig:
-        """``model`` with this layout's ``loss_chunk`` and ``mlp_tiles`` (an ``auto`` one as
-        the resolver sized it): the config the model is built from."""
-        return replace(model, loss_chunk=self.loss_chunk, mlp_tiles=self.mlp_tiles)
+        """``model`` with this layout's ``loss_chunk``, ``mlp_tiles`` and ``norm_tiles`` (an
+        ``auto`` one as the resolver sized it): the config the model is built from."""
+        return replace(model, loss_chunk=self.loss_chunk, mlp_tiles=self.mlp_tiles,
+                       norm_tiles=self.norm_tiles)
 
     def attention_options(self) -> dict:
         """``usp_attention``'s keywords that the run decides (mesh and layout aside; the
