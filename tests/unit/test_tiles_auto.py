@@ -156,6 +156,8 @@ def test_usp_plan_longest_is_the_longest_any_layout_holds():
         more = n + seq_multiple(u2, r2, "zigzag")
         assert step.memory(L8B, more, d2, r2, u2, 1, budget=budget).total > budget
     assert "model.loss_chunk=auto -> " in text and "modelled step time" in text
+    host = re.search(r"host memory per node ([\d.]+) GiB of ([\d.]+) GiB", text)  # offloaded
+    assert host and 0 < float(host.group(1)) < float(host.group(2))
     odd = replace(cfg, longest=False, data=RecallData(seq_len=n // 2 + 1, batch_per_dp_rank=1))
     assert f"data.seq_len {n // 2 + 1} rounded up to " in plan_report(odd)[0]
 

@@ -59,6 +59,7 @@ def longest_report(cfg: PlanConfig) -> str:
              features_text(cfg),
              f"memory per rank at {n}, peak at {c.memory.peak_at}:",
              f"  {c.memory.line(p.budget)}",
+             host_text(cfg, spec, c),
              tiles_text(cfg.model, c.model).rstrip("\n"),
              (f"modelled step time: {c.cost.step_s:.1f} s a step of {c.global_batch} "
               f"sequence(s) ({tokens_s:,.0f} tokens/s)"),
@@ -67,6 +68,16 @@ def longest_report(cfg: PlanConfig) -> str:
              "longest by layout:"]
     lines += [f"  ulysses {u} x ring {r} x dp {d}: {m}" for m, (d, r, u) in found[:SHOWN]]
     return "\n".join(line for line in lines if line)
+
+
+def host_text(cfg: PlanConfig, spec, c) -> str:
+    """With an offload on, the host memory the longest's node uses and what the copies and
+    the host optimizer add to its step; "" without."""
+    tc = cfg.trainer
+    if not (tc.activation_offload or tc.state_offload):
+        return ""
+    return (f"  host memory per node {size(c.host)} of {size(spec.host_mem_bytes)}; offloads "
+            f"add {c.cost.offload_s:.2f} s a step")
 
 
 def layout_longest(cfg: PlanConfig, spec, world: int) -> list[tuple[int, tuple[int, int, int]]]:
