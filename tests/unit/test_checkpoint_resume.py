@@ -35,6 +35,9 @@ def test_check_resume_accepts_a_changed_parallel_layout():
     for u, r in ((4, 1), (1, 4), (1, 1)):
         ck.check_resume(saved, run_fingerprint(run_cfg(u=u, r=r)))  # no error
     ck.check_resume(saved, run_fingerprint(run_cfg(parallel={"balance": "contiguous"})))
+    # the tilings too: an auto one re-sized for the new layout resumes
+    tiled = {"loss_chunk": 16, "mlp_tiles": 4, "norm_tiles": 2}
+    ck.check_resume(saved, run_fingerprint(run_cfg(u=1, r=4, model=tiled)))
 
 
 # ---- length phases: any phase of the same plan resumes, another plan is refused -----------

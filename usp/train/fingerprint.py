@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import json
 
+from ..config.model import PLANNED_FIELDS
 from ..run.phases import Phase, PhasePlan
 
 
 def run_fingerprint(cfg, plan: PhasePlan | None = None) -> dict:
     """The settings a resumed run must share with its checkpoint, as ``{"section.key": value}``:
-    every ``model`` field, ``data.kind``/``seq_len``/``seed``, the optimizer and schedule
+    every ``model`` field but the tilings (``PLANNED_FIELDS``: ``loss_chunk``, ``mlp_tiles``,
+    ``norm_tiles``, which change how a step holds its memory, not what it computes, and which
+    an ``auto`` re-sizes on another layout or device), ``data.kind``/``seq_len``/``seed``, the optimizer and schedule
     (lr, min_lr, warmup_steps, weight_decay, beta1, beta2, grad_clip), ``trainer.steps`` and
     ``trainer.dtype``, all of the base config ``cfg``; with a ``plan`` of phases, also
     ``trainer.phases``: ``phases_key(plan)``. Not the parallel degrees: a checkpoint resumes
     under any layout. ``cfg`` is a ``RunConfig`` (anything with ``model``, ``data``,
     ``optim``, ``trainer``)."""
-    out = {f"model.{k}": v for k, v in vars(cfg.model).items()}
+    out = {f"model.{k}": v for k, v in vars(cfg.model).items() if k not in PLANNED_FIELDS}
     out.update({"data.kind": cfg.data.kind, "data.seq_len": cfg.data.seq_len,
                 "data.seed": cfg.data.seed})  # the seed fixes the order the position counts in
     for k in ("lr", "min_lr", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip"):
