@@ -50,3 +50,17 @@ def test_a_tokenizer_without_a_chat_template_is_refused():
         chat_frame(HFTokenizer(_tok(template=None)))
     with pytest.raises(ValueError, match="does not render a user turn"):
         chat_frame(HFTokenizer(_tok(template="{{ messages[0].content }}")))
+
+
+def test_the_haystack_of_conversations_is_the_filler(tmp_path):
+    """Token files of rendered conversations (``"chat": true``) are no haystack: their text
+    holds the template's markers, so ``eval.haystack=auto`` takes the filler there and the
+    validation text elsewhere."""
+    from usp.eval.grid import chat_data
+
+    from _chat_files import write_chat
+
+    write_chat(tmp_path / "chat", [40] * 4)
+    write_chat(tmp_path / "plain", [40] * 4, kind=None)
+    assert chat_data(str(tmp_path / "chat")) is True
+    assert chat_data(str(tmp_path / "plain")) is False and chat_data(None) is False

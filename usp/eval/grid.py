@@ -71,12 +71,13 @@ def validation_tokens(data_path: str | None) -> np.ndarray | None:
 def grid_cases(cfg: RunConfig, lengths: list[int], data_path: str | None,
                val: np.ndarray | None) -> tuple[list[Case], str]:
     """(every passkey case of ``lengths`` x ``eval.depths``, the note that says which
-    haystack): ``eval.haystack`` (``auto``: the validation split ``val`` when there is one,
-    else the filler); ValueError for a bad input (no tokenizer, a key it cannot encode, a
-    length the text cannot hold)."""
+    haystack): ``eval.haystack`` (``auto``: the validation split ``val`` when there is one
+    and the data is not conversations, else the filler); ValueError for a bad input (no
+    tokenizer, a key it cannot encode, a length the text cannot hold)."""
     ec = cfg.eval
     tok = tokenizer(cfg, data_path)
-    text = ec.haystack == "text" or (ec.haystack == "auto" and val is not None)
+    text = ec.haystack == "text" or (ec.haystack == "auto" and val is not None
+                                     and not chat_data(data_path))
     if text and val is None:
         raise ValueError("eval.haystack=text needs a validation split (PREFIX.val of "
                          "data.path); none found: use eval.haystack=filler")
@@ -86,6 +87,15 @@ def grid_cases(cfg: RunConfig, lengths: list[int], data_path: str | None,
                           cfg.model.vocab_size, hay, frame)
     form = ", asked in chat form" if ec.chat else ""
     return cases, f"passkey haystack: {'validation text' if text else 'filler sentences'}{form}"
+
+
+def chat_data(data_path: str | None) -> bool:
+    """Whether ``data_path``'s token files hold rendered conversations (``usp-prepare`` on
+    chat records: ``"chat": true``): their text, chat markers and all, is no haystack, so
+    ``eval.haystack=auto`` takes the filler."""
+    if data_path is None or not data_paths(data_path)[1].is_file():
+        return False
+    return bool(read_meta(data_paths(data_path)[1], Path(data_path)).get("chat"))
 
 
 def passkey_lengths(cfg: RunConfig, train_len: int) -> list[int]:
