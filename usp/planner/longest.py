@@ -76,8 +76,9 @@ def host_text(cfg: PlanConfig, spec, c) -> str:
     tc = cfg.trainer
     if not (tc.activation_offload or tc.state_offload):
         return ""
-    return (f"  host memory per node {size(c.host)} of {size(spec.host_mem_bytes)}; offloads "
-            f"add {c.cost.offload_s:.2f} s a step")
+    usable = run_step(cfg).mem_fraction * spec.host_mem_bytes  # what the host rule allows
+    return (f"  host memory per node {size(c.host)} of {size(usable)}; offloads add "
+            f"{c.cost.offload_s:.2f} s a step")
 
 
 def layout_longest(cfg: PlanConfig, spec, world: int) -> list[tuple[int, tuple[int, int, int]]]:

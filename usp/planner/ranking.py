@@ -124,7 +124,8 @@ class Plan:
         longest sequence whose peak fits that budget with the same layout and features."""
         c = c or self.best
         longest = longest_seq_len(self.model, self.budget, c.dp, c.ring, c.ulysses, self.step,
-                                  balance=self.search.balance, batch=c.batch, expert=c.expert)
+                                  balance=self.search.balance, batch=c.batch, expert=c.expert,
+                                  cluster=self.cluster)
         tiles = tiles_text(self.model, c.model)
         policy = self.step.checkpoint
         host = "" if not (policy.offload or policy.state_offload) else (
