@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from usp.config import LoggingConfig, ModelConfig, OptimConfig, ParallelConfig, RecallData

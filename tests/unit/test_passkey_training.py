@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 import usp.eval.val_loss as va
-from usp.config import EvalConfig, RecallData
+from usp.config import RecallData
 from usp.eval.job import plan_eval
 from usp.run import check_degrees_fit, check_inputs
 from usp.eval.grid import training_cases

@@ -10,7 +10,7 @@ import pytest
 from usp.config import (MemmapData, ModelConfig, ParallelConfig, PhaseConfig, PhaseGateConfig,
                         RecallData, RunConfig, TrainerConfig, phase_config)
 from usp.config.cluster import ClusterSpec
-from usp.run import PhaseGate, PhasePlan, resolve_phases, resolve_run
+from usp.run import PhaseGate, resolve_phases, resolve_run
 
 MODEL = dict(vocab_size=320, dim=64, n_heads=4, n_kv_heads=4, ffn_dim=128)
 
