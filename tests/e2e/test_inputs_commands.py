@@ -25,7 +25,7 @@ TRAIN_REFUSED = [
 if not torch.cuda.is_available():  # before anything is spawned (was test_launch_once_commands')
     TRAIN_REFUSED.append(("trainer.device=cuda",
                           "trainer.device=cuda but this process sees 0 CUDA GPUs"))
-PLAN_REFUSED = "data.seq_len=1001"  # odd: no zigzag layout splits it
+PLAN_REFUSED = "cluster.mem_bytes=1000000"  # no layout fits 1 MB (an odd length is rounded up)
 EVAL_REFUSED = ("eval.run_dir=/nonexistent/run", "/nonexistent/run")
 
 
@@ -73,5 +73,5 @@ def test_usp_plan_refuses_in_one_line(command_lines):
     res = command_lines["plan_main", PLAN_REFUSED]
     assert res.returncode == 2
     assert res.stderr.startswith("usp-plan: error: no feasible layout for world")
-    assert "seq_len refused" in res.stderr and "sequence length 1001" in res.stderr
+    assert "memory refused" in res.stderr and "largest term state" in res.stderr
     assert res.stderr.strip().count("\n") == 0
