@@ -14,7 +14,8 @@ from .cluster import GroupSpan, group_span, rank_grid
 from .cost import AttentionCost, StepCost, attention_cost, estimate
 from .detect import DetectReport, detect_topology
 from .draw import MeshDrawing, draw_mesh
-from .memory import CheckpointPolicy, MemorySplit, max_seq_len, memory_split
+from .fit import max_seq_len
+from .memory import CheckpointPolicy, MemorySplit, memory_split
 from .options import BatchSpec, Search, StepPolicy
 from .plan import plan
 from .ranking import Candidate, Dropped, Plan

@@ -76,7 +76,6 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from ..config import ModelConfig
-from ..rules import seq_multiple
 from ..dims.heads import check_heads, head_split
 from .activations import FP32, attention_buffers, backward_moments, layer_bytes
 from .experts import mlp_memory, rank_mlp_params
@@ -321,27 +320,3 @@ def memory_split(model: ModelConfig, seq_len: int, dp: int, ring: int, ulysses: 
     return MemorySplit(state=state, activations=activations, attention=attention, mlp=mlp,
                        logits=logits, total=moments[peak_at], peak_at=peak_at)
 
-
-def max_seq_len(model: ModelConfig, budget: float, dp: int, ring: int, ulysses: int, *,
-                balance: str = "zigzag", **kw) -> int:
-    """The largest sequence length, a multiple of what ``check_seq_len`` needs for the
-    layout, whose ``memory_split(...).total`` is at most ``budget`` bytes; 0 when not even
-    the shortest fits. ``kw`` goes to ``memory_split`` (batch, dtype_bytes, policy, ...)."""
-    return largest_multiple(
-        lambda n: memory_split(model, n, dp, ring, ulysses, **kw).total <= budget,
-        seq_multiple(ulysses, ring, balance))
-
-
-def largest_multiple(fits, step: int) -> int:
-    """The largest multiple ``n`` of ``step`` with ``fits(n)``, for a ``fits`` that holds up
-    to some length and fails beyond it (memory grows with the length); 0 when ``fits(step)``
-    fails: double, then bisect."""
-    if not fits(step):
-        return 0
-    lo, hi = 1, 2
-    while fits(hi * step):
-        lo, hi = hi, 2 * hi
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid * step) else (lo, mid)
-    return lo * step

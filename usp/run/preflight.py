@@ -18,7 +18,8 @@ from ..models.families import check_model
 from ..models.hf_model import check_pretrained
 from ..dims.heads import check_heads
 from ..models.pretrained import check_checkpoint
-from ..planner.memory import max_seq_len, size
+from ..planner.fit import max_seq_len
+from ..planner.memory import size
 from ..planner.options import StepPolicy
 from ..eval.grid import passkey_lengths, training_cases
 from ..rules import check_kernel, check_seq_len
