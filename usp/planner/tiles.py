@@ -83,33 +83,39 @@ def _tile_counts(tokens: float) -> list[int]:
     return out
 
 
+def _first_under(values: list[int], fallback: int, limit: float, term) -> int:
+    """The first of ``values`` (in the key's order of preference) whose ``term`` is at most
+    ``limit``; ``fallback`` when none is."""
+    return next((v for v in values if term(v) <= limit), fallback)
+
+
 def size_tiles(model: ModelConfig, seq_len: int, ring: int, ulysses: int, budget: float, *,
                batch: int = 1, dtype_bytes: int = 2,
                policy: CheckpointPolicy = NO_CHECKPOINT, expert_degree: int = 1,
                forward_only: bool = False, device: str = "cuda") -> TileChoice:
-    """``model`` with its ``auto`` ``loss_chunk``/``mlp_tiles`` sized (module docstring) for
-    ``batch`` sequences of ``seq_len`` tokens on ``ring x ulysses``, against ``budget``
-    bytes a rank; keys already set are kept. ``forward_only``: usp-eval's pass (the logits
-    term is one chunk's forward, nothing saved for backward)."""
+    """``model`` with its ``auto`` ``loss_chunk``/``mlp_tiles``/``norm_tiles`` sized (module
+    docstring) for ``batch`` sequences of ``seq_len`` tokens on ``ring x ulysses``, against
+    ``budget`` bytes a rank; keys already set are kept. ``forward_only``: usp-eval's pass
+    (the logits term is one chunk's forward, nothing saved for backward)."""
     tokens = seq_len / (ring * ulysses)
     limit = TILE_SHARE * budget
     term = forward_logits_bytes if forward_only else partial(logits_bytes, device=device)
     held = None if forward_only else policy  # a forward pass saves nothing for backward
     m = model
     if m.loss_chunk == "auto":
-        fits = [c for c in _chunks(batch * tokens)
-                if term(replace(m, loss_chunk=c), batch, tokens, dtype_bytes) <= limit]
-        m = replace(m, loss_chunk=fits[0] if fits else MIN_CHUNK)
+        m = replace(m, loss_chunk=_first_under(
+            _chunks(batch * tokens), MIN_CHUNK, limit,
+            lambda c: term(replace(m, loss_chunk=c), batch, tokens, dtype_bytes)))
+    counts = _tile_counts(tokens)
     if m.mlp_tiles == "auto":
-        counts = _tile_counts(tokens)
-        fits = [k for k in counts if mlp_bytes(replace(m, mlp_tiles=k), tokens, batch,
-                                               dtype_bytes, held, expert_degree) <= limit]
-        m = replace(m, mlp_tiles=fits[0] if fits else counts[-1])
+        m = replace(m, mlp_tiles=_first_under(
+            counts, counts[-1], limit,
+            lambda k: mlp_bytes(replace(m, mlp_tiles=k), tokens, batch, dtype_bytes, held,
+                                expert_degree)))
     if m.norm_tiles == "auto":
-        counts = _tile_counts(tokens)
-        fits = [k for k in counts
-                if batch * norm_work_bytes(replace(m, norm_tiles=k), tokens) <= limit]
-        m = replace(m, norm_tiles=fits[0] if fits else counts[-1])
+        m = replace(m, norm_tiles=_first_under(
+            counts, counts[-1], limit,
+            lambda k: batch * norm_work_bytes(replace(m, norm_tiles=k), tokens)))
     return TileChoice(m, term(m, batch, tokens, dtype_bytes),
                       mlp_bytes(m, tokens, batch, dtype_bytes, held, expert_degree), limit,
                       batch * norm_work_bytes(m, tokens))
