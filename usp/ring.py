@@ -16,10 +16,14 @@ starts at the rank after the block's owner, collects the share of every rank the
 reached, and after ``hops`` steps jumps home to the owner (the next rank when
 hops = r - 1). The owner keeps its own (diagonal) share locally and computes part of it
 only after its last send, so that last hop travels while the owner still has work.
+A backward kernel call too large for ``usp.dims.work.CALL_BYTES`` (the kernel's fp32 dq
+accumulator and GQA-expanded dK/dV grow with the segment) runs as calls over groups of
+heads (``head_calls``), accumulated into the same fp32 buffers.
 
-Kernel calls per step are counted in ``CommStats.kernel_calls``, and the (query, key)
-pairs they compute in ``CommStats.kernel_pairs``, when a stats object is given: a
-benchmark can see the blocks a mask skips and the work each rank does.
+Kernel calls per step (pieces, before head groups) are counted in
+``CommStats.kernel_calls``, and the (query, key) pairs they compute in
+``CommStats.kernel_pairs``, when a stats object is given: a benchmark can see the blocks a
+mask skips and the work each rank does.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from functools import lru_cache
 import torch
 
 from .comm import CommStats, RingComm
+from .dims import work
 from .dims.tokens import position_tensor, segment_ranges
 from .kernels import Kernel
 from .masks import Piece, Span, block_pieces, bounds, piece_pairs, tile_size
@@ -226,13 +231,47 @@ def _forward(kernel: Kernel, q, k, v, p: Piece, scale):
     return kernel.forward(q[:, p.qs], k[:, p.ks], v[:, p.ks], p.causal, scale, mask=p.mask)
 
 
-def _backward(kernel: Kernel, dout, q, k, v, out, lse, p: Piece, scale):
-    """The kernel's (dq, dk, dv) of piece ``p`` (rows ``p.qs`` against keys ``p.ks``)."""
-    args = (dout[:, p.qs], q[:, p.qs], k[:, p.ks], v[:, p.ks], out[:, p.qs], lse[:, :, p.qs],
-            p.causal, scale)
+def _backward(kernel: Kernel, dout, q, k, v, out, lse, p: Piece, scale,
+              qh: slice = slice(None), kh: slice = slice(None)):
+    """The kernel's (dq, dk, dv) of piece ``p`` (rows ``p.qs`` against keys ``p.ks``), for
+    query heads ``qh`` and their KV heads ``kh`` (default: all)."""
+    args = (dout[:, p.qs, qh], q[:, p.qs, qh], k[:, p.ks, kh], v[:, p.ks, kh],
+            out[:, p.qs, qh], lse[:, qh, p.qs], p.causal, scale)
     if p.mask is None:  # a mask-free call keeps the plain Kernel signature
         return kernel.backward(*args)
     return kernel.backward(*args, mask=p.mask)
+
+
+def head_calls(q, k, p: Piece) -> list[tuple[slice, slice]]:
+    """(query heads, KV heads) of each backward kernel call for piece ``p``: one call while
+    its transient memory fits ``usp.dims.work.CALL_BYTES``, else head groups
+    (``backward_head_groups``; results equal to one call's)."""
+    sq, sk = len(range(*p.qs.indices(q.shape[1]))), len(range(*p.ks.indices(k.shape[1])))
+    groups = work.backward_head_groups(sq, sk, q.shape[2], k.shape[2], q.shape[3],
+                                       q.element_size(), work.CALL_BYTES)
+    return [(slice(a.start, a.stop), slice(b.start, b.stop)) for a, b in groups]
+
+
+def _whole_grads(kernel: Kernel, dout, q, k, v, out, lse, p: Piece, scale, calls):
+    """dq, dk, dv (input dtypes) of one piece covering every row and key, over head groups
+    ``calls``: each group's dq is whole; a KV head whose query heads are split across calls
+    sums their dK/dV in fp32 before the cast (one KV head's at a time)."""
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    g = q.shape[2] // k.shape[2]
+    acc = None  # fp32 [2, B, S, 1, d]: the split KV head's dK/dV so far
+    for qh, kh in calls:
+        gq, gk, gv = _backward(kernel, dout, q, k, v, out, lse, p, scale, qh, kh)
+        dq[:, :, qh] = gq
+        if qh.stop - qh.start == g * (kh.stop - kh.start):  # every query head of its KV heads
+            dk[:, :, kh], dv[:, :, kh] = gk, gv
+            continue
+        if qh.start == kh.start * g:  # the first part of this KV head
+            acc = torch.zeros((2, *gk.shape), dtype=torch.float32, device=q.device)
+        acc[0] += gk
+        acc[1] += gv
+        if qh.stop == kh.stop * g:  # its last part: cast once
+            dk[:, :, kh], dv[:, :, kh] = acc[0], acc[1]
+    return dq, dk, dv
 
 
 def _count(stats: CommStats | None, phase: str, step: int, pieces) -> None:
@@ -295,6 +334,9 @@ def ring_backward(dout, q, k, v, out, lse, comm: RingComm | None, plan: RingPlan
         # one kernel call holds every gradient (pure ulysses, or a window within the
         # segment): no accumulators, no K/V stack; the same values as the general path
         _count(stats, "backward", 0, diag)
+        calls = head_calls(q, k, diag[0])
+        if len(calls) > 1:
+            return _whole_grads(kernel, dout, q, k, v, out, lse, diag[0], scale, calls)
         grads = _backward(kernel, dout, q, k, v, out, lse, diag[0], scale)
         return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -303,10 +345,11 @@ def ring_backward(dout, q, k, v, out, lse, comm: RingComm | None, plan: RingPlan
 
     def accumulate(pieces, kv, dkv):
         for p in pieces:
-            grads = _backward(kernel, dout, q, kv[0], kv[1], out, lse, p, scale)
-            dq[:, p.qs] += grads[0]
-            dkv[0][:, p.ks] += grads[1]
-            dkv[1][:, p.ks] += grads[2]
+            for qh, kh in head_calls(q, kv[0], p):  # one call unless it is too large
+                grads = _backward(kernel, dout, q, kv[0], kv[1], out, lse, p, scale, qh, kh)
+                dq[:, p.qs, qh] += grads[0]
+                dkv[0][:, p.ks, kh] += grads[1]
+                dkv[1][:, p.ks, kh] += grads[2]
 
     now, later = plan.diagonal_split() if hops else (plan.diagonal(), [])
     _count(stats, "backward", 0, now + later)

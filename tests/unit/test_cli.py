@@ -357,3 +357,24 @@ def test_the_sft_recipe_plans_its_chunks_and_tiles_before_checkpoint_and_data_ex
     text, _ = plan_report(cfg)
     assert "choice: dp 1 x ring 2 x ulysses 8" in text
     assert "model.loss_chunk=auto -> " in text and "model.mlp_tiles=auto -> " in text
+
+
+@pytest.mark.parametrize("ranks,nodes,seq_len", [(1, 1, 500_000), (8, 1, 3_700_000),
+                                                 (8, 4, 15_000_000)])
+def test_alst_lengths_plan_with_the_offloads_and_auto_tilings(ranks, nodes, seq_len):
+    """Llama-3.1-8B at ALST's lengths (500K on 1 H100, 3.7M on 8, 15M on 32) with the
+    offloads and auto chunk and tiles, as issue 52's command asks: usp-plan finds a layout
+    under the budget (docs/memory.md's table; the norms and the attention backward split by
+    size, usp.dims.work, with no key for them)."""
+    import re
+
+    from usp.planner.report import plan_report
+
+    cfg = _compose("plan", [
+        "model=llama3_8b", "cluster=h100_ib", f"cluster.ranks_per_node={ranks}",
+        f"nodes={nodes}", f"data.seq_len={seq_len}", "model.loss_chunk=auto",
+        "model.mlp_tiles=auto", "trainer.activation_checkpointing=true",
+        "trainer.activation_offload=true", "trainer.state_offload=true"])
+    text, _ = plan_report(cfg)
+    got = re.search(r"total ([\d.]+) GiB of ([\d.]+) GiB", text)
+    assert "choice: dp 1 x ring" in text and float(got.group(1)) <= float(got.group(2))

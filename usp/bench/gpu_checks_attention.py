@@ -5,7 +5,8 @@
   tensors and the strided halves the ring passes; out, LSE, dq, dk, dv.
 - ``check_ring``: ``ring_forward``/``ring_backward`` on the real kernels over an in-process
   ring of threads (r = 2, 4; zigzag and contiguous; causal and not), gathered and compared
-  with dense attention.
+  with dense attention; and with the backward's calls forced into one-head groups
+  (``usp.dims.work``) at r = 1, 2.
 - ``check_usp_attention``: 4 processes sharing the device over gloo (usp's comm stages CUDA
   tensors through the CPU for gloo), layouts (2,2), (1,4), (4,1), GQA with KV replication,
   fp32 and bf16; with 8/2 heads, (2,2) and (4,1) also with the all-to-alls pipelined in 2
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..attention import local_attention
+from ..dims import work
 from ..dims.tokens import position_tensor, segment_ranges
 from ..kernels import get_kernel
 from ..kernels.reference import ReferenceKernel
@@ -177,11 +179,16 @@ def _run_ring(q, k, v, dout, r, causal, balance, kern, scale):
 
 
 def check_ring(device: torch.device, sizes: Sizes) -> list[dict]:
-    """The ring's block plan and merge on the real kernels, against dense attention."""
+    """The ring's block plan and merge on the real kernels, against dense attention; with
+    ``groups`` the backward's kernel calls forced to one query head each
+    (``usp.dims.work.CALL_BYTES`` = 1: the strided head slices the flash op then gets),
+    on the ring and on the one-call path (ring 1)."""
     kern, rows = get_kernel("torch"), []
-    for dtype, r, balance, causal in itertools.product(
-        (torch.bfloat16, torch.float32), (2, 4), ("zigzag", "contiguous"), (True, False)
-    ):
+    cases = [(*c, False) for c in itertools.product(
+        (torch.bfloat16, torch.float32), (2, 4), ("zigzag", "contiguous"), (True, False))]
+    cases += [(*c, True) for c in itertools.product(
+        (torch.bfloat16, torch.float32), (1, 2), ("zigzag",), (True, False))]
+    for dtype, r, balance, causal, groups in cases:
         L, hq, hkv, d = sizes.ring_len, 8, 2, sizes.head_dims[0]
         gen = torch.Generator().manual_seed(r * 7 + L)
         q, dout = (randn((1, L, hq, d), gen, device, dtype) for _ in range(2))
@@ -189,13 +196,18 @@ def check_ring(device: torch.device, sizes: Sizes) -> list[dict]:
         scale = d ** -0.5
         ref = _reference(q, k, v, dout, causal, scale)
         ref = (ref[0], *ref[2:])
-        got = _run_ring(q, k, v, dout, r, causal, balance, kern, scale)
+        limit = work.CALL_BYTES
+        work.CALL_BYTES = 1 if groups else limit
+        try:
+            got = _run_ring(q, k, v, dout, r, causal, balance, kern, scale)
+        finally:
+            work.CALL_BYTES = limit
         single = _single_process(q, k, v, dout, causal, scale)
         errs = {n: _max_err(g, w) for n, g, w in zip(NAMES, got, ref)}
         base = {n: _max_err(g, w) for n, g, w in zip(NAMES, single, ref)}
         ok = all(errs[n] <= _bound(dtype, base[n]) for n in NAMES)
         rows.append(dict(dtype=str(dtype).split(".")[-1], ring=r, balance=balance,
-                         causal=causal, ok=ok, err={n: float(f"{e:.3g}") for n, e in errs.items()},
+                         causal=causal, head_groups=groups, ok=ok, err={n: float(f"{e:.3g}") for n, e in errs.items()},
                          single_err={n: float(f"{e:.3g}") for n, e in base.items()}))
     return rows
 

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
+from ..dims import work
 from .offload import ActivationOffload
 from .rope import apply_rope, rope_cos_sin
 from .tiling import chunked_lm_loss, hidden_token_losses, lm_loss, tiled
@@ -55,7 +56,10 @@ class RMSNorm(nn.Module):
     norms' and the final norm's ``model.norm_tiles``): over that many sequence tiles of
     x [B, n, D], each recomputed in backward on its own, so a backward holds one tile's
     fp32 work instead of the whole sequence's (the weight's gradient is then summed tile by
-    tile: equal to the untiled one up to the order of that sum).
+    tile: equal to the untiled one up to the order of that sum). Every norm (q/k norms too)
+    takes more tiles than ``tiles`` while one tile's backward work would pass
+    ``usp.dims.work.NORM_BYTES`` (``work.norm_tiles``: only at tens of thousands of tokens
+    a rank).
     """
 
     recompute = True  # False: autograd keeps the fp32 intermediates (the tests' reference)
@@ -67,8 +71,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tiles > 1 and torch.is_grad_enabled():
-            return tiled(self._normalise, x, self.tiles, dim=1)
+        # x [B, n, ...]: tiles over n, each tile's work sized per sequence row
+        width = math.prod(x.shape[2:])
+        tiles = work.norm_tiles(self.tiles, x.shape[1], width) if x.dim() > 2 else 1
+        if tiles > 1 and torch.is_grad_enabled():
+            return tiled(self._normalise, x, tiles, dim=1)
         if self.recompute and torch.is_grad_enabled():
             return checkpoint(self._normalise, x, use_reentrant=False, preserve_rng_state=False)
         return self._normalise(x)

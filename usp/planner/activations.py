@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ModelConfig
+from ..dims import work
 from ..dims.heads import check_heads, head_split
 
 FP32 = 4
@@ -22,12 +23,15 @@ def attention_buffers(seq_len: int, ring: int, ulysses: int, hq: int, hkv: int, 
     Forward: the K/V block computed on and the one in flight (ring > 1); the fp32 output
     and LSE accumulators; one block's output with its fp32 copy and merge product (ring 1:
     the kernel output, its fp32 copy and the cast back); with ulysses, the caller's q, k, v
-    in token layout. Backward: dout, fp32 dq, the own fp32 dK/dV, the kernel's grads for a
-    block; ring > 1: the own, current and next K/V blocks and three fp32 dK/dV accumulators
-    (being filled, sent, received). Kernel workspace: ``torch`` on CUDA in fp32 (the
-    efficient kernel) expands K/V to the query heads (and dK/dV back); ``reference``
-    holds fp32 [S, S] score matrices per head (3 forward, 5 backward); the CPU flash op and
-    flash-attn work in tiles (not counted).
+    in token layout. Backward: dout, fp32 dq, the own fp32 dK/dV, the own K/V block, and one
+    kernel call over a block (``usp.dims.work``: the call over the largest head group, and
+    the fp32 dK/dV of a KV head split across calls); ring > 1: the current and next K/V
+    blocks and three fp32 dK/dV accumulators (being filled, sent, received). Kernel
+    workspace: on CUDA the flash kernels (``torch`` below fp32, ``flash_attn``) hold an fp32
+    dq accumulator and, with GQA, dK/dV expanded to the query heads for the call
+    (``work.call_bytes``); ``torch`` on CUDA in fp32 (the efficient kernel) expands K/V to
+    the query heads (and dK/dV back); ``reference`` holds fp32 [S, S] score matrices per
+    head (3 forward, 5 backward); the CPU flash op works in per-thread tiles (not counted).
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
@@ -43,8 +47,13 @@ def attention_buffers(seq_len: int, ring: int, ulysses: int, hq: int, hkv: int, 
         fwd = S * h * d * (FP32 + (2 * a if low else 0)) + S * h * FP32
     if u > 1:
         fwd += T * (hq + 2 * hkv) * d * a
-    grads = S * (h + 2 * kv) * d * a
-    bwd = S * h * d * (a + FP32) + 2 * S * kv * d * FP32 + grads + kv_block
+    if device == "cuda" and (kernel == "flash_attn" or kernel == "torch" and a < FP32):
+        # the flash kernels' workspace too
+        call = work.group_bytes(S, S, h, kv, d, a)
+    else:  # the grads of the largest call
+        call = max(S * len(qh) * d * a + 2 * S * len(kh) * d * a
+                   for qh, kh in work.backward_head_groups(S, S, h, kv, d, a))
+    bwd = S * h * d * (a + FP32) + 2 * S * kv * d * FP32 + call + kv_block
     if r > 1:
         bwd += 2 * kv_block + 3 * 2 * S * kv * d * FP32
     if kernel == "torch" and device == "cuda" and a == FP32 and kv < h:
@@ -74,9 +83,14 @@ class LayerBytes:
 
 
 def norm_work_bytes(model: ModelConfig, tokens: float) -> float:
-    """A block norm's backward work for ``tokens`` tokens a rank: six fp32 values a channel
-    of one of its ``model.norm_tiles`` tiles (``usp.models.decoder.RMSNorm.tiles``)."""
-    return 6 * FP32 * model.dim * tokens / model.norm_tiles
+    """The largest norm's backward work for ``tokens`` tokens a rank: six fp32 values an
+    element of one of its tiles, a block norm's ``model.norm_tiles`` or more
+    (``usp.dims.work.norm_tiles``; ``usp.models.decoder.RMSNorm``), and with ``qk_norm``
+    the q norm's over the ``Hq d`` elements of a token."""
+    widths = [(model.dim, model.norm_tiles)]
+    if model.qk_norm:
+        widths.append((model.n_heads * model.head_dim, 1))
+    return max(work.NORM_WORK * w * tokens / work.norm_tiles(t, tokens, w) for w, t in widths)
 
 
 def layer_bytes(model: ModelConfig, tokens: float, segment: float, h: int, kv: int,

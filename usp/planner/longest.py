@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..config import PlanConfig
+from ..dims import work
+from ..dims.heads import check_heads, head_split
 from ..rules import seq_multiple
 from .fit import longest_seq_len
 from .memory import size
@@ -61,6 +63,7 @@ def longest_report(cfg: PlanConfig) -> str:
              f"  {c.memory.line(p.budget)}",
              host_text(cfg, spec, c),
              tiles_text(cfg.model, c.model).rstrip("\n"),
+             split_text(c.model, n, c.ring, c.ulysses, cfg.trainer.compute_dtype.itemsize),
              (f"modelled step time: {c.cost.step_s:.1f} s a step of {c.global_batch} "
               f"sequence(s) ({tokens_s:,.0f} tokens/s)"),
              (f"one step longer ({more}) peaks at {beyond.total / 2**30:.4f} GiB > "
@@ -68,6 +71,18 @@ def longest_report(cfg: PlanConfig) -> str:
              "longest by layout:"]
     lines += [f"  ulysses {u} x ring {r} x dp {d}: {m}" for m, (d, r, u) in found[:SHOWN]]
     return "\n".join(line for line in lines if line)
+
+
+def split_text(model, seq_len: int, ring: int, ulysses: int, dtype_bytes: int) -> str:
+    """What ``usp.dims.work`` splits by size at this length: a block norm's sequence tiles
+    and the attention backward's head groups a call."""
+    T, S = seq_len / (ring * ulysses), seq_len / ring
+    kv, h = check_heads(model.n_heads, model.n_kv_heads, ulysses), max(
+        head_split(model.n_heads, model.n_kv_heads, ulysses).q_counts)
+    norms = work.norm_tiles(model.norm_tiles, T, model.dim)
+    calls = len(work.backward_head_groups(S, S, h, kv, model.head_dim, dtype_bytes))
+    return (f"  split by size (usp.dims.work): a block norm in {norms} tile(s), each attention "
+            f"backward call in {calls} head group(s)")
 
 
 def host_text(cfg: PlanConfig, spec, c) -> str:
