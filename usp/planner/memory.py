@@ -66,7 +66,9 @@ fp32 softmax, the routed copies and the experts' intermediates (``experts.mlp_me
 ``mlp_tiles`` as a dense MLP), its work adds the exchange's buffers; a block FSDP gathers holds
 the rank's ``E/N`` experts of expert degree N (``gathered_blocks``).
 
-Not counted: per-thread kernel tiles (the CPU flash kernel and flash-attn hold
+Counted on CUDA: the flash kernels' backward workspace per call (an fp32 dq accumulator,
+GQA-expanded dK/dV: ``usp.dims.work.call_bytes``, for the head group the call takes). Not
+counted: per-thread kernel tiles (the CPU flash kernel and flash-attn hold
 ``O(threads x tile^2)``), the data batch, allocator fragmentation, a2a_chunks stages
 (the unpipelined call is counted, an upper bound on their buffers), masks.
 """
