@@ -128,6 +128,8 @@ def test_a_norm_tiles_itself_past_the_limit_with_the_untiled_result(monkeypatch)
     monkeypatch.setattr(work, "NORM_BYTES", 1 << 30)
     assert norm_work_bytes(m, n) == work.NORM_WORK * D * n
     assert norm_work_bytes(replace(m, norm_tiles=2), n) == work.NORM_WORK * D * n / 2
+    monkeypatch.setattr(work, "NORM_BYTES", work.NORM_WORK * D * n // 4)
+    assert norm_work_bytes(replace(m, hf="llama"), n) == work.NORM_WORK * D * n  # its own
 
 
 def test_the_planner_prices_the_flash_kernels_workspace_by_head_group():

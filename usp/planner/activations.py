@@ -86,10 +86,13 @@ def norm_work_bytes(model: ModelConfig, tokens: float) -> float:
     """The largest norm's backward work for ``tokens`` tokens a rank: six fp32 values an
     element of one of its tiles, a block norm's ``model.norm_tiles`` or more
     (``usp.dims.work.norm_tiles``; ``usp.models.decoder.RMSNorm``), and with ``qk_norm``
-    the q norm's over the ``Hq d`` elements of a token."""
+    the q norm's over the ``Hq d`` elements of a token. A transformers model's norms
+    (``model.hf``) are its own: whole."""
     widths = [(model.dim, model.norm_tiles)]
     if model.qk_norm:
         widths.append((model.n_heads * model.head_dim, 1))
+    if model.hf is not None:
+        return work.NORM_WORK * max(w for w, _ in widths) * tokens
     return max(work.NORM_WORK * w * tokens / work.norm_tiles(t, tokens, w) for w, t in widths)
 
 
