@@ -96,13 +96,15 @@ def test_short_sequences_peak_at_the_embedding_backward_whatever_the_length():
 def test_attention_buffers_depend_on_the_kernel():
     args = (L, R, U, M.n_heads, M.n_kv_heads, M.head_dim)
     flash = attention_buffers(*args, 4, "torch", "cpu")
-    # the flash kernels on CUDA (bf16): their fp32 dq accumulator and row sums, and dK/dV
-    # expanded to the query heads (one call at this length: usp.dims.work)
+    # the flash kernels on CUDA (bf16): copies of the call's q, dout, out, k, v, their fp32
+    # dq accumulator and row sums, and dK/dV expanded to the query heads (one call at this
+    # length: usp.dims.work)
     cpu16, cuda16 = (attention_buffers(*args, 2, k, dev)
                      for k, dev in (("torch", "cpu"), ("flash_attn", "cuda")))
-    S, h = L / R, M.n_heads / U
+    S, h, kv, d = L / R, M.n_heads / U, M.n_kv_heads / U, M.head_dim
     assert cuda16[0] == cpu16[0] and attention_buffers(*args, 2, "torch", "cuda") == cuda16
-    assert cuda16[1] - cpu16[1] == S * h * (M.head_dim + 1) * 4 + 2 * S * h * M.head_dim * 2
+    copies = 3 * S * h * d * 2 + 2 * S * kv * d * 2
+    assert cuda16[1] - cpu16[1] == copies + S * h * (d + 1) * 4 + 2 * S * h * d * 2
     efficient = attention_buffers(*args, 4, "torch", "cuda")  # K/V expanded to query heads
     assert efficient[0] - flash[0] == 2 * (L / R) * (M.n_heads / U) * M.head_dim * 4
     ref = attention_buffers(*args, 4, "reference", "cpu")

@@ -24,12 +24,12 @@ def attention_buffers(seq_len: int, ring: int, ulysses: int, hq: int, hkv: int, 
     and LSE accumulators; one block's output with its fp32 copy and merge product (ring 1:
     the kernel output, its fp32 copy and the cast back); with ulysses, the caller's q, k, v
     in token layout. Backward: dout, fp32 dq, the own fp32 dK/dV, the own K/V block, and one
-    kernel call over a block (``usp.dims.work``: the call over the largest head group, and
-    the fp32 dK/dV of a KV head split across calls); ring > 1: the current and next K/V
-    blocks and three fp32 dK/dV accumulators (being filled, sent, received). Kernel
-    workspace: on CUDA the flash kernels (``torch`` below fp32, ``flash_attn``) hold an fp32
-    dq accumulator and, with GQA, dK/dV expanded to the query heads for the call
-    (``work.call_bytes``); ``torch`` on CUDA in fp32 (the efficient kernel) expands K/V to
+    kernel call over a block (``usp.dims.work``: the call over the largest head group of
+    any rank, and on ring 1 the fp32 dK/dV of a KV head split across calls); ring > 1: the
+    current and next K/V blocks and three fp32 dK/dV accumulators (being filled, sent,
+    received). Kernel workspace: on CUDA the flash kernels (``torch`` below fp32,
+    ``flash_attn``) hold an fp32 dq accumulator, copies of the call's strided inputs and,
+    with GQA, dK/dV expanded to the query heads (``work.call_bytes``); ``torch`` on CUDA in fp32 (the efficient kernel) expands K/V to
     the query heads (and dK/dV back); ``reference`` holds fp32 [S, S] score matrices per
     head (3 forward, 5 backward); the CPU flash op works in per-thread tiles (not counted).
     """
@@ -47,12 +47,10 @@ def attention_buffers(seq_len: int, ring: int, ulysses: int, hq: int, hkv: int, 
         fwd = S * h * d * (FP32 + (2 * a if low else 0)) + S * h * FP32
     if u > 1:
         fwd += T * (hq + 2 * hkv) * d * a
-    if device == "cuda" and (kernel == "flash_attn" or kernel == "torch" and a < FP32):
-        # the flash kernels' workspace too
-        call = work.group_bytes(S, S, h, kv, d, a)
-    else:  # the grads of the largest call
-        call = max(S * len(qh) * d * a + 2 * S * len(kh) * d * a
-                   for qh, kh in work.backward_head_groups(S, S, h, kv, d, a))
+    flash = device == "cuda" and (kernel == "flash_attn" or kernel == "torch" and a < FP32)
+    split = head_split(hq, hkv, u)  # each rank's own counts: its groups (the worst rank's)
+    call = max(work.group_bytes(S, S, qc, kc, d, a, one_call=r == 1, workspace=flash)
+               for qc, kc in set(zip(split.q_counts, split.kv_counts)))
     bwd = S * h * d * (a + FP32) + 2 * S * kv * d * FP32 + call + kv_block
     if r > 1:
         bwd += 2 * kv_block + 3 * 2 * S * kv * d * FP32

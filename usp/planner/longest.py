@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from ..config import PlanConfig
 from ..dims import work
-from ..dims.heads import check_heads, head_split
+from ..dims.heads import head_split
 from ..rules import seq_multiple
 from .fit import longest_seq_len
 from .memory import size
@@ -77,10 +77,10 @@ def split_text(model, seq_len: int, ring: int, ulysses: int, dtype_bytes: int) -
     """What ``usp.dims.work`` splits by size at this length: a block norm's sequence tiles
     and the attention backward's head groups a call."""
     T, S = seq_len / (ring * ulysses), seq_len / ring
-    kv, h = check_heads(model.n_heads, model.n_kv_heads, ulysses), max(
-        head_split(model.n_heads, model.n_kv_heads, ulysses).q_counts)
+    split = head_split(model.n_heads, model.n_kv_heads, ulysses)
     norms = work.norm_tiles(model.norm_tiles, T, model.dim)
-    calls = len(work.backward_head_groups(S, S, h, kv, model.head_dim, dtype_bytes))
+    calls = max(len(work.backward_head_groups(S, S, qc, kc, model.head_dim, dtype_bytes))
+                for qc, kc in zip(split.q_counts, split.kv_counts))
     return (f"  split by size (usp.dims.work): a block norm in {norms} tile(s), each attention "
             f"backward call in {calls} head group(s)")
 
