@@ -33,9 +33,11 @@ def test_dry_run_end_to_end(tmp_path):
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["ok"] and report["dry_run"]
     counts = {name: len(rows) for name, rows in report["sections"].items()}
-    # kernels: 2 dtypes x 3 head layouts x 1 head dim x 2 lengths x causal x strided
-    assert counts == {"kernels": 48, "ring": 16, "usp_attention": 16, "experts": 4,
+    # kernels: 2 dtypes x 3 head layouts x 1 head dim x 2 lengths x causal x strided;
+    # ring: 2 dtypes x r 2, 4 x 2 balances x causal, and head groups: 2 dtypes x r 1, 2 x causal
+    assert counts == {"kernels": 48, "ring": 24, "usp_attention": 16, "experts": 4,
                       "training": 5, "throughput": 2}
+    assert sum(r["head_groups"] for r in report["sections"]["ring"]) == 8
     assert {(r["degree"], r["dtype"]) for r in report["sections"]["experts"]} == {
         (2, "float32"), (4, "float32"), (2, "bfloat16"), (4, "bfloat16")}
     layouts = {(r["ulysses"], r["ring"], r["a2a_chunks"])
