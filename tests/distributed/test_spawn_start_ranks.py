@@ -19,9 +19,16 @@ def _report(tag: str) -> None:
     a = torch.randn(256, 256)
     (a @ a).sum().item()  # two OpenMP threads (threads=2 below)
     preloaded = all(m in sys.modules for m in PRELOAD)  # this module does not import them
-    print(f"rank {rank} out {tag} {os.environ.get('USP_TEST_MARK')} {os.getcwd()} "
-          f"threads={torch.get_num_threads()} preloaded={preloaded}", flush=True)
-    print(f"rank {rank} err {tag}", file=sys.stderr, flush=True)
+    # one write a line: print's text and its newline are two writes, and the two ranks share
+    # the stream, so their lines could interleave ("...Truerank 1 ...")
+    _say(sys.stdout, f"rank {rank} out {tag} {os.environ.get('USP_TEST_MARK')} {os.getcwd()} "
+                     f"threads={torch.get_num_threads()} preloaded={preloaded}")
+    _say(sys.stderr, f"rank {rank} err {tag}")
+
+
+def _say(stream, line: str) -> None:
+    stream.write(line + "\n")
+    stream.flush()
 
 
 def _lines(text: str) -> list[str]:
