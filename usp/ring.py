@@ -248,7 +248,7 @@ def head_calls(q, k, p: Piece) -> list[tuple[slice, slice]]:
     (``backward_head_groups``; results equal to one call's)."""
     sq, sk = len(range(*p.qs.indices(q.shape[1]))), len(range(*p.ks.indices(k.shape[1])))
     groups = work.backward_head_groups(sq, sk, q.shape[2], k.shape[2], q.shape[3],
-                                       q.element_size(), work.CALL_BYTES)
+                                       q.element_size())
     return [(slice(a.start, a.stop), slice(b.start, b.stop)) for a, b in groups]
 
 

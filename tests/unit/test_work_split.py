@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from usp.bench.gpu_checks_attention import _run_ring
+from usp.bench.gpu_checks_attention import _reference, _run_ring
 from usp.config import ModelConfig
 from usp.dims import work
 from usp.kernels import get_kernel
@@ -57,14 +57,8 @@ def _qkvd(hq, hkv, dtype, L=64, d=16, seed=0):
 
 
 def _dense_grads(q, k, v, do, scale):
-    """fp64 causal attention's dq, dk, dv (KV heads repeated for GQA)."""
-    q, k, v, do = (t.double().requires_grad_() for t in (q, k, v, do))
-    g = q.shape[2] // k.shape[2]
-    kk, vv = (t.repeat_interleave(g, dim=2) for t in (k, v))
-    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
-    s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
-    out = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), vv)
-    return torch.autograd.grad(out, (q, k, v), do)
+    """fp64 causal attention's dq, dk, dv (the GPU check's reference)."""
+    return _reference(q, k, v, do, True, scale)[2:]
 
 
 class _Counting:

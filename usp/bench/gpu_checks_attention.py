@@ -207,7 +207,8 @@ def check_ring(device: torch.device, sizes: Sizes) -> list[dict]:
         base = {n: _max_err(g, w) for n, g, w in zip(NAMES, single, ref)}
         ok = all(errs[n] <= _bound(dtype, base[n]) for n in NAMES)
         rows.append(dict(dtype=str(dtype).split(".")[-1], ring=r, balance=balance,
-                         causal=causal, head_groups=groups, ok=ok, err={n: float(f"{e:.3g}") for n, e in errs.items()},
+                         causal=causal, head_groups=groups, ok=ok,
+                         err={n: float(f"{e:.3g}") for n, e in errs.items()},
                          single_err={n: float(f"{e:.3g}") for n, e in base.items()}))
     return rows
 

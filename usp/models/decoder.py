@@ -71,12 +71,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # nothing kept for a backward: no tiles, no recompute
+            return self._normalise(x)
         # x [B, n, ...]: tiles over n, each tile's work sized per sequence row
-        width = math.prod(x.shape[2:])
-        tiles = work.norm_tiles(self.tiles, x.shape[1], width) if x.dim() > 2 else 1
-        if tiles > 1 and torch.is_grad_enabled():
+        tiles = work.norm_tiles(self.tiles, x.shape[1], math.prod(x.shape[2:])) \
+            if x.dim() > 2 else 1
+        if tiles > 1:
             return tiled(self._normalise, x, tiles, dim=1)
-        if self.recompute and torch.is_grad_enabled():
+        if self.recompute:
             return checkpoint(self._normalise, x, use_reentrant=False, preserve_rng_state=False)
         return self._normalise(x)
 

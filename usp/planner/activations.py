@@ -29,15 +29,17 @@ def attention_buffers(seq_len: int, ring: int, ulysses: int, hq: int, hkv: int, 
     current and next K/V blocks and three fp32 dK/dV accumulators (being filled, sent,
     received). Kernel workspace: on CUDA the flash kernels (``torch`` below fp32,
     ``flash_attn``) hold an fp32 dq accumulator, copies of the call's strided inputs and,
-    with GQA, dK/dV expanded to the query heads (``work.call_bytes``); ``torch`` on CUDA in fp32 (the efficient kernel) expands K/V to
-    the query heads (and dK/dV back); ``reference`` holds fp32 [S, S] score matrices per
-    head (3 forward, 5 backward); the CPU flash op works in per-thread tiles (not counted).
+    with GQA, dK/dV expanded to the query heads (``work.call_bytes``); ``torch`` on CUDA in
+    fp32 (the efficient kernel) expands K/V to the query heads (and dK/dV back);
+    ``reference`` holds fp32 [S, S] score matrices per head (3 forward, 5 backward); the CPU
+    flash op works in per-thread tiles (not counted).
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     a, r, u = dtype_bytes, ring, ulysses
     kv = check_heads(hq, hkv, u)
-    h = max(head_split(hq, hkv, u).q_counts)
+    split = head_split(hq, hkv, u)  # each rank's own counts: its groups (the worst rank's)
+    h = max(split.q_counts)
     S, T = seq_len / r, seq_len / (r * u)
     kv_block = 2 * S * kv * d * a  # one stacked K/V block [2, S, kv, d]
     low = FP32 if a < FP32 else 0  # an fp32 copy that is a new tensor only below fp32
@@ -48,7 +50,6 @@ def attention_buffers(seq_len: int, ring: int, ulysses: int, hq: int, hkv: int, 
     if u > 1:
         fwd += T * (hq + 2 * hkv) * d * a
     flash = device == "cuda" and (kernel == "flash_attn" or kernel == "torch" and a < FP32)
-    split = head_split(hq, hkv, u)  # each rank's own counts: its groups (the worst rank's)
     call = max(work.group_bytes(S, S, qc, kc, d, a, one_call=r == 1, workspace=flash)
                for qc, kc in set(zip(split.q_counts, split.kv_counts)))
     bwd = S * h * d * (a + FP32) + 2 * S * kv * d * FP32 + call + kv_block
