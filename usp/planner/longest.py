@@ -61,7 +61,7 @@ def longest_report(cfg: PlanConfig) -> str:
              features_text(cfg),
              f"memory per rank at {n}, peak at {c.memory.peak_at}:",
              f"  {c.memory.line(p.budget)}",
-             host_text(cfg, spec, c),
+             p.host_text(c).rstrip("\n"),
              tiles_text(cfg.model, c.model).rstrip("\n"),
              split_text(c.model, n, c.ring, c.ulysses, cfg.trainer.compute_dtype.itemsize),
              (f"modelled step time: {c.cost.step_s:.1f} s a step of {c.global_batch} "
@@ -83,17 +83,6 @@ def split_text(model, seq_len: int, ring: int, ulysses: int, dtype_bytes: int) -
                 for qc, kc in zip(split.q_counts, split.kv_counts))
     return (f"  split by size (usp.dims.work): a block norm in {norms} tile(s), each attention "
             f"backward call in {calls} head group(s)")
-
-
-def host_text(cfg: PlanConfig, spec, c) -> str:
-    """With an offload on, the host memory the longest's node uses and what the copies and
-    the host optimizer add to its step; "" without."""
-    tc = cfg.trainer
-    if not (tc.activation_offload or tc.state_offload):
-        return ""
-    usable = run_step(cfg).mem_fraction * spec.host_mem_bytes  # what the host rule allows
-    return (f"  host memory per node {size(c.host)} of {size(usable)}; offloads add "
-            f"{c.cost.offload_s:.2f} s a step")
 
 
 def layout_longest(cfg: PlanConfig, spec, world: int) -> list[tuple[int, tuple[int, int, int]]]:

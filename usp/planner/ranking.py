@@ -127,15 +127,21 @@ class Plan:
                                   balance=self.search.balance, batch=c.batch, expert=c.expert,
                                   cluster=self.cluster)
         tiles = tiles_text(self.model, c.model)
-        policy = self.step.checkpoint
-        host = "" if not (policy.offload or policy.state_offload) else (
-            f"  host memory per node {size(c.host)} of "
-            f"{size(self.step.mem_fraction * self.cluster.host_mem_bytes)}; offloads add "
-            f"{c.cost.offload_s:.2f} s a step\n")
         return (f"memory per rank ({c.label()}), peak at {c.memory.peak_at}:\n"
-                f"  {c.memory.line(self.budget)}\n{host}{tiles}"
+                f"  {c.memory.line(self.budget)}\n{self.host_text(c)}{tiles}"
                 f"longest seq_len that fits this layout: {longest} "
                 f"(x{longest / self.seq_len:.2f} of {self.seq_len})")
+
+    def host_text(self, c: Candidate | None = None) -> str:
+        """With an offload on, the host memory layout ``c`` (default the best) uses per node
+        against the usable share (the host rule's) and what the copies and the host optimizer
+        add to its step, with a newline; "" without."""
+        c, policy = c or self.best, self.step.checkpoint
+        if not (policy.offload or policy.state_offload):
+            return ""
+        usable = self.step.mem_fraction * self.cluster.host_mem_bytes
+        return (f"  host memory per node {size(c.host)} of {size(usable)}; offloads add "
+                f"{c.cost.offload_s:.2f} s a step\n")
 
     def batch_for_tokens(self, tokens: int, c: Candidate | None = None) -> tuple[int, int, float]:
         """(batch_per_dp_rank, grad_accum_steps, peak bytes per rank) that make a global

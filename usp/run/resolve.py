@@ -72,7 +72,7 @@ def resolve_run(cfg: RunConfig, world: int, device: str, env=None, *,
                        batch_per_dp_rank=cfg.data.batch_per_dp_rank, grad_accum=accum,
                        run_dir=None if run_dir is None else str(run_dir), expert_degree=experts,
                        loss_chunk=model.loss_chunk, mlp_tiles=model.mlp_tiles,
-                       norm_tiles=model.norm_tiles)
+                     norm_tiles=model.norm_tiles)
     if table:
         say(table)
     return layout
@@ -177,4 +177,4 @@ def resolve_eval(cfg: RunConfig, world: int, device: str, lengths: list[int], en
                      ring_impl=pc.ring_impl, a2a_chunks=chunks, device=device,
                      dtype=cfg.trainer.dtype, seq_len=max(lengths), batch_per_dp_rank=1,
                      loss_chunk=model.loss_chunk, mlp_tiles=model.mlp_tiles,
-                       norm_tiles=model.norm_tiles)
+                     norm_tiles=model.norm_tiles)
